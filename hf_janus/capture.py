@@ -1,0 +1,216 @@
+"""One batched forward/backward of the token-summed replay loss, recording each target layer's inputs X
+and output gradients A through hooks, compressed along the sequence as soon as A arrives.
+
+No parameter gradient is computed: parameters are frozen for the pass and the backward runs only
+through activations, so the user's ``.grad`` buffers are never touched.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .compression import compress_sequence, merge_calls
+from .errors import JanusError
+from .replay import IGNORE_INDEX, loss_targets
+from .store import FactorStore
+from .timing import PhaseTimer, synchronize
+
+
+@dataclass
+class CaptureResult:
+    """Per-sample replay losses of one pass (summed over tokens) and how many tokens counted."""
+
+    tag: str
+    sample_loss: Tensor  # (m,) float64, CPU
+    sample_tokens: Tensor  # (m,) int64, CPU
+
+    @property
+    def loss(self) -> float:
+        """Mean per-token replay loss."""
+        return float(self.sample_loss.sum() / self.sample_tokens.sum().clamp_min(1))
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_loss.numel())
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@contextmanager
+def frozen_eval(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) with parameters frozen; both restored afterwards, whatever happens."""
+    was_training = model.training
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    model.eval()
+    for p, _ in flags:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(was_training)
+
+
+def _forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+    kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
+        kwargs["use_cache"] = False
+    out = model(**kwargs)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits
+
+
+def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int = 0) -> tuple[Tensor, Tensor]:
+    """Per-sample next-token cross-entropy summed over counted tokens (the paper's un-reduced loss).
+
+    Returns ``(sample_loss (B,), sample_tokens (B,))``.
+    """
+    logits = _forward_logits(model, batch)
+    targets = loss_targets(batch).to(logits.device)
+    shifted = logits[:, :-1].float()
+    per_token = F.cross_entropy(
+        shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(targets.shape)
+    tokens = (targets != IGNORE_INDEX).sum(dim=1)
+    empty = (tokens == 0).nonzero().flatten().tolist()
+    if empty:
+        raise JanusError(
+            f"replay sample(s) {[offset + i for i in empty][:10]} have no token that counts toward the loss (every "
+            "label is -100, or the sample has a single token); drop them or give them labels"
+        )
+    sample_loss = per_token.sum(dim=1)
+    if not torch.isfinite(sample_loss).all():
+        bad = (~torch.isfinite(sample_loss)).nonzero().flatten().tolist()
+        raise FloatingPointError(
+            f"the replay loss is NaN/Inf for sample(s) {[offset + i for i in bad][:10]}: the model weights or "
+            "inputs produce non-finite logits"
+        )
+    return sample_loss, tokens
+
+
+def _to_device(batch: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def replay_losses(model: nn.Module, batches: list[dict[str, Tensor]], tag: str = "eval") -> CaptureResult:
+    """Forward-only replay loss at the model's current weights."""
+    device = model_device(model)
+    losses, counts, offset = [], [], 0
+    with frozen_eval(model), torch.no_grad():
+        for batch in batches:
+            loss, tokens = token_summed_loss(model, _to_device(batch, device), offset)
+            losses.append(loss.double().cpu())
+            counts.append(tokens.cpu())
+            offset += loss.numel()
+    return CaptureResult(tag, torch.cat(losses), torch.cat(counts))
+
+
+class _LayerRecorder:
+    """Hooks of one target layer for one batch: pairs each call's input with its output gradient."""
+
+    def __init__(self, name: str, rank: Optional[int], timer: PhaseTimer, device: torch.device):
+        self.name, self.rank, self.timer, self.device = name, rank, timer, device
+        self.mask: Optional[Tensor] = None
+        self.calls: list = []
+
+    def reset(self, mask: Tensor) -> None:
+        self.mask, self.calls = mask, []
+
+    def forward_hook(self, module: nn.Module, inputs: tuple, output: Tensor):
+        x = inputs[0].detach()
+        slot = len(self.calls)
+        self.calls.append(x)
+        replaced = None
+        if not output.requires_grad:
+            # The first target layers see inputs that need no grad; make their outputs the graph leaves.
+            replaced = output = output.detach().requires_grad_(True)
+        output.register_hook(lambda grad, slot=slot: self._on_grad(slot, grad))
+        return replaced
+
+    def _on_grad(self, slot: int, grad: Tensor) -> None:
+        x = self.calls[slot]
+        batch = self.mask.shape[0]
+        x3 = x.reshape(batch, -1, x.shape[-1]).float()
+        a3 = grad.detach().reshape(batch, -1, grad.shape[-1]).float()
+        mask = self.mask if x3.shape[1] == self.mask.shape[1] else None
+        synchronize(self.device)
+        start = time.perf_counter()
+        factors = compress_sequence(x3, a3, self.rank, mask)
+        synchronize(self.device)
+        self.timer.add("compression", time.perf_counter() - start)
+        if not (torch.isfinite(factors[0]).all() and torch.isfinite(factors[1]).all()):
+            raise FloatingPointError(
+                f"NaN/Inf in the inputs or output gradients of layer {self.name!r}: check the model weights "
+                "(a diverged fine-tune?) and the replay data"
+            )
+        self.calls[slot] = factors
+
+    def finish(self, batch: int, d_in: int, d_out: int) -> tuple[Tensor, Tensor]:
+        done = [c for c in self.calls if isinstance(c, tuple)]
+        if not done:
+            # The layer did not influence the loss in this batch: its Jacobian rows are zero.
+            r = self.rank or 1
+            zeros = torch.zeros(batch, r, d_in, device=self.device), torch.zeros(batch, r, d_out, device=self.device)
+            return zeros
+        return merge_calls(done, self.rank)
+
+
+def capture_factors(
+    model: nn.Module,
+    targets: Mapping[str, tuple[nn.Module, int, int]],
+    batches: list[dict[str, Tensor]],
+    store: FactorStore,
+    tag: str,
+    rank: Optional[int],
+    timer: PhaseTimer,
+) -> CaptureResult:
+    """Capture the compressed Jacobian factors of every target layer at the model's current weights.
+
+    ``targets`` maps a layer name to ``(module, d_in, d_out)``. Factors go to ``store`` under ``tag``.
+    """
+    device = model_device(model)
+    recorders = {name: _LayerRecorder(name, rank, timer, device) for name in targets}
+    handles = [module.register_forward_hook(recorders[name].forward_hook) for name, (module, _, _) in targets.items()]
+    losses, counts, offset = [], [], 0
+    try:
+        with frozen_eval(model), torch.enable_grad():
+            for batch in batches:
+                batch = _to_device(batch, device)
+                mask = batch["attention_mask"]
+                for rec in recorders.values():
+                    rec.reset(mask)
+                compression_before = timer.seconds["compression"]
+                synchronize(device)
+                start = time.perf_counter()
+                sample_loss, tokens = token_summed_loss(model, batch, offset)
+                total = sample_loss.sum()
+                if not total.requires_grad:
+                    raise JanusError("no target layer lies on the path to the loss; check target_modules")
+                total.backward()
+                synchronize(device)
+                elapsed = time.perf_counter() - start
+                timer.add("forward_backward", elapsed - (timer.seconds["compression"] - compression_before))
+                for name, (_, d_in, d_out) in targets.items():
+                    x, a = recorders[name].finish(mask.shape[0], d_in, d_out)
+                    store.append(tag, name, x, a)
+                losses.append(sample_loss.detach().double().cpu())
+                counts.append(tokens.cpu())
+                offset += sample_loss.numel()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for rec in recorders.values():
+            rec.calls = []
+    return CaptureResult(tag, torch.cat(losses), torch.cat(counts))

@@ -1,0 +1,87 @@
+"""Sequence-level SVD compression of a layer's per-sample inputs and output gradients (paper, App. B.3).
+
+For one sample with inputs ``X_i`` (T x d_in) and output gradients ``A_i`` (T x d_out), the per-sample
+gradient is ``A_iᵀ X_i``. Its best rank-r approximation is found without forming the d_out x d_in matrix:
+QR of ``X_iᵀ`` and ``A_iᵀ``, SVD of the small core ``R_A R_Xᵀ``, and the singular values split evenly
+between the two factors so that ``Âᵢᵀ X̂ᵢ`` is the rank-r optimum.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def apply_token_mask(x: Tensor, a: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Zero the rows of padding tokens so they contribute nothing to any Jacobian quantity."""
+    if mask is None:
+        return x, a
+    m = mask.to(dtype=x.dtype).unsqueeze(-1)
+    return x * m, a * m.to(a.dtype)
+
+
+def pad_rank(t: Tensor, rank: int) -> Tensor:
+    """Zero-pad the sequence/rank dimension (dim 1) up to ``rank``; zero rows change no product."""
+    missing = rank - t.shape[1]
+    if missing <= 0:
+        return t
+    return torch.nn.functional.pad(t, (0, 0, 0, missing))
+
+
+def compress_sequence(
+    x: Tensor, a: Tensor, rank: Optional[int], mask: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
+    """Compress a batch of per-sample factors along the sequence dimension.
+
+    Args:
+        x: layer inputs, shape ``(B, T, d_in)``.
+        a: gradients of the token-summed loss w.r.t. the layer outputs, shape ``(B, T, d_out)``.
+        rank: target rank ``r``; ``None`` keeps all ``T`` rows (after masking).
+        mask: optional ``(B, T)`` mask of valid tokens; padding rows are zeroed first.
+
+    Returns:
+        ``(x_hat, a_hat)`` of shapes ``(B, r, d_in)`` and ``(B, r, d_out)`` such that
+        ``a_hat[i].T @ x_hat[i]`` is the best rank-r approximation of ``a[i].T @ x[i]`` (exactly equal
+        when that matrix has rank <= r, e.g. when the sample has at most r valid tokens).
+    """
+    if x.dim() != 3 or a.dim() != 3 or x.shape[:2] != a.shape[:2]:
+        raise ValueError(
+            f"compress_sequence expects x of shape (B, T, d_in) and a of shape (B, T, d_out) with the same "
+            f"B and T; got {tuple(x.shape)} and {tuple(a.shape)}"
+        )
+    if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"mask must have shape {tuple(x.shape[:2])} (B, T), got {tuple(mask.shape)}")
+    x, a = apply_token_mask(x, a, mask)
+    T = x.shape[1]
+    if rank is None:
+        return x, a
+    if T <= rank:
+        # A rank-r approximation of a matrix with at most r summands is the matrix itself.
+        return pad_rank(x, rank), pad_rank(a, rank)
+
+    q_x, r_x = torch.linalg.qr(x.transpose(1, 2))  # (B, d_in, k_x), (B, k_x, T)
+    q_a, r_a = torch.linalg.qr(a.transpose(1, 2))  # (B, d_out, k_a), (B, k_a, T)
+    core = r_a @ r_x.transpose(1, 2)  # (B, k_a, k_x)
+    u, s, vh = torch.linalg.svd(core, full_matrices=False)
+    kept = min(rank, s.shape[-1])
+    root = s[:, :kept].clamp_min(0).sqrt()
+    x_hat = (q_x @ vh[:, :kept].transpose(1, 2)) * root.unsqueeze(1)  # (B, d_in, kept)
+    a_hat = (q_a @ u[:, :, :kept]) * root.unsqueeze(1)  # (B, d_out, kept)
+    return pad_rank(x_hat.transpose(1, 2), rank), pad_rank(a_hat.transpose(1, 2), rank)
+
+
+def merge_calls(
+    factors: list[tuple[Tensor, Tensor]], rank: Optional[int]
+) -> tuple[Tensor, Tensor]:
+    """Combine the factors of a module called several times in one forward (shared weights).
+
+    The per-sample gradient is then the sum over calls, i.e. the factors concatenated along the rank
+    dimension; recompress when that exceeds ``rank``.
+    """
+    if len(factors) == 1:
+        return factors[0]
+    x = torch.cat([f[0] for f in factors], dim=1)
+    a = torch.cat([f[1] for f in factors], dim=1)
+    return compress_sequence(x, a, rank)

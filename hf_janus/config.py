@@ -1,0 +1,139 @@
+"""Configuration of a JANUS rectification run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+@dataclass
+class JanusConfig:
+    """Hyper-parameters of JANUS (JAcobian NUll Space) rectification.
+
+    Args:
+        tau: acceptance threshold on the mean cosine of the principal angles between the Jacobian row
+            spaces at the current point and at the trial point, averaged over layers. ``0`` gives
+            single-step JANUS.
+        beta: step-size decay factor applied after a rejected trial, in ``(0, 1)``.
+        rank: rank ``r`` of the sequence-level SVD compression of the captured inputs and output
+            gradients; ``None`` keeps every token (exact, more memory).
+        target_modules: ``"all-linear"`` (every ``nn.Linear``/GPT-2 ``Conv1D`` except the output head),
+            a list of module names or name suffixes, or a regular expression matched against full names.
+        exclude_modules: names, suffixes or a regular expression of modules never rectified; the output
+            embedding (``lm_head``) is always excluded from ``"all-linear"``.
+        replay_batch_size: how many replay samples go through one forward/backward pass.
+        max_steps: upper bound on rectification steps; when it is reached the remaining update is
+            projected in one unchecked step and the report says so.
+        min_alpha: smallest step size tried; a step that would shrink below it is taken at ``min_alpha``
+            and flagged in the report.
+        gram_dtype: dtype of the Gram matrices, JVPs, VJPs and their eigendecompositions.
+        gram_rcond: relative cutoff below which Gram eigenvalues count as zero (pseudo-inverse).
+        materialize_max_bytes: largest per-layer per-sample gradient tensor the engine may materialize
+            when that path is cheaper than the ghost path.
+        cache: ``"memory"`` or a directory where compressed captures are stored between passes.
+        seed: seed for anything random (replay order is never shuffled).
+    """
+
+    tau: float = 0.95
+    beta: float = 0.7
+    rank: Optional[int] = 32
+    target_modules: Union[str, Sequence[str]] = "all-linear"
+    exclude_modules: Optional[Union[str, Sequence[str]]] = None
+    replay_batch_size: int = 8
+    max_steps: int = 50
+    min_alpha: float = 1e-3
+    gram_dtype: torch.dtype = torch.float64
+    gram_rcond: float = 1e-10
+    materialize_max_bytes: int = 1 << 30
+    cache: str = "memory"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gram_dtype, str):
+            name = self.gram_dtype.replace("torch.", "")
+            if name not in _DTYPES:
+                raise ValueError(f"gram_dtype must be one of {sorted(_DTYPES)}, got {self.gram_dtype!r}")
+            self.gram_dtype = _DTYPES[name]
+        if isinstance(self.target_modules, tuple):
+            self.target_modules = list(self.target_modules)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field outside its valid range."""
+        _check(isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0, "tau", self.tau, "a float in [0, 1]")
+        _check(isinstance(self.beta, (int, float)) and 0.0 < self.beta < 1.0, "beta", self.beta, "a float in (0, 1)")
+        _check(
+            self.rank is None or (isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1),
+            "rank", self.rank, "None or an int >= 1",
+        )
+        _check(
+            isinstance(self.target_modules, str)
+            or (isinstance(self.target_modules, list) and len(self.target_modules) > 0
+                and all(isinstance(t, str) for t in self.target_modules)),
+            "target_modules", self.target_modules, "'all-linear', a regex string or a non-empty list of names",
+        )
+        _check(
+            self.exclude_modules is None or isinstance(self.exclude_modules, (str, list, tuple)),
+            "exclude_modules", self.exclude_modules, "None, a regex string or a list of names",
+        )
+        _check(_is_int(self.replay_batch_size) and self.replay_batch_size >= 1,
+               "replay_batch_size", self.replay_batch_size, "an int >= 1")
+        _check(_is_int(self.max_steps) and self.max_steps >= 1, "max_steps", self.max_steps, "an int >= 1")
+        _check(isinstance(self.min_alpha, (int, float)) and 0.0 < self.min_alpha <= 1.0,
+               "min_alpha", self.min_alpha, "a float in (0, 1]")
+        _check(self.gram_dtype in (torch.float64, torch.float32), "gram_dtype", self.gram_dtype,
+               "torch.float64 or torch.float32")
+        _check(isinstance(self.gram_rcond, (int, float)) and 0.0 <= self.gram_rcond < 1.0,
+               "gram_rcond", self.gram_rcond, "a float in [0, 1)")
+        _check(_is_int(self.materialize_max_bytes) and self.materialize_max_bytes >= 0,
+               "materialize_max_bytes", self.materialize_max_bytes, "an int >= 0")
+        _check(isinstance(self.cache, (str, os.PathLike)) and str(self.cache) != "",
+               "cache", self.cache, "'memory' or a directory path")
+        _check(_is_int(self.seed), "seed", self.seed, "an int")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["gram_dtype"] = str(self.gram_dtype).replace("torch.", "")
+        out["cache"] = str(self.cache)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JanusConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown JanusConfig field(s) {unknown}; valid fields are {sorted(known)}")
+        return cls(**data)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json_string(cls, text: str) -> "JanusConfig":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        from .io_utils import atomic_write_text
+
+        atomic_write_text(path, self.to_json_string() + "\n")
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "JanusConfig":
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_json_string(fh.read())
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"JanusConfig.{name}={value!r} is invalid: expected {valid}")

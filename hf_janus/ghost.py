@@ -1,0 +1,221 @@
+"""Jacobian quantities of one linear layer from its (compressed) per-sample factors, never forming J.
+
+Notation (paper, App. B): for sample ``i`` the layer's per-sample gradient is
+``G_i = Σ_k a_ik x_ikᵀ = A_iᵀ X_i`` (d_out x d_in) and the Jacobian row is ``g_i = rvec(G_i)``.
+With factors ``X`` (m x r x d_in) and ``A`` (m x r x d_out):
+
+* Gram ``(J Jᵀ)_uv = Σ_kl (A_u A_vᵀ)_kl (X_u X_vᵀ)_kl``  (ghost) or ``<G_u, G_v>`` (materialized),
+* JVP ``(J ΔW)_u = Σ_k a_ukᵀ ΔW x_uk``,
+* VJP ``Jᵀ v = Σ_i v_i A_iᵀ X_i``,
+* projection ``ΔW - Jᵀ (J Jᵀ)⁺ J ΔW`` and principal-angle cosines between two row spaces from
+  ``G1``, ``G2`` and the cross-Gram ``G12``.
+
+Two exact paths compute the same numbers: the ghost path (cost ~ m² r² (d_in + d_out)) and the
+materialized path that builds the m per-sample gradients (cost ~ m r d_in d_out + m² d_in d_out,
+memory m d_in d_out). :func:`choose_path` picks the cheaper one per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+Path = Literal["ghost", "materialized"]
+
+# Upper bound on the elements of one ghost Gram block (m_chunk x r x m x r), to bound peak memory.
+_GRAM_BLOCK_ELEMS = 1 << 24
+
+
+def _check_factors(x: Tensor, a: Tensor) -> None:
+    if x.dim() != 3 or a.dim() != 3 or x.shape[:2] != a.shape[:2]:
+        raise ValueError(
+            f"layer factors must be X of shape (m, r, d_in) and A of shape (m, r, d_out) with equal m and r; "
+            f"got {tuple(x.shape)} and {tuple(a.shape)}"
+        )
+
+
+def per_sample_gradients(x: Tensor, a: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Materialize the per-sample gradients ``G_i = A_iᵀ X_i``, shape ``(m, d_out, d_in)``."""
+    _check_factors(x, a)
+    return torch.bmm(a.to(dtype).transpose(1, 2), x.to(dtype))
+
+
+def ghost_gram(
+    x1: Tensor, a1: Tensor, x2: Optional[Tensor] = None, a2: Optional[Tensor] = None,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """(Cross-)Gram ``J1 J2ᵀ`` of shape ``(m1, m2)`` without forming either Jacobian."""
+    _check_factors(x1, a1)
+    if x2 is None:
+        x2, a2 = x1, a1
+    _check_factors(x2, a2)
+    m1, r1, _ = x1.shape
+    m2, r2, _ = x2.shape
+    x2f = x2.to(dtype).reshape(m2 * r2, -1)
+    a2f = a2.to(dtype).reshape(m2 * r2, -1)
+    chunk = max(1, _GRAM_BLOCK_ELEMS // max(1, r1 * m2 * r2))
+    out = torch.empty(m1, m2, dtype=dtype, device=x1.device)
+    for start in range(0, m1, chunk):
+        stop = min(m1, start + chunk)
+        xx = x1[start:stop].to(dtype).reshape(-1, x1.shape[-1]) @ x2f.T
+        aa = a1[start:stop].to(dtype).reshape(-1, a1.shape[-1]) @ a2f.T
+        out[start:stop] = (xx * aa).reshape(stop - start, r1, m2, r2).sum(dim=(1, 3))
+    return out
+
+
+def ghost_jvp(x: Tensor, a: Tensor, delta: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """``J rvec(ΔW)`` of shape ``(m,)``; ``delta`` is ``ΔW`` in ``(d_out, d_in)`` layout."""
+    _check_factors(x, a)
+    if delta.shape != (a.shape[-1], x.shape[-1]):
+        raise ValueError(f"delta must have shape (d_out, d_in)={(a.shape[-1], x.shape[-1])}, got {tuple(delta.shape)}")
+    ad = a.to(dtype) @ delta.to(dtype)  # (m, r, d_in)
+    return (ad * x.to(dtype)).sum(dim=(1, 2))
+
+
+def ghost_vjp(x: Tensor, a: Tensor, v: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """``Jᵀ v`` as a ``(d_out, d_in)`` matrix: ``Σ_i v_i A_iᵀ X_i``."""
+    _check_factors(x, a)
+    m, r, _ = x.shape
+    if v.shape != (m,):
+        raise ValueError(f"v must have shape (m,)=({m},), got {tuple(v.shape)}")
+    av = a.to(dtype) * v.to(dtype).view(m, 1, 1)
+    return av.reshape(m * r, -1).T @ x.to(dtype).reshape(m * r, -1)
+
+
+@dataclass
+class GramEig:
+    """Eigendecomposition of a PSD Gram matrix restricted to its numerically non-zero spectrum."""
+
+    values: Tensor  # (k,), all > rcond * max eigenvalue
+    vectors: Tensor  # (m, k)
+    size: int  # m
+
+    @property
+    def rank(self) -> int:
+        return int(self.values.numel())
+
+    def solve(self, b: Tensor) -> Tensor:
+        """Minimum-norm least-squares solution ``G⁺ b``."""
+        if self.rank == 0:
+            return torch.zeros_like(b, dtype=self.vectors.dtype)
+        coeff = (self.vectors.T @ b.to(self.vectors.dtype)) / self.values
+        return self.vectors @ coeff
+
+    def whitened_basis(self) -> Tensor:
+        """``L Λ^{-1/2}``: maps Gram coordinates to an orthonormal basis of the row space."""
+        return self.vectors / self.values.sqrt()
+
+
+def eig_psd(gram: Tensor, rcond: float) -> GramEig:
+    """Symmetric eigendecomposition with a relative cutoff, the only inverse the engine uses."""
+    if gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
+        raise ValueError(f"Gram matrix must be square, got {tuple(gram.shape)}")
+    sym = 0.5 * (gram + gram.T)
+    values, vectors = torch.linalg.eigh(sym)
+    top = values.max() if values.numel() else torch.zeros((), dtype=gram.dtype)
+    if not torch.isfinite(values).all():
+        raise FloatingPointError("the Jacobian Gram matrix has non-finite eigenvalues (NaN/Inf gradients)")
+    if top <= 0:
+        keep = torch.zeros_like(values, dtype=torch.bool)
+    else:
+        keep = values > rcond * top
+    return GramEig(values=values[keep], vectors=vectors[:, keep], size=gram.shape[0])
+
+
+def principal_cosines(eig1: GramEig, eig2: GramEig, cross_gram: Tensor) -> Tensor:
+    """Cosines of the principal angles between the row spaces of ``J1`` and ``J2``.
+
+    With ``G1 = L1 Λ1 L1ᵀ``, ``G2 = L2 Λ2 L2ᵀ`` and ``G12 = J1 J2ᵀ`` the cosines are the singular values
+    of ``Λ1^{-1/2} L1ᵀ G12 L2 Λ2^{-1/2}`` (paper, App. B.2); ``min(rank1, rank2)`` of them, descending.
+    """
+    if eig1.rank == 0 or eig2.rank == 0:
+        return torch.zeros(0, dtype=cross_gram.dtype, device=cross_gram.device)
+    m = eig1.whitened_basis().T @ cross_gram.to(eig1.vectors.dtype) @ eig2.whitened_basis()
+    return torch.linalg.svdvals(m).clamp(0.0, 1.0)
+
+
+def choose_path(m: int, r: int, d_in: int, d_out: int, bytes_per_elem: int, max_bytes: int) -> Path:
+    """Pick the exact path with fewer FLOPs for the Gram, the dominant cost.
+
+    Ghost: ``m² r² (d_in + d_out)``. Materialized: ``m r d_in d_out`` to build the per-sample gradients
+    plus ``m² d_in d_out`` for their Gram, and only if the ``m d_in d_out`` tensor fits ``max_bytes``.
+    """
+    ghost = m * m * r * r * (d_in + d_out)
+    materialized = m * r * d_in * d_out + m * m * d_in * d_out
+    fits = m * d_in * d_out * bytes_per_elem <= max_bytes
+    return "materialized" if fits and materialized < ghost else "ghost"
+
+
+class LayerJacobian:
+    """The per-sample Jacobian of one layer at one parameter point, held as factors.
+
+    All products are computed in ``dtype`` (float64 by default); the materialized per-sample gradients
+    are built lazily when the path says so.
+    """
+
+    def __init__(self, x: Tensor, a: Tensor, dtype: torch.dtype = torch.float64, path: Optional[Path] = None,
+                 max_bytes: int = 1 << 30):
+        _check_factors(x, a)
+        self.x, self.a, self.dtype = x, a, dtype
+        m, r, d_in = x.shape
+        d_out = a.shape[-1]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.path: Path = path or choose_path(m, r, d_in, d_out, itemsize, max_bytes)
+        self._flat: Optional[Tensor] = None
+        self._gram: Optional[Tensor] = None
+
+    @property
+    def num_samples(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def flat(self) -> Tensor:
+        """Explicit Jacobian rows ``(m, d_out * d_in)`` (materialized path only)."""
+        if self._flat is None:
+            self._flat = per_sample_gradients(self.x, self.a, self.dtype).reshape(self.num_samples, -1)
+        return self._flat
+
+    def gram(self) -> Tensor:
+        if self._gram is None:
+            if self.path == "materialized":
+                self._gram = self.flat @ self.flat.T
+            else:
+                self._gram = ghost_gram(self.x, self.a, dtype=self.dtype)
+        return self._gram
+
+    def cross_gram(self, other: "LayerJacobian") -> Tensor:
+        """``J_self J_otherᵀ``."""
+        if self.path == "materialized" and other.path == "materialized":
+            return self.flat @ other.flat.T
+        return ghost_gram(self.x, self.a, other.x, other.a, dtype=self.dtype)
+
+    def jvp(self, delta: Tensor) -> Tensor:
+        if self.path == "materialized":
+            return self.flat @ delta.to(self.dtype).reshape(-1)
+        return ghost_jvp(self.x, self.a, delta, self.dtype)
+
+    def vjp(self, v: Tensor) -> Tensor:
+        d_out, d_in = self.a.shape[-1], self.x.shape[-1]
+        if self.path == "materialized":
+            return (v.to(self.dtype) @ self.flat).reshape(d_out, d_in)
+        return ghost_vjp(self.x, self.a, v, self.dtype)
+
+    def release(self) -> None:
+        """Drop cached products (the materialized gradients can be large)."""
+        self._flat = None
+
+
+def project(jac: LayerJacobian, delta: Tensor, eig: GramEig) -> Tensor:
+    """JANUS projection ``ΔW - Jᵀ (J Jᵀ)⁺ J ΔW`` onto the null space of ``J``, in ``jac.dtype``."""
+    v = eig.solve(jac.jvp(delta))
+    return delta.to(jac.dtype) - jac.vjp(v)
+
+
+def mean_cosine(cosines: Tensor) -> Optional[float]:
+    """Average principal-angle cosine, ``None`` for a layer whose Jacobian is empty (no constraint)."""
+    if cosines.numel() == 0:
+        return None
+    return float(cosines.mean())

@@ -1,0 +1,141 @@
+"""Which layers JANUS can rectify, and how to read and write their weights in ``(d_out, d_in)`` layout.
+
+One rule per layer type behind one registry (as Opacus' ``grad_sample``): adding support for a new
+linear-like layer means registering how its weight maps to ``y = W x``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from .errors import JanusError
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """How one module type stores ``W`` of ``y = W x + b``."""
+
+    name: str
+    to_matrix: Callable[[Tensor], Tensor]  # stored weight -> (d_out, d_in) view
+    from_matrix: Callable[[Tensor], Tensor]  # (d_out, d_in) -> stored layout
+
+    def weight(self, module: nn.Module) -> Tensor:
+        return self.to_matrix(module.weight)
+
+    def set_weight(self, module: nn.Module, matrix: Tensor) -> None:
+        with torch.no_grad():
+            module.weight.copy_(self.from_matrix(matrix).to(dtype=module.weight.dtype, device=module.weight.device))
+
+
+_RULES: dict[type, LayerRule] = {}
+
+
+def register_layer_rule(module_type: type, rule: LayerRule) -> None:
+    """Teach the engine a new linear-like layer type."""
+    _RULES[module_type] = rule
+
+
+def rule_for(module: nn.Module) -> Optional[LayerRule]:
+    for module_type, rule in _RULES.items():
+        if type(module) is module_type:
+            return rule
+    for module_type, rule in _RULES.items():
+        if isinstance(module, module_type):
+            return rule
+    return None
+
+
+def supported_layer_names() -> list[str]:
+    return [rule.name for rule in _RULES.values()]
+
+
+register_layer_rule(nn.Linear, LayerRule("torch.nn.Linear", lambda w: w, lambda m: m))
+try:  # GPT-2 family: y = x @ W + b with W stored (d_in, d_out)
+    from transformers.pytorch_utils import Conv1D
+
+    register_layer_rule(Conv1D, LayerRule("transformers Conv1D", lambda w: w.T, lambda m: m.T))
+except ImportError:  # pragma: no cover - transformers is a dependency
+    pass
+
+
+def _is_tuner_layer(module: nn.Module) -> bool:
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(module, BaseTunerLayer)
+
+
+def _output_embedding_ids(model: nn.Module) -> set[int]:
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return {id(head)} if head is not None else set()
+
+
+def _matches(name: str, patterns: Union[str, Sequence[str]]) -> bool:
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(name == p or name.endswith("." + p) for p in patterns)
+
+
+def resolve_target_modules(
+    model: nn.Module,
+    target_modules: Union[str, Sequence[str]] = "all-linear",
+    exclude_modules: Optional[Union[str, Sequence[str]]] = None,
+) -> dict[str, nn.Module]:
+    """Return ``{qualified name: module}`` of the layers to rectify, in forward (registration) order.
+
+    ``"all-linear"`` takes every supported linear layer except the output embedding; a list matches
+    names exactly or as a ``.``-separated suffix; any other string is a regular expression matched
+    against the full name (as PEFT's ``target_modules``).
+    """
+    for name, module in model.named_modules():
+        if _is_tuner_layer(module):
+            raise JanusError(
+                f"module {name!r} is a PEFT adapter layer: rectify() works on plain weights. Use "
+                "hf_janus.JanusCallback for training with PEFT, hf_janus.JanusMerger for saved adapters, or "
+                "merge the adapter first (model = model.merge_and_unload())."
+            )
+    heads = _output_embedding_ids(model)
+    selected: dict[str, nn.Module] = {}
+    if target_modules == "all-linear":
+        for name, module in model.named_modules():
+            if rule_for(module) is not None and id(module) not in heads and name.split(".")[-1] != "lm_head":
+                selected[name] = module
+    else:
+        unsupported = []
+        for name, module in model.named_modules():
+            if name and _matches(name, target_modules):
+                if rule_for(module) is None:
+                    unsupported.append(f"{name} ({type(module).__name__})")
+                else:
+                    selected[name] = module
+        if unsupported:
+            raise JanusError(
+                f"target_modules selects layer(s) JANUS cannot rectify: {', '.join(unsupported[:5])}. Supported "
+                f"layer types: {', '.join(supported_layer_names())}. Narrow target_modules to those layers."
+            )
+        if not isinstance(target_modules, str):
+            for pattern in target_modules:
+                if not any(n == pattern or n.endswith("." + pattern) for n in selected):
+                    raise JanusError(
+                        f"target_modules entry {pattern!r} matches no module of {type(model).__name__}; "
+                        f"examples of valid names: {', '.join(list(_linear_names(model))[:6])}"
+                    )
+    if exclude_modules:
+        selected = {n: m for n, m in selected.items() if not _matches(n, exclude_modules)}
+    if not selected:
+        raise JanusError(
+            f"no layer of {type(model).__name__} matches target_modules={target_modules!r}; supported layer "
+            f"types are {', '.join(supported_layer_names())}"
+        )
+    return selected
+
+
+def _linear_names(model: nn.Module):
+    return (n for n, m in model.named_modules() if rule_for(m) is not None)

@@ -1,0 +1,304 @@
+"""Multi-step adaptive JANUS rectification (paper, Algorithm 1) and the public :func:`rectify` entry point.
+
+Data flow: model + replay -> :mod:`capture` (compressed X, A per layer) -> :mod:`ghost` (Gram, projection,
+principal angles) -> new weights + :class:`RectificationReport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .capture import CaptureResult, capture_factors, model_device, replay_losses
+from .config import JanusConfig
+from .errors import JanusError, RectificationError
+from .ghost import GramEig, LayerJacobian, eig_psd, mean_cosine, principal_cosines, project
+from .layers import LayerRule, resolve_target_modules, rule_for
+from .replay import prepare_replay
+from .report import LayerStats, RectificationReport, StepRecord, TrialRecord
+from .store import FactorStore
+from .timing import PhaseTimer
+
+logger = logging.getLogger(__name__)
+
+Reference = Union[nn.Module, Mapping[str, Tensor]]
+
+
+@dataclass
+class _Layer:
+    """Everything the loop keeps about one target layer; weights in (d_out, d_in) layout."""
+
+    name: str
+    module: nn.Module
+    rule: LayerRule
+    finetuned_backup: Tensor  # exact copy of the stored weight (native layout and dtype), for restoring
+    reference: Tensor  # θ0, float32
+    current: Tensor  # θ_t, float32
+    proj: Optional[Tensor] = None  # Δθ_t,proj, float32
+    eig: Optional[GramEig] = None  # eigendecomposition of J_t J_tᵀ
+    trial_eig: Optional[GramEig] = None
+    path: str = "ghost"
+    gram_rank0: int = 0
+
+    @property
+    def d_out(self) -> int:
+        return self.current.shape[0]
+
+    @property
+    def d_in(self) -> int:
+        return self.current.shape[1]
+
+    def finetuned(self) -> Tensor:
+        return self.rule.to_matrix(self.finetuned_backup).to(self.current.device, torch.float32)
+
+    def write(self, matrix: Tensor) -> None:
+        self.rule.set_weight(self.module, matrix)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            self.module.weight.copy_(self.finetuned_backup.to(self.module.weight.device))
+
+
+def _reference_weight(reference: Reference, name: str, module: nn.Module, rule: LayerRule) -> Tensor:
+    """θ0 of one layer in the module's native layout."""
+    if isinstance(reference, nn.Module):
+        ref_module = dict(reference.named_modules()).get(name)
+        if ref_module is None or rule_for(ref_module) is None:
+            raise JanusError(
+                f"the reference model has no linear layer {name!r}: pass the pre-fine-tuning model of the same "
+                f"architecture as {type(module).__name__}'s owner, or a state dict of its weights"
+            )
+        weight = ref_module.weight
+    elif isinstance(reference, Mapping):
+        key = name + ".weight" if name + ".weight" in reference else name
+        if key not in reference:
+            missing = [name + ".weight"]
+            sample = ", ".join(list(reference)[:3])
+            raise JanusError(
+                f"reference state dict is missing key(s) {missing}: it must hold the weight of every target layer, "
+                f"keyed '<module name>.weight' as in model.state_dict() (found e.g. {sample or 'nothing'})"
+            )
+        weight = reference[key]
+        if not isinstance(weight, Tensor):
+            raise JanusError(f"reference[{key!r}] is a {type(weight).__name__}, expected a torch.Tensor")
+    else:
+        raise JanusError(
+            f"reference must be a model with the same architecture or a state dict, got {type(reference).__name__}"
+        )
+    if tuple(weight.shape) != tuple(module.weight.shape):
+        raise JanusError(
+            f"reference weight of {name!r} has shape {tuple(weight.shape)} but the model's is "
+            f"{tuple(module.weight.shape)}: the reference does not match this model's architecture"
+        )
+    return weight.detach()
+
+
+def _check_finite(tensor: Tensor, what: str) -> None:
+    if not torch.isfinite(tensor).all():
+        raise JanusError(f"{what} contains NaN/Inf values; rectification needs finite weights")
+
+
+class Rectifier:
+    """Runs Algorithm 1 on one model. Use :func:`rectify` unless you need the pieces."""
+
+    def __init__(self, model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None,
+                 progress: bool = True):
+        self.model = model
+        self.config = config if config is not None else JanusConfig()
+        if not isinstance(self.config, JanusConfig):
+            raise JanusError(f"config must be a JanusConfig, got {type(self.config).__name__}")
+        self.progress = progress
+        self.device = model_device(model)
+        modules = resolve_target_modules(model, self.config.target_modules, self.config.exclude_modules)
+        self.batches = prepare_replay(replay, self.config.replay_batch_size)
+        self.layers = self._build_layers(modules, reference)
+        self.timer = PhaseTimer(self.device)
+        self.store = FactorStore(self.config.cache, self.device)
+
+    def _build_layers(self, modules: dict[str, nn.Module], reference: Reference) -> list[_Layer]:
+        layers = []
+        for name, module in modules.items():
+            rule = rule_for(module)
+            stored = module.weight.detach()
+            _check_finite(stored, f"fine-tuned weight of {name!r}")
+            ref = _reference_weight(reference, name, module, rule)
+            _check_finite(ref, f"reference weight of {name!r}")
+            ref_matrix = rule.to_matrix(ref).to(stored.device, torch.float32).clone()
+            layers.append(_Layer(
+                name=name, module=module, rule=rule, finetuned_backup=stored.clone().cpu(),
+                reference=ref_matrix, current=ref_matrix.clone(),
+            ))
+        return layers
+
+    # ---- capture -------------------------------------------------------------------------------------
+    def _capture(self, tag: str) -> CaptureResult:
+        targets = {layer.name: (layer.module, layer.d_in, layer.d_out) for layer in self.layers}
+        return capture_factors(self.model, targets, self.batches, self.store, tag, self.config.rank, self.timer)
+
+    def _jacobian(self, layer: _Layer, tag: str) -> LayerJacobian:
+        x, a = self.store.get(tag, layer.name)
+        return LayerJacobian(x.to(layer.current.device), a.to(layer.current.device), dtype=self.config.gram_dtype,
+                             path=None, max_bytes=self.config.materialize_max_bytes)
+
+    def _write_all(self, alpha: Optional[float] = None) -> None:
+        for layer in self.layers:
+            layer.write(layer.current if alpha is None else layer.current + alpha * layer.proj)
+
+    # ---- the algorithm ------------------------------------------------------------------------------
+    def _project_all(self, tag: str) -> None:
+        with self.timer.phase("ghost"):
+            for layer in self.layers:
+                jac = self._jacobian(layer, tag)
+                layer.path = jac.path
+                if layer.eig is None:
+                    layer.eig = eig_psd(jac.gram(), self.config.gram_rcond)
+                delta = layer.finetuned() - layer.current
+                layer.proj = project(jac, delta, layer.eig).to(torch.float32)
+                jac.release()
+
+    def _compare_all(self, current_tag: str, trial_tag: str) -> tuple[float, dict[str, Optional[float]]]:
+        per_layer: dict[str, Optional[float]] = {}
+        with self.timer.phase("ghost"):
+            for layer in self.layers:
+                cur = self._jacobian(layer, current_tag)
+                trial = self._jacobian(layer, trial_tag)
+                layer.trial_eig = eig_psd(trial.gram(), self.config.gram_rcond)
+                cosines = principal_cosines(layer.eig, layer.trial_eig, cur.cross_gram(trial))
+                per_layer[layer.name] = mean_cosine(cosines)
+                cur.release()
+                trial.release()
+        known = [c for c in per_layer.values() if c is not None]
+        return (sum(known) / len(known) if known else 1.0), per_layer
+
+    def run(self) -> RectificationReport:
+        cfg = self.config
+        report = RectificationReport(config=cfg.to_dict())
+        start = time.perf_counter()
+        bar = tqdm(desc="JANUS rectification", unit="trial", disable=not self.progress, leave=False)
+        phase = "measuring the fine-tuned replay loss"
+        try:
+            with self.timer.phase("forward_backward"):
+                finetuned_loss = replay_losses(self.model, self.batches)
+            phase = "capturing the Jacobian at the reference weights"
+            self._write_all()
+            base = self._capture("c0")
+            report.num_jacobian_evals = 1
+            report.num_samples, report.num_tokens = base.num_samples, int(base.sample_tokens.sum())
+            current_tag, last_capture = "c0", base
+            for step in range(cfg.max_steps):
+                phase = f"projecting the update at step {step}"
+                self._project_all(current_tag)
+                if step == 0:
+                    for layer in self.layers:
+                        layer.gram_rank0 = layer.eig.rank
+                record = StepRecord(step=step, alpha=1.0)
+                alpha = 1.0
+                final_allowed = step == cfg.max_steps - 1
+                while True:
+                    tag = f"s{step}t{len(record.trials)}"
+                    phase = f"evaluating trial α={alpha:.4g} at step {step}"
+                    self._write_all(alpha)
+                    trial = self._capture(tag)
+                    report.num_jacobian_evals += 1
+                    cbar, per_layer = self._compare_all(current_tag, tag)
+                    shrink_floor = alpha * cfg.beta < cfg.min_alpha
+                    accepted = cbar >= cfg.tau or final_allowed or shrink_floor
+                    record.trials.append(TrialRecord(step, alpha, cbar, per_layer, accepted, trial.loss))
+                    bar.update(1)
+                    bar.set_postfix(step=step, alpha=f"{alpha:.3g}", cos=f"{cbar:.4f}", loss=f"{trial.loss:.4f}")
+                    logger.info("JANUS step %d trial α=%.4g: mean cosine %.5f (τ=%.3g) -> %s; replay loss %.5f",
+                                step, alpha, cbar, cfg.tau, "accept" if accepted else "shrink", trial.loss)
+                    if accepted:
+                        break
+                    self.store.drop(tag)
+                    alpha *= cfg.beta
+                record.alpha, record.forced = alpha, cbar < cfg.tau
+                report.steps.append(record)
+                for layer in self.layers:
+                    layer.current = layer.current + alpha * layer.proj
+                    layer.proj, layer.eig, layer.trial_eig = None, layer.trial_eig, None
+                if current_tag != "c0":
+                    self.store.drop(current_tag)
+                current_tag, last_capture = tag, trial
+                if alpha == 1.0:
+                    report.converged = not record.forced
+                    report.stop_reason = "converged" if report.converged else "max_steps reached: final step taken unchecked"
+                    break
+                if record.forced:
+                    logger.warning("JANUS step %d: step size would fall below min_alpha=%g; took α=%.4g with "
+                                   "mean cosine %.4f < τ=%.3g", step, cfg.min_alpha, alpha, cbar, cfg.tau)
+            phase = "computing per-layer statistics"
+            report.layers = self._layer_stats()
+            report.replay_loss = {"reference": base.loss, "finetuned": finetuned_loss.loss, "rectified": last_capture.loss}
+        except BaseException as err:
+            self._restore()
+            if isinstance(err, (KeyboardInterrupt, JanusError)):
+                logger.error("JANUS rectification stopped while %s; the model was restored to its fine-tuned weights",
+                             phase)
+                raise
+            hint = ""
+            if isinstance(err, torch.OutOfMemoryError):
+                hint = " Lower replay_batch_size or rank, or set cache to a directory."
+            raise RectificationError(
+                f"JANUS rectification failed while {phase}: {type(err).__name__}: {err}. The model was restored "
+                f"to its fine-tuned weights.{hint}"
+            ) from err
+        finally:
+            bar.close()
+            self.store.close()
+        self.timer.add("io", self.store.io_seconds)
+        self.timer.add("total", time.perf_counter() - start)
+        report.timings = self.timer.as_dict()
+        logger.info(report.summary())
+        return report
+
+    def _layer_stats(self) -> list[LayerStats]:
+        stats = []
+        with self.timer.phase("ghost"):
+            for layer in self.layers:
+                jac = self._jacobian(layer, "c0")
+                delta = layer.finetuned() - layer.reference
+                rect = layer.rule.weight(layer.module).detach().to(torch.float32) - layer.reference
+                before = float(jac.jvp(delta).norm())
+                after = float(jac.jvp(rect).norm())
+                jac.release()
+                stats.append(LayerStats(
+                    name=layer.name, shape=[layer.d_out, layer.d_in], path=layer.path,
+                    delta_norm=float(delta.norm()), rect_delta_norm=float(rect.norm()),
+                    residual=(after / before) if before > 0 else None, gram_rank=layer.gram_rank0,
+                ))
+        return stats
+
+    def _restore(self) -> None:
+        for layer in self.layers:
+            layer.restore()
+
+
+def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None, *,
+            progress: bool = True) -> RectificationReport:
+    """Rectify a fine-tuned model in place so that it forgets less of a past task.
+
+    Args:
+        model: the fine-tuned model (θ̂). Its target linear layers are overwritten with the rectified
+            weights; every other parameter keeps its fine-tuned value.
+        reference: θ0, the weights before fine-tuning: a model with the same architecture, or a state
+            dict holding ``"<layer name>.weight"`` for every target layer (native layout).
+        replay: samples of the past task: a ``datasets.Dataset`` or list of dicts with ``input_ids``,
+            optional ``attention_mask`` and ``labels`` (-100 = ignored; without labels every non-padding
+            token counts), or a ``DataLoader`` yielding such batches.
+        config: :class:`JanusConfig`; defaults to the paper's settings (τ=0.95, β=0.7, r=32).
+        progress: show a tqdm progress bar over trials.
+
+    Returns:
+        A :class:`RectificationReport`. On failure the model is restored to θ̂ exactly and a
+        :class:`~hf_janus.errors.RectificationError` (or :class:`~hf_janus.errors.JanusError` for bad input)
+        says what happened.
+    """
+    return Rectifier(model, reference, replay, config, progress=progress).run()

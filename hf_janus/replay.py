@@ -1,0 +1,133 @@
+"""Turn the user's replay data into padded batches with explicit loss targets."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from .errors import JanusError
+
+IGNORE_INDEX = -100
+
+_NEEDS_TOKENS = (
+    "tokenize the replay text first, e.g. dataset.map(lambda b: tokenizer(b['text']), batched=True), "
+    "and keep the 'input_ids' and 'attention_mask' columns"
+)
+
+
+def _as_list(value: Any) -> list:
+    if isinstance(value, Tensor):
+        return value.tolist()
+    return list(value)
+
+
+def _collate(samples: list[Mapping[str, Any]], offset: int) -> dict[str, Tensor]:
+    """Right-pad a list of samples; positions that are padding get mask 0 and label -100."""
+    rows = []
+    for j, sample in enumerate(samples):
+        idx = offset + j
+        if not isinstance(sample, Mapping) or "input_ids" not in sample:
+            keys = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
+            raise JanusError(f"replay sample {idx} has no 'input_ids' (found {keys}); {_NEEDS_TOKENS}")
+        ids = _as_list(sample["input_ids"])
+        if ids and isinstance(ids[0], list):
+            raise JanusError(
+                f"replay sample {idx} has nested input_ids (a batch inside a sample); pass one sequence per "
+                "sample or a DataLoader that yields batches"
+            )
+        if len(ids) == 0:
+            raise JanusError(f"replay sample {idx} has empty input_ids")
+        mask = _as_list(sample.get("attention_mask", [1] * len(ids)))
+        labels = sample.get("labels")
+        labels = _as_list(labels) if labels is not None else None
+        for key, seq in (("attention_mask", mask), ("labels", labels)):
+            if seq is not None and len(seq) != len(ids):
+                raise JanusError(
+                    f"replay sample {idx}: {key} has length {len(seq)} but input_ids has length {len(ids)}"
+                )
+        rows.append((ids, mask, labels))
+    width = max(len(r[0]) for r in rows)
+    has_labels = any(r[2] is not None for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    labels_t = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for i, (ids, mask, labels) in enumerate(rows):
+        n = len(ids)
+        input_ids[i, :n] = torch.tensor(ids, dtype=torch.long)
+        attention[i, :n] = torch.tensor(mask, dtype=torch.long)
+        if labels is not None:
+            labels_t[i, :n] = torch.tensor(labels, dtype=torch.long)
+    batch = {"input_ids": input_ids, "attention_mask": attention}
+    if has_labels:
+        batch["labels"] = labels_t
+    return batch
+
+
+def _normalize_batch(batch: Any, index: int) -> dict[str, Tensor]:
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        found = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise JanusError(f"replay batch {index} has no 'input_ids' (found {found}); {_NEEDS_TOKENS}")
+    out = {}
+    for key in ("input_ids", "attention_mask", "labels"):
+        if key in batch and batch[key] is not None:
+            value = batch[key]
+            out[key] = value if isinstance(value, Tensor) else torch.as_tensor(value)
+    ids = out["input_ids"]
+    if ids.dim() != 2:
+        raise JanusError(f"replay batch {index}: input_ids must be 2-D (batch, seq), got shape {tuple(ids.shape)}")
+    out.setdefault("attention_mask", torch.ones_like(ids))
+    for key in ("attention_mask", "labels"):
+        if key in out and out[key].shape != ids.shape:
+            raise JanusError(
+                f"replay batch {index}: {key} has shape {tuple(out[key].shape)} but input_ids has {tuple(ids.shape)}"
+            )
+    return out
+
+
+def prepare_replay(replay: Any, batch_size: int) -> list[dict[str, Tensor]]:
+    """Normalize ``replay`` into a list of batches ``{input_ids, attention_mask[, labels]}`` on the CPU.
+
+    ``replay`` may be a ``datasets.Dataset``, a list of dicts (one sample each), or a
+    ``torch.utils.data.DataLoader`` (or any iterable of batch dicts, used as given).
+    """
+    if replay is None:
+        raise JanusError("replay is None: pass the past-task samples to replay (a Dataset, list of dicts or DataLoader)")
+    if isinstance(replay, torch.utils.data.DataLoader):
+        batches = [_normalize_batch(b, i) for i, b in enumerate(replay)]
+    elif isinstance(replay, Mapping):
+        raise JanusError(
+            "replay is a single dict; pass a list of samples, a datasets.Dataset or a DataLoader of batches"
+        )
+    elif _is_sample_sequence(replay):
+        samples = replay
+        n = len(samples)
+        batches = [_collate([samples[j] for j in range(i, min(n, i + batch_size))], i) for i in range(0, n, batch_size)]
+    elif isinstance(replay, Iterable):
+        batches = [_normalize_batch(b, i) for i, b in enumerate(replay)]
+    else:
+        raise JanusError(f"unsupported replay type {type(replay).__name__}; pass a Dataset, list of dicts or DataLoader")
+    if not batches or sum(int(b["input_ids"].shape[0]) for b in batches) == 0:
+        raise JanusError("replay is empty: JANUS needs samples of the past task (typically ~256) to build the Jacobian")
+    return batches
+
+
+def _is_sample_sequence(replay: Any) -> bool:
+    try:
+        import datasets
+
+        if isinstance(replay, datasets.Dataset):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return isinstance(replay, Sequence) and not isinstance(replay, (str, bytes))
+
+
+def loss_targets(batch: Mapping[str, Tensor]) -> Tensor:
+    """Next-token targets aligned with ``logits[:, :-1]``: labels if given, else every non-pad token."""
+    labels: Optional[Tensor] = batch.get("labels")
+    if labels is None:
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+    return labels[:, 1:]

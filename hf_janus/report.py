@@ -1,0 +1,115 @@
+"""What a rectification did: the step/trial trajectory, per-layer statistics, replay losses and timings."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Union
+
+from .io_utils import atomic_write_text
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class TrialRecord:
+    """One trial point ``θ_t + α Δθ_proj`` and its JANUS orientation comparison."""
+
+    step: int
+    alpha: float
+    mean_cosine: float
+    layer_cosines: dict[str, Optional[float]]
+    accepted: bool
+    replay_loss: float
+
+
+@dataclass
+class StepRecord:
+    """One rectification step: the trials tried and the step size finally taken."""
+
+    step: int
+    alpha: float
+    trials: list[TrialRecord] = field(default_factory=list)
+    forced: bool = False  # taken although mean cosine < tau (min_alpha or max_steps reached)
+
+
+@dataclass
+class LayerStats:
+    name: str
+    shape: list[int]  # [d_out, d_in]
+    path: str  # "ghost" or "materialized"
+    delta_norm: float  # ||ΔW|| = ||W_ft - W_0||
+    rect_delta_norm: float  # ||ΔW_rect|| = ||W_rect - W_0||
+    residual: Optional[float]  # ||J_0 ΔW_rect|| / ||J_0 ΔW||, None when J_0 ΔW = 0
+    gram_rank: int  # numerical rank of J_0 J_0ᵀ
+
+
+@dataclass
+class RectificationReport:
+    """The record of one :func:`hf_janus.rectify` run; ``to_dict()``/``save()`` give JSON."""
+
+    config: dict[str, Any]
+    steps: list[StepRecord] = field(default_factory=list)
+    num_jacobian_evals: int = 0
+    replay_loss: dict[str, float] = field(default_factory=dict)  # reference / finetuned / rectified
+    layers: list[LayerStats] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    num_samples: int = 0
+    num_tokens: int = 0
+    converged: bool = False
+    stop_reason: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def alphas(self) -> list[float]:
+        return [s.alpha for s in self.steps]
+
+    @property
+    def num_trials(self) -> int:
+        return sum(len(s.trials) for s in self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RectificationReport":
+        data = dict(data)
+        steps = []
+        for s in data.pop("steps", []):
+            s = dict(s)
+            trials = [TrialRecord(**t) for t in s.pop("trials", [])]
+            steps.append(StepRecord(trials=trials, **s))
+        layers = [LayerStats(**layer) for layer in data.pop("layers", [])]
+        return cls(steps=steps, layers=layers, **data)
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the report as JSON (atomically)."""
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "RectificationReport":
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_dict(json.load(fh))
+
+    def summary(self) -> str:
+        """A few human-readable lines for logs and the terminal."""
+        loss = self.replay_loss
+        traj = ", ".join(f"{s.alpha:.3g}" for s in self.steps)
+        lines = [
+            f"JANUS rectification: {len(self.steps)} step(s), {self.num_trials} trial(s), "
+            f"{self.num_jacobian_evals} Jacobian evaluation(s); {'converged' if self.converged else self.stop_reason}",
+            f"  step sizes α: [{traj}]",
+        ]
+        if loss:
+            lines.append(
+                "  replay loss: reference {reference:.4f} | fine-tuned {finetuned:.4f} | rectified {rectified:.4f}".format(
+                    **{k: loss.get(k, float("nan")) for k in ("reference", "finetuned", "rectified")}
+                )
+            )
+        residuals = [layer.residual for layer in self.layers if layer.residual is not None]
+        if residuals:
+            lines.append(f"  first-order residual ||J0 ΔW_rect||/||J0 ΔW||: max {max(residuals):.3g}")
+        if self.timings:
+            lines.append("  time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+        return "\n".join(lines)
