@@ -18,8 +18,10 @@ def apply_token_mask(x: Tensor, a: Tensor, mask: Optional[Tensor]) -> tuple[Tens
     """Zero the rows of padding tokens so they contribute nothing to any Jacobian quantity."""
     if mask is None:
         return x, a
-    m = mask.to(dtype=x.dtype).unsqueeze(-1)
-    return x * m, a * m.to(a.dtype)
+    # where() rather than a product: padded positions may hold NaN/Inf, and 0 * NaN is NaN.
+    keep = mask.bool().unsqueeze(-1)
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device)), torch.where(
+        keep, a, torch.zeros((), dtype=a.dtype, device=a.device))
 
 
 def pad_rank(t: Tensor, rank: int) -> Tensor:

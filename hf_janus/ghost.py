@@ -37,6 +37,18 @@ def _check_factors(x: Tensor, a: Tensor) -> None:
         )
 
 
+def _check_delta(x: Tensor, a: Tensor, delta: Tensor) -> None:
+    _check_factors(x, a)
+    if tuple(delta.shape) != (a.shape[-1], x.shape[-1]):
+        raise ValueError(f"delta must have shape (d_out, d_in)={(a.shape[-1], x.shape[-1])}, got {tuple(delta.shape)}")
+
+
+def _check_v(x: Tensor, a: Tensor, v: Tensor) -> None:
+    _check_factors(x, a)
+    if tuple(v.shape) != (x.shape[0],):
+        raise ValueError(f"v must have shape (m,)=({x.shape[0]},), got {tuple(v.shape)}")
+
+
 def per_sample_gradients(x: Tensor, a: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     """Materialize the per-sample gradients ``G_i = A_iᵀ X_i``, shape ``(m, d_out, d_in)``."""
     _check_factors(x, a)
@@ -52,6 +64,11 @@ def ghost_gram(
     if x2 is None:
         x2, a2 = x1, a1
     _check_factors(x2, a2)
+    if x1.shape[-1] != x2.shape[-1] or a1.shape[-1] != a2.shape[-1]:
+        raise ValueError(
+            f"cross-Gram needs factors of the same layer shape: (d_in, d_out)={(x1.shape[-1], a1.shape[-1])} vs "
+            f"{(x2.shape[-1], a2.shape[-1])}"
+        )
     m1, r1, _ = x1.shape
     m2, r2, _ = x2.shape
     x2f = x2.to(dtype).reshape(m2 * r2, -1)
@@ -68,19 +85,15 @@ def ghost_gram(
 
 def ghost_jvp(x: Tensor, a: Tensor, delta: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     """``J rvec(ΔW)`` of shape ``(m,)``; ``delta`` is ``ΔW`` in ``(d_out, d_in)`` layout."""
-    _check_factors(x, a)
-    if delta.shape != (a.shape[-1], x.shape[-1]):
-        raise ValueError(f"delta must have shape (d_out, d_in)={(a.shape[-1], x.shape[-1])}, got {tuple(delta.shape)}")
+    _check_delta(x, a, delta)
     ad = a.to(dtype) @ delta.to(dtype)  # (m, r, d_in)
     return (ad * x.to(dtype)).sum(dim=(1, 2))
 
 
 def ghost_vjp(x: Tensor, a: Tensor, v: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     """``Jᵀ v`` as a ``(d_out, d_in)`` matrix: ``Σ_i v_i A_iᵀ X_i``."""
-    _check_factors(x, a)
+    _check_v(x, a, v)
     m, r, _ = x.shape
-    if v.shape != (m,):
-        raise ValueError(f"v must have shape (m,)=({m},), got {tuple(v.shape)}")
     av = a.to(dtype) * v.to(dtype).view(m, 1, 1)
     return av.reshape(m * r, -1).T @ x.to(dtype).reshape(m * r, -1)
 
@@ -189,15 +202,19 @@ class LayerJacobian:
     def cross_gram(self, other: "LayerJacobian") -> Tensor:
         """``J_self J_otherᵀ``."""
         if self.path == "materialized" and other.path == "materialized":
+            if self.flat.shape[1] != other.flat.shape[1] or self.x.shape[-1] != other.x.shape[-1]:
+                raise ValueError("cross-Gram needs two Jacobians of the same layer shape")
             return self.flat @ other.flat.T
         return ghost_gram(self.x, self.a, other.x, other.a, dtype=self.dtype)
 
     def jvp(self, delta: Tensor) -> Tensor:
+        _check_delta(self.x, self.a, delta)
         if self.path == "materialized":
             return self.flat @ delta.to(self.dtype).reshape(-1)
         return ghost_jvp(self.x, self.a, delta, self.dtype)
 
     def vjp(self, v: Tensor) -> Tensor:
+        _check_v(self.x, self.a, v)
         d_out, d_in = self.a.shape[-1], self.x.shape[-1]
         if self.path == "materialized":
             return (v.to(self.dtype) @ self.flat).reshape(d_out, d_in)

@@ -450,6 +450,13 @@ def test_choose_path_matches_cost_model_on_grid():
                 assert choose_path(m, r, d_in, d_out, 8, 1 << 40) == expected, (m, r, d_in, d_out)
 
 
+def test_choose_path_tie_goes_to_ghost():
+    # Materialized only when strictly cheaper: equal costs at (m, r, d_in, d_out) = (2, 2, 4, 4) and (1, 1, 1, 1).
+    for m, r, d_in, d_out in ((2, 2, 4, 4), (1, 1, 1, 1)):
+        assert m * r * d_in * d_out + m * m * d_in * d_out == m * m * r * r * (d_in + d_out)
+        assert choose_path(m, r, d_in, d_out, 8, 1 << 30) == "ghost"
+
+
 def test_choose_path_max_bytes_cap():
     m, r, d_in, d_out = 8, 64, 4, 4
     needed = m * d_in * d_out * 8
@@ -530,18 +537,23 @@ def test_eig_psd_rejects_non_square():
         eig_psd(torch.zeros(3, 4, dtype=DT), RCOND)
 
 
-# The materialized path flattens ΔW / v without checking them, unlike the ghost path it must agree with.
-@pytest.mark.xfail(strict=True, reason="LayerJacobian(path='materialized').jvp accepts a transposed ΔW "
-                                       "(same numel) and silently returns a wrong JVP; the ghost path raises")
+# The materialized path must validate ΔW / v like the ghost path it has to agree with.
 def test_materialized_jvp_rejects_transposed_delta():
     lj = LayerJacobian(_X, _A, path="materialized")
     with pytest.raises(ValueError, match=r"\(d_out, d_in\)"):
         lj.jvp(torch.zeros(3, 6, dtype=DT))
 
 
-@pytest.mark.xfail(strict=True, reason="LayerJacobian(path='materialized').vjp accepts v of shape (1, m) "
-                                       "silently; the ghost path raises ValueError")
 def test_materialized_vjp_rejects_bad_v_shape():
     lj = LayerJacobian(_X, _A, path="materialized")
     with pytest.raises(ValueError, match=r"\(m,\)"):
         lj.vjp(torch.zeros(1, 5, dtype=DT))
+
+
+@pytest.mark.parametrize("path", ["ghost", "materialized"])
+def test_cross_gram_rejects_other_layer_shape(path):
+    # (d_in, d_out) = (3, 6) vs (6, 3) have the same numel; a silent 5x5 "cross-Gram" would be meaningless.
+    lj = LayerJacobian(_X, _A, path=path)
+    other = LayerJacobian(_A, _X, path=path)
+    with pytest.raises(ValueError, match="same layer shape"):
+        lj.cross_gram(other)

@@ -1,0 +1,578 @@
+"""Benchmark of the JANUS ghost machinery (paper, App. B) on CPU.
+
+Part A - ghost vs explicit projection on single GPT-2-small-shaped layers.
+    For random per-sample factors X (m, T, d_in), A (m, T, d_out) and a random update ΔW it times and
+    measures the peak memory of
+      * explicit:      J (m x d_out*d_in) built with torch.func (vmap of grad of the per-sample linear
+                       functional L_i(W) = Σ_t <a_it, W x_it>, whose gradient is A_iᵀ X_i), Gram J Jᵀ,
+                       pinv and ΔW - Jᵀ (J Jᵀ)⁺ J ΔW, all in float64;
+      * ghost_full:    hf_janus LayerJacobian(path="ghost") + eig_psd + project on the full T factors
+                       (no compression: the same numbers as explicit, "equal error");
+      * compress:      hf_janus compress_sequence to rank r (timed on its own);
+      * ghost_r:       the ghost path on the rank-r factors (what the engine runs);
+      * materialized_r: LayerJacobian(path="materialized") on the rank-r factors.
+    Errors are measured against the exact (uncompressed) J.
+
+Part B - end-to-end ``hf_janus.rectify`` wall time and peak RSS vs model size (random-init GPT-2
+    models of ~10M/50M/125M parameters, a fake fine-tune, a random-token replay). Every size runs in a
+    fresh subprocess so its peak RSS is its own.
+
+Run ``python benchmarks/bench_ghost.py`` (full, ~15 min on 2 cores) or ``--quick`` (smoke, < 1 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import psutil
+import torch
+from torch import Tensor
+from torch.func import grad, vmap
+
+import hf_janus
+from hf_janus.compression import compress_sequence
+from hf_janus.ghost import LayerJacobian, choose_path, eig_psd, project
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "bench_ghost.json"
+RCOND = 1e-10  # JanusConfig.gram_rcond default; the explicit pinv uses the same relative cutoff
+MiB = 1 << 20
+
+# GPT-2-small linear layers as (d_in, d_out): attn.c_proj, attn.c_attn, mlp.c_fc, mlp.c_proj.
+GPT2_SHAPES = [(768, 768), (768, 2304), (768, 3072), (3072, 768)]
+QUICK_SHAPES = [(128, 128), (128, 384), (128, 512), (512, 128)]
+
+# Random-init GPT-2 models for part B: (n_embd, n_layer, n_head); vocab 50257 and 1024 positions as GPT-2.
+MODEL_SIZES = {
+    "10M": (160, 6, 5),
+    "50M": (512, 8, 8),
+    "125M": (768, 12, 12),  # GPT-2 small
+    # --quick
+    "3M": (64, 2, 2),
+    "7M": (128, 2, 4),
+}
+FULL_SIZES = ["10M", "50M", "125M"]
+QUICK_SIZES = ["3M", "7M"]
+
+# glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold in the heap, so RSS would not
+# drop after a tensor is freed and "peak RSS - baseline" would under-count the next measurement. A fixed
+# threshold makes every allocation >= 1 MiB its own mapping that is returned to the OS on free.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Measurement helpers
+# ------------------------------------------------------------------------------------------------------
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS so the next baseline RSS is honest."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+class PeakRSS:
+    """Peak resident set size of this process while a block runs, sampled by a background thread.
+
+    torch's CPU allocations are invisible to tracemalloc, so RSS is the only allocator-independent
+    measure; ``delta`` is the peak over the RSS just before the block (after a GC and malloc_trim).
+    """
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self._proc = psutil.Process()
+        self.baseline = self.peak = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _rss(self) -> int:
+        return self._proc.memory_info().rss
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> "PeakRSS":
+        release_free_memory()
+        self.baseline = self.peak = self._rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def delta(self) -> int:
+        return self.peak - self.baseline
+
+
+@dataclass
+class Measured:
+    value: Any
+    seconds: float
+    peak_delta_bytes: int
+
+
+def measure(fn: Callable[[], Any], repeats: int = 1) -> Measured:
+    """Best wall time over ``repeats`` calls and the largest peak-RSS increase seen in any of them."""
+    best, peak, value = float("inf"), 0, None
+    for _ in range(repeats):
+        value = None  # drop the previous result so it does not sit in the next baseline
+        with PeakRSS() as mon:
+            start = time.perf_counter()
+            value = fn()
+            seconds = time.perf_counter() - start
+        best, peak = min(best, seconds), max(peak, mon.delta)
+    return Measured(value, best, peak)
+
+
+def machine_info() -> dict[str, Any]:
+    cpu_model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu_model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "")
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu_model,
+        "cpu_count_logical": os.cpu_count(),
+        "cpu_count_physical": psutil.cpu_count(logical=False),
+        "ram_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "transformers": transformers.__version__,
+        "hf_janus": hf_janus.__version__,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------
+# Part A: one layer, ghost vs explicit
+# ------------------------------------------------------------------------------------------------------
+
+
+def explicit_jacobian(x: Tensor, a: Tensor) -> Tensor:
+    """J (m x d_out*d_in) with torch.func, independent of the factor formulas under test.
+
+    The per-sample loss L_i(W) = Σ_t <a_it, W x_it> is linear in W with output gradient a_it, so
+    ∇_W L_i = A_iᵀ X_i is exactly the JANUS Jacobian row of sample i (rvec, (d_out, d_in) layout).
+    """
+    m, d_in, d_out = x.shape[0], x.shape[-1], a.shape[-1]
+    w = torch.zeros(d_out, d_in, dtype=x.dtype)  # the functional is linear: the point does not matter
+
+    def loss(w: Tensor, x_i: Tensor, a_i: Tensor) -> Tensor:
+        return (a_i * (x_i @ w.T)).sum()
+
+    return vmap(grad(loss), in_dims=(None, 0, 0))(w, x, a).reshape(m, -1)
+
+
+def explicit_projection(x: Tensor, a: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+    """ΔW - Jᵀ (J Jᵀ)⁺ J ΔW with J materialized; float64 throughout, as the ghost path. Returns (proj, J)."""
+    jac = explicit_jacobian(x.double(), a.double())
+    flat = delta.double().reshape(-1)
+    gram = jac @ jac.T
+    coeff = torch.linalg.pinv(gram, rtol=RCOND, hermitian=True) @ (jac @ flat)
+    proj = (flat - jac.T @ coeff).reshape(delta.shape)
+    return proj, jac
+
+
+def janus_projection(x: Tensor, a: Tensor, delta: Tensor, path: str) -> Tensor:
+    """What the engine does per layer (rectifier._project_all): Gram, eigendecomposition, projection."""
+    jac = LayerJacobian(x, a, dtype=torch.float64, path=path)
+    eig = eig_psd(jac.gram(), RCOND)
+    proj = project(jac, delta, eig)
+    jac.release()
+    return proj
+
+
+def rel(num: Tensor, den: Tensor) -> float:
+    return float(torch.linalg.norm(num) / torch.linalg.norm(den))
+
+
+def retained_energy(x_hat: Tensor, a_hat: Tensor, jac: Tensor) -> float:
+    """Mean over samples of ||Â_iᵀ X̂_i||² / ||A_iᵀ X_i||²: how much of each gradient rank r keeps."""
+    xh, ah = x_hat.double(), a_hat.double()
+    compressed = ((ah @ ah.transpose(1, 2)) * (xh @ xh.transpose(1, 2))).sum(dim=(1, 2))
+    exact = (jac * jac).sum(dim=1)
+    return float((compressed / exact).mean())
+
+
+def bench_layer(d_in: int, d_out: int, m: int, T: int, r: int, repeats: int, seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, T, d_in, generator=gen)
+    a = torch.randn(m, T, d_out, generator=gen)
+    delta = 0.02 * torch.randn(d_out, d_in, generator=gen)
+
+    explicit = measure(lambda: explicit_projection(x, a, delta), repeats)
+    proj_e, jac = explicit.value
+    explicit.value = None
+    ghost_full = measure(lambda: janus_projection(x, a, delta, "ghost"), repeats)
+    compress = measure(lambda: compress_sequence(x, a, r), repeats)
+    x_hat, a_hat = compress.value
+    ghost_r = measure(lambda: janus_projection(x_hat, a_hat, delta, "ghost"), repeats)
+    mat_r = measure(lambda: janus_projection(x_hat, a_hat, delta, "materialized"), repeats)
+
+    # Errors, always against the exact J (float64, uncompressed).
+    jd = jac @ delta.double().reshape(-1)
+
+    def errors(proj: Tensor) -> dict[str, float]:
+        return {
+            "residual": rel(jac @ proj.reshape(-1), jd),  # ||J ΔW_proj|| / ||J ΔW||
+            "proj_rel_diff_vs_explicit": rel(proj - proj_e, proj_e),
+            # ΔW_proj ≈ ΔW (m rows remove a tiny part of d_out*d_in dims), so also compare the removed part.
+            "correction_rel_diff_vs_explicit": rel(proj - proj_e, delta.double() - proj_e),
+        }
+
+    row = {
+        "d_in": d_in, "d_out": d_out, "m": m, "T": T, "r": r,
+        "engine_auto_path_at_r": choose_path(m, r, d_in, d_out, 8, 1 << 30),
+        "explicit_J_bytes": m * d_in * d_out * 8,
+        "seconds": {
+            "explicit": explicit.seconds, "ghost_full": ghost_full.seconds, "compress": compress.seconds,
+            "ghost_r": ghost_r.seconds, "materialized_r": mat_r.seconds,
+        },
+        "peak_delta_bytes": {
+            "explicit": explicit.peak_delta_bytes, "ghost_full": ghost_full.peak_delta_bytes,
+            "compress": compress.peak_delta_bytes, "ghost_r": ghost_r.peak_delta_bytes,
+            "materialized_r": mat_r.peak_delta_bytes,
+        },
+        "errors": {
+            "explicit": errors(proj_e), "ghost_full": errors(ghost_full.value),
+            "ghost_r": errors(ghost_r.value), "materialized_r": errors(mat_r.value),
+        },
+        "compression_retained_energy": retained_energy(x_hat, a_hat, jac),
+    }
+    s, p = row["seconds"], row["peak_delta_bytes"]
+    row["ratios"] = {
+        "time_explicit_over_ghost_full": s["explicit"] / s["ghost_full"],
+        "time_explicit_over_ghost_r": s["explicit"] / s["ghost_r"],
+        "time_explicit_over_compress_plus_ghost_r": s["explicit"] / (s["compress"] + s["ghost_r"]),
+        "mem_explicit_over_ghost_full": p["explicit"] / max(p["ghost_full"], 1),
+        "mem_explicit_over_ghost_r": p["explicit"] / max(p["ghost_r"], 1),
+        "mem_explicit_over_max_compress_ghost_r": p["explicit"] / max(p["compress"], p["ghost_r"], 1),
+    }
+    return row
+
+
+def run_part_a(args: argparse.Namespace) -> dict[str, Any]:
+    shapes = QUICK_SHAPES if args.quick else GPT2_SHAPES
+    m, T, r = args.a_m, args.a_T, args.a_r
+    # Warm-up on a tiny layer: thread pools, LAPACK and torch.func initialisation stay out of the timings.
+    bench_layer(32, 48, 4, 8, 2, 1, seed=123)
+    rows = []
+    for i, (d_in, d_out) in enumerate(shapes):
+        start = time.perf_counter()
+        rows.append(bench_layer(d_in, d_out, m, T, r, args.repeats, seed=args.seed + i))
+        print(f"[part A] {d_in}x{d_out}: {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    return {
+        "settings": {"m": m, "T": T, "r": r, "repeats": args.repeats, "dtype_inputs": "float32",
+                     "dtype_products": "float64", "rcond": RCOND, "shapes": shapes},
+        "memory_method": (
+            "peak process RSS sampled every 5 ms by a psutil thread during the call, minus the RSS just before "
+            "it (after gc + malloc_trim); worker runs with MALLOC_MMAP_THRESHOLD_=1MiB so freed tensors leave "
+            "RSS. Includes the call's float64 copies of its inputs and its output."
+        ),
+        "time_method": f"best wall time of {args.repeats} call(s), torch threads = {torch.get_num_threads()}",
+        "rows": rows,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------
+# Part B: end-to-end rectification vs model size
+# ------------------------------------------------------------------------------------------------------
+
+
+def build_model(size: str, seed: int) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_embd, n_layer, n_head = MODEL_SIZES[size]
+    torch.manual_seed(seed)
+    config = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+    return GPT2LMHeadModel(config).eval()
+
+
+def fake_finetune(model: torch.nn.Module, scale: float, seed: int) -> dict[str, Tensor]:
+    """Perturb every target weight by ``scale * std(W) * N(0, 1)``; return θ0 of the targets (state dict)."""
+    targets = hf_janus.resolve_target_modules(model)
+    reference = {name + ".weight": module.weight.detach().clone() for name, module in targets.items()}
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in targets.values():
+            w = module.weight
+            w.add_(scale * float(w.std()) * torch.randn(w.shape, generator=gen))
+    return reference
+
+
+def random_replay(m: int, T: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, vocab, (T,), generator=gen).tolist()} for _ in range(m)]
+
+
+def run_single_model(args: argparse.Namespace, size: str) -> dict[str, Any]:
+    """One model size, meant to run in its own process (see run_part_b)."""
+    model = build_model(size, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    targets = hf_janus.resolve_target_modules(model)
+    target_params = sum(mod.weight.numel() for mod in targets.values())
+    reference = fake_finetune(model, args.delta_scale, args.seed + 1)
+    replay = random_replay(args.b_m, args.b_T, model.config.vocab_size, args.seed + 2)
+    config = hf_janus.JanusConfig(rank=args.b_r, tau=args.tau, max_steps=args.max_steps,
+                                  replay_batch_size=args.batch_size, seed=args.seed)
+    with PeakRSS(interval_s=0.005) as mon:
+        start = time.perf_counter()
+        report = hf_janus.rectify(model, reference, replay, config, progress=False)
+        wall = time.perf_counter() - start
+    timings = dict(report.timings)
+    phases = ("forward_backward", "compression", "ghost", "io")
+    timings["other"] = timings.get("total", wall) - sum(timings.get(k, 0.0) for k in phases)
+    paths = [layer.path for layer in report.layers]
+    residuals = [layer.residual for layer in report.layers if layer.residual is not None]
+    return {
+        "size": size,
+        "arch": dict(zip(("n_embd", "n_layer", "n_head"), MODEL_SIZES[size])),
+        "params": n_params,
+        "target_layers": len(targets),
+        "target_params": target_params,
+        "m": args.b_m, "T": args.b_T, "r": args.b_r, "tau": args.tau, "max_steps": args.max_steps,
+        "replay_batch_size": args.batch_size,
+        "wall_seconds": wall,
+        "rss_baseline_bytes": mon.baseline,
+        "rss_peak_bytes": mon.peak,
+        "rss_peak_delta_bytes": mon.delta,
+        # Kernel high-water mark of the whole process (model build included): catches spikes between samples.
+        "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "num_jacobian_evals": report.num_jacobian_evals,
+        "num_steps": len(report.steps),
+        "num_trials": report.num_trials,
+        "alphas": report.alphas,
+        "converged": report.converged,
+        "timings": timings,
+        "layer_paths": {p: paths.count(p) for p in sorted(set(paths))},
+        "max_residual": max(residuals) if residuals else None,
+        "replay_loss": report.replay_loss,
+    }
+
+
+def run_subprocess(flag_args: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
+    """Re-invoke this script for an isolated measurement; the child writes its JSON to a temp file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, str(Path(__file__).resolve()), *flag_args, "--_result", result]
+        subprocess.run(cmd, check=True, env={**os.environ, **env_extra})
+        with open(result, encoding="utf-8") as fh:
+            return json.load(fh)
+
+
+def common_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--seed", str(args.seed), "--repeats", str(args.repeats),
+             "--a-m", str(args.a_m), "--a-T", str(args.a_T), "--a-r", str(args.a_r),
+             "--b-m", str(args.b_m), "--b-T", str(args.b_T), "--b-r", str(args.b_r),
+             "--tau", str(args.tau), "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size),
+             "--delta-scale", str(args.delta_scale)]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    return flags + (["--quick"] if args.quick else [])
+
+
+def run_part_b(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    rows = []
+    for size in sizes:
+        start = time.perf_counter()
+        rows.append(run_subprocess(common_flags(args) + ["--_single-model", size], {}))
+        print(f"[part B] {size}: {time.perf_counter() - start:.1f}s (incl. process start)", file=sys.stderr,
+              flush=True)
+    return {
+        "settings": {"m": args.b_m, "T": args.b_T, "r": args.b_r, "tau": args.tau, "max_steps": args.max_steps,
+                     "replay_batch_size": args.batch_size, "delta_scale": args.delta_scale,
+                     "model": "random-init GPT2LMHeadModel, vocab 50257, 1024 positions, all-linear targets",
+                     "replay": "random token ids, no padding"},
+        "memory_method": ("peak RSS of a fresh process per model (psutil thread, 5 ms) during rectify(); "
+                          "baseline = RSS after building the model, θ0 copy and replay; default glibc malloc"),
+        "rows": rows,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------
+# Tables
+# ------------------------------------------------------------------------------------------------------
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def mib(n: float) -> str:
+    return f"{n / MiB:.0f}"
+
+
+def part_a_tables(part: dict[str, Any]) -> str:
+    st = part["settings"]
+    head = (f"### Part A - one layer, m={st['m']}, T={st['T']}, r={st['r']} "
+            f"(float32 inputs, float64 products, best of {st['repeats']})\n\n")
+    time_rows, mem_rows, err_rows = [], [], []
+    for row in part["rows"]:
+        shape = f"{row['d_in']}x{row['d_out']}"
+        s, p, q, e = row["seconds"], row["peak_delta_bytes"], row["ratios"], row["errors"]
+        time_rows.append([
+            shape, f"{s['explicit']:.2f}", f"{s['ghost_full']:.2f}", f"{s['compress']:.2f}", f"{s['ghost_r']:.2f}",
+            f"{s['materialized_r']:.2f}", f"{q['time_explicit_over_ghost_full']:.2f}x",
+            f"{q['time_explicit_over_ghost_r']:.2f}x", f"{q['time_explicit_over_compress_plus_ghost_r']:.2f}x",
+            row["engine_auto_path_at_r"],
+        ])
+        mem_rows.append([
+            shape, mib(row["explicit_J_bytes"]), mib(p["explicit"]), mib(p["ghost_full"]), mib(p["compress"]),
+            mib(p["ghost_r"]), mib(p["materialized_r"]), f"{q['mem_explicit_over_ghost_full']:.1f}x",
+            f"{q['mem_explicit_over_ghost_r']:.1f}x",
+        ])
+        err_rows.append([
+            shape, f"{e['explicit']['residual']:.1e}", f"{e['ghost_full']['residual']:.1e}",
+            f"{e['ghost_r']['residual']:.3f}", f"{e['materialized_r']['residual']:.3f}",
+            f"{e['ghost_full']['proj_rel_diff_vs_explicit']:.1e}",
+            f"{e['ghost_full']['correction_rel_diff_vs_explicit']:.1e}",
+            f"{e['ghost_r']['proj_rel_diff_vs_explicit']:.1e}",
+            f"{e['ghost_r']['correction_rel_diff_vs_explicit']:.2f}",
+            f"{row['compression_retained_energy']:.3f}",
+        ])
+    t = md_table(["d_in x d_out", "explicit s", f"ghost T={st['T']} s", f"compress r={st['r']} s",
+                  f"ghost r={st['r']} s", f"materialized r={st['r']} s", "explicit / ghost T (equal error)",
+                  "explicit / ghost r", "explicit / (compress + ghost r)", "engine auto path at r"], time_rows)
+    mm = md_table(["d_in x d_out", "size of J MiB", "explicit MiB", f"ghost T={st['T']} MiB",
+                   f"compress MiB", f"ghost r={st['r']} MiB", f"materialized r={st['r']} MiB",
+                   "explicit / ghost T", "explicit / ghost r"], mem_rows)
+    ee = md_table(["d_in x d_out", "residual explicit", f"residual ghost T", f"residual ghost r",
+                   "residual materialized r", "ghost T vs explicit: ΔW_proj rel diff",
+                   "ghost T vs explicit: correction rel diff", "ghost r vs explicit: ΔW_proj rel diff",
+                   "ghost r vs explicit: correction rel diff", "energy kept by rank r"], err_rows)
+    notes = (
+        "residual = ‖J ΔW_proj‖/‖J ΔW‖ with the exact (uncompressed) J; correction = ΔW − ΔW_proj "
+        "(the part the projection removes); memory = peak RSS increase during the call (MiB).\n"
+    )
+    return (head + "Time (seconds) and speed-up of ghost over explicit\n\n" + t
+            + "\n\nPeak memory (MiB above the pre-call RSS)\n\n" + mm
+            + "\n\nError\n\n" + ee + "\n\n" + notes)
+
+
+def part_b_table(part: dict[str, Any]) -> str:
+    st = part["settings"]
+    head = (f"### Part B - hf_janus.rectify on random-init GPT-2, m={st['m']}, T={st['T']}, r={st['r']}, "
+            f"tau={st['tau']}, max_steps={st['max_steps']}, replay batch {st['replay_batch_size']}\n\n")
+    rows = []
+    for row in part["rows"]:
+        t = row["timings"]
+        paths = ", ".join(f"{v} {k}" for k, v in row["layer_paths"].items())
+        rows.append([
+            row["size"], f"{row['params']:,}", f"{row['target_layers']} ({row['target_params'] / 1e6:.1f}M)",
+            f"{row['wall_seconds']:.1f}", mib(row["rss_peak_bytes"]), mib(row["rss_peak_delta_bytes"]),
+            str(row["num_jacobian_evals"]), f"{t.get('forward_backward', 0):.2f}", f"{t.get('compression', 0):.2f}",
+            f"{t.get('ghost', 0):.2f}", f"{t.get('io', 0):.2f}", f"{t['other']:.2f}", f"{t.get('total', 0):.2f}",
+            paths,
+        ])
+    return head + md_table(
+        ["model", "params", "target layers (weights)", "wall s", "peak RSS MiB", "RSS increase MiB",
+         "Jacobian evals", "fwd+bwd s", "compression s", "ghost s", "io s", "other s", "total s", "layer paths"],
+        rows) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Entry point
+# ------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small smoke configuration (< 1 minute)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output; the tables go next to it as .md")
+    ap.add_argument("--parts", default="AB", help="which parts to run: A, B or AB")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--repeats", type=int, default=1, help="part A: timed calls per method (best is kept)")
+    ap.add_argument("--a-m", type=int, default=None, help="part A samples m (default 64; quick 16)")
+    ap.add_argument("--a-T", type=int, default=None, help="part A sequence length T (default 128; quick 32)")
+    ap.add_argument("--a-r", type=int, default=None, help="part A compression rank r (default 32; quick 8)")
+    ap.add_argument("--sizes", nargs="*", choices=sorted(MODEL_SIZES), help="part B model sizes")
+    ap.add_argument("--b-m", type=int, default=None, help="part B replay samples m (default 32; quick 8)")
+    ap.add_argument("--b-T", type=int, default=None, help="part B replay length T (default 64; quick 16)")
+    ap.add_argument("--b-r", type=int, default=None, help="part B rank r (default 32; quick 8)")
+    ap.add_argument("--tau", type=float, default=0.0, help="part B JANUS tau (0 = single step, 2 Jacobian evals)")
+    ap.add_argument("--max-steps", type=int, default=10, help="part B JanusConfig.max_steps")
+    ap.add_argument("--batch-size", type=int, default=8, help="part B replay_batch_size")
+    ap.add_argument("--delta-scale", type=float, default=0.05,
+                    help="part B fake fine-tune: ΔW = scale * std(W) * N(0, 1) on every target weight")
+    ap.add_argument("--_part-a", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_single-model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    defaults = {"a_m": (64, 16), "a_T": (128, 32), "a_r": (32, 8), "b_m": (32, 8), "b_T": (64, 16), "b_r": (32, 8)}
+    for key, (full, quick) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    # Hidden worker modes: one isolated measurement, result to --_result.
+    if args._part_a or args._single_model:
+        result = run_part_a(args) if args._part_a else run_single_model(args, args._single_model)
+        with open(args._result, "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+        return
+
+    start = time.perf_counter()
+    out: dict[str, Any] = {"machine": machine_info(), "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                              for k, v in vars(args).items() if not k.startswith("_")}}
+    tables = []
+    if "A" in args.parts.upper():
+        out["part_a"] = run_subprocess(common_flags(args) + ["--_part-a"], MALLOC_ENV)
+        tables.append(part_a_tables(out["part_a"]))
+        print(tables[-1], flush=True)
+    if "B" in args.parts.upper():
+        out["part_b"] = run_part_b(args)
+        tables.append(part_b_table(out["part_b"]))
+        print(tables[-1], flush=True)
+    out["total_seconds"] = time.perf_counter() - start
+    footer = (f"Machine: {out['machine']['cpu_model']}, {out['machine']['cpu_count_logical']} CPUs, torch "
+              f"{out['machine']['torch']} ({out['machine']['torch_threads']} threads). "
+              f"Total benchmark time {out['total_seconds']:.0f} s.\n")
+    print(footer)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    args.out.with_suffix(".md").write_text("\n".join(tables) + "\n" + footer, encoding="utf-8")
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
