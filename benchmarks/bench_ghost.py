@@ -17,7 +17,10 @@ Part B - end-to-end ``hf_janus.rectify`` wall time and peak RSS vs model size (r
     models of ~10M/50M/125M parameters, a fake fine-tune, a random-token replay). Every size runs in a
     fresh subprocess so its peak RSS is its own.
 
-Run ``python benchmarks/bench_ghost.py`` (full, ~15 min on 2 cores) or ``--quick`` (smoke, < 1 min).
+Run ``python benchmarks/bench_ghost.py`` (full: ~4 min on an idle 2-core machine) or ``--quick`` (smoke,
+~30 s). Timings are wall-clock; the CPU time other processes used meanwhile is recorded next to each one,
+because on a shared machine a busy neighbour can slow small multi-threaded LAPACK calls by orders of
+magnitude.
 """
 
 from __future__ import annotations
@@ -68,19 +71,18 @@ MODEL_SIZES = {
 FULL_SIZES = ["10M", "50M", "125M"]
 QUICK_SIZES = ["3M", "7M"]
 
-# glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold in the heap, so RSS would not
-# drop after a tensor is freed and "peak RSS - baseline" would under-count the next measurement. A fixed
-# threshold makes every allocation >= 1 MiB its own mapping that is returned to the OS on free.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
-
-
 # ------------------------------------------------------------------------------------------------------
 # Measurement helpers
 # ------------------------------------------------------------------------------------------------------
 
 
 def release_free_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS so the next baseline RSS is honest."""
+    """Collect garbage and hand freed heap pages back to the OS so the next baseline RSS is honest.
+
+    glibc keeps freed blocks below its dynamic mmap threshold (up to 32 MiB) in the heap; without the trim the
+    pages of the previous measurement would sit in the baseline and be reused unseen. (Forcing every block
+    into its own mapping with MALLOC_MMAP_THRESHOLD_ instead slowed LAPACK-heavy calls 5-10x here.)
+    """
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -127,24 +129,58 @@ class PeakRSS:
         return self.peak - self.baseline
 
 
+class OtherCpu:
+    """CPU time that *other* processes used while a block ran: this machine may be shared, and a busy
+    neighbour inflates wall times (OpenMP threads wait for descheduled peers). Recorded next to every
+    timing so a reader can tell a clean measurement from a contended one."""
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+
+    @staticmethod
+    def _own() -> float:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + children.ru_utime + children.ru_stime
+
+    def __enter__(self) -> "OtherCpu":
+        self._busy0, self._own0, self._wall0 = self._busy(), self._own(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wall = time.perf_counter() - self._wall0
+        self.own_cpu = self._own() - self._own0
+        self.other_cpu = max(0.0, self._busy() - self._busy0 - self.own_cpu)
+
+    @property
+    def other_cores(self) -> float:
+        """Mean number of cores busy with other processes during the block (kernel counters tick every
+        10 ms, so this is only meaningful for blocks well above that; clipped to the core count)."""
+        return min(self.other_cpu / self.wall, float(os.cpu_count() or 1)) if self.wall > 0 else 0.0
+
+
 @dataclass
 class Measured:
     value: Any
     seconds: float
     peak_delta_bytes: int
+    other_cores: float  # mean cores used by other processes during the best call
 
 
 def measure(fn: Callable[[], Any], repeats: int = 1) -> Measured:
     """Best wall time over ``repeats`` calls and the largest peak-RSS increase seen in any of them."""
-    best, peak, value = float("inf"), 0, None
+    best, peak, other, value = float("inf"), 0, 0.0, None
     for _ in range(repeats):
         value = None  # drop the previous result so it does not sit in the next baseline
-        with PeakRSS() as mon:
+        with PeakRSS() as mon, OtherCpu() as cpu:
             start = time.perf_counter()
             value = fn()
             seconds = time.perf_counter() - start
-        best, peak = min(best, seconds), max(peak, mon.delta)
-    return Measured(value, best, peak)
+        if seconds < best:
+            best, other = seconds, cpu.other_cores
+        peak = max(peak, mon.delta)
+    return Measured(value, best, peak, other)
 
 
 def machine_info() -> dict[str, Any]:
@@ -231,7 +267,8 @@ def bench_layer(d_in: int, d_out: int, m: int, T: int, r: int, repeats: int, see
     explicit = measure(lambda: explicit_projection(x, a, delta), repeats)
     proj_e, jac = explicit.value
     explicit.value = None
-    ghost_full = measure(lambda: janus_projection(x, a, delta, "ghost"), repeats)
+    # rank=None keeps all T rows: the engine's exact, uncompressed setting.
+    ghost_full = measure(lambda: janus_projection(*compress_sequence(x, a, None), delta, "ghost"), repeats)
     compress = measure(lambda: compress_sequence(x, a, r), repeats)
     x_hat, a_hat = compress.value
     ghost_r = measure(lambda: janus_projection(x_hat, a_hat, delta, "ghost"), repeats)
@@ -261,6 +298,10 @@ def bench_layer(d_in: int, d_out: int, m: int, T: int, r: int, repeats: int, see
             "compress": compress.peak_delta_bytes, "ghost_r": ghost_r.peak_delta_bytes,
             "materialized_r": mat_r.peak_delta_bytes,
         },
+        "other_processes_cores": {
+            "explicit": explicit.other_cores, "ghost_full": ghost_full.other_cores, "compress": compress.other_cores,
+            "ghost_r": ghost_r.other_cores, "materialized_r": mat_r.other_cores,
+        },
         "errors": {
             "explicit": errors(proj_e), "ghost_full": errors(ghost_full.value),
             "ghost_r": errors(ghost_r.value), "materialized_r": errors(mat_r.value),
@@ -280,7 +321,7 @@ def bench_layer(d_in: int, d_out: int, m: int, T: int, r: int, repeats: int, see
 
 
 def run_part_a(args: argparse.Namespace) -> dict[str, Any]:
-    shapes = QUICK_SHAPES if args.quick else GPT2_SHAPES
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else GPT2_SHAPES)
     m, T, r = args.a_m, args.a_T, args.a_r
     # Warm-up on a tiny layer: thread pools, LAPACK and torch.func initialisation stay out of the timings.
     bench_layer(32, 48, 4, 8, 2, 1, seed=123)
@@ -294,8 +335,8 @@ def run_part_a(args: argparse.Namespace) -> dict[str, Any]:
                      "dtype_products": "float64", "rcond": RCOND, "shapes": shapes},
         "memory_method": (
             "peak process RSS sampled every 5 ms by a psutil thread during the call, minus the RSS just before "
-            "it (after gc + malloc_trim); worker runs with MALLOC_MMAP_THRESHOLD_=1MiB so freed tensors leave "
-            "RSS. Includes the call's float64 copies of its inputs and its output."
+            "it (after gc + malloc_trim, so freed pages of earlier calls are not in the baseline). Includes the "
+            "call's float64 copies of its inputs and its output; blocks freed and reused inside the call count once."
         ),
         "time_method": f"best wall time of {args.repeats} call(s), torch threads = {torch.get_num_threads()}",
         "rows": rows,
@@ -343,13 +384,16 @@ def run_single_model(args: argparse.Namespace, size: str) -> dict[str, Any]:
     replay = random_replay(args.b_m, args.b_T, model.config.vocab_size, args.seed + 2)
     config = hf_janus.JanusConfig(rank=args.b_r, tau=args.tau, max_steps=args.max_steps,
                                   replay_batch_size=args.batch_size, seed=args.seed)
-    with PeakRSS(interval_s=0.005) as mon:
+    with PeakRSS(interval_s=0.005) as mon, OtherCpu() as cpu:
         start = time.perf_counter()
         report = hf_janus.rectify(model, reference, replay, config, progress=False)
         wall = time.perf_counter() - start
     timings = dict(report.timings)
     phases = ("forward_backward", "compression", "ghost", "io")
+    # "other": inside Rectifier.run but in no phase (weight writes, bookkeeping); "setup": rectify() before
+    # run() starts its clock (replay collation, target resolution, θ0/backup copies).
     timings["other"] = timings.get("total", wall) - sum(timings.get(k, 0.0) for k in phases)
+    timings["setup"] = wall - timings.get("total", wall)
     paths = [layer.path for layer in report.layers]
     residuals = [layer.residual for layer in report.layers if layer.residual is not None]
     return {
@@ -361,6 +405,8 @@ def run_single_model(args: argparse.Namespace, size: str) -> dict[str, Any]:
         "m": args.b_m, "T": args.b_T, "r": args.b_r, "tau": args.tau, "max_steps": args.max_steps,
         "replay_batch_size": args.batch_size,
         "wall_seconds": wall,
+        "cpu_seconds": cpu.own_cpu,
+        "other_processes_cores": cpu.other_cores,
         "rss_baseline_bytes": mon.baseline,
         "rss_peak_bytes": mon.peak,
         "rss_peak_delta_bytes": mon.delta,
@@ -378,12 +424,12 @@ def run_single_model(args: argparse.Namespace, size: str) -> dict[str, Any]:
     }
 
 
-def run_subprocess(flag_args: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
+def run_subprocess(flag_args: list[str]) -> dict[str, Any]:
     """Re-invoke this script for an isolated measurement; the child writes its JSON to a temp file."""
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         cmd = [sys.executable, str(Path(__file__).resolve()), *flag_args, "--_result", result]
-        subprocess.run(cmd, check=True, env={**os.environ, **env_extra})
+        subprocess.run(cmd, check=True)
         with open(result, encoding="utf-8") as fh:
             return json.load(fh)
 
@@ -396,6 +442,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
              "--delta-scale", str(args.delta_scale)]
     if args.threads:
         flags += ["--threads", str(args.threads)]
+    if args.shapes:
+        flags += ["--shapes", ",".join(f"{i}x{o}" for i, o in args.shapes)]
     return flags + (["--quick"] if args.quick else [])
 
 
@@ -404,7 +452,7 @@ def run_part_b(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for size in sizes:
         start = time.perf_counter()
-        rows.append(run_subprocess(common_flags(args) + ["--_single-model", size], {}))
+        rows.append(run_subprocess(common_flags(args) + ["--_single-model", size]))
         print(f"[part B] {size}: {time.perf_counter() - start:.1f}s (incl. process start)", file=sys.stderr,
               flush=True)
     return {
@@ -445,7 +493,7 @@ def part_a_tables(part: dict[str, Any]) -> str:
             shape, f"{s['explicit']:.2f}", f"{s['ghost_full']:.2f}", f"{s['compress']:.2f}", f"{s['ghost_r']:.2f}",
             f"{s['materialized_r']:.2f}", f"{q['time_explicit_over_ghost_full']:.2f}x",
             f"{q['time_explicit_over_ghost_r']:.2f}x", f"{q['time_explicit_over_compress_plus_ghost_r']:.2f}x",
-            row["engine_auto_path_at_r"],
+            row["engine_auto_path_at_r"], f"{max(row['other_processes_cores'].values()):.2f}",
         ])
         mem_rows.append([
             shape, mib(row["explicit_J_bytes"]), mib(p["explicit"]), mib(p["ghost_full"]), mib(p["compress"]),
@@ -463,7 +511,8 @@ def part_a_tables(part: dict[str, Any]) -> str:
         ])
     t = md_table(["d_in x d_out", "explicit s", f"ghost T={st['T']} s", f"compress r={st['r']} s",
                   f"ghost r={st['r']} s", f"materialized r={st['r']} s", "explicit / ghost T (equal error)",
-                  "explicit / ghost r", "explicit / (compress + ghost r)", "engine auto path at r"], time_rows)
+                  "explicit / ghost r", "explicit / (compress + ghost r)", "engine auto path at r",
+                  "max cores busy with other processes"], time_rows)
     mm = md_table(["d_in x d_out", "size of J MiB", "explicit MiB", f"ghost T={st['T']} MiB",
                    f"compress MiB", f"ghost r={st['r']} MiB", f"materialized r={st['r']} MiB",
                    "explicit / ghost T", "explicit / ghost r"], mem_rows)
@@ -492,13 +541,19 @@ def part_b_table(part: dict[str, Any]) -> str:
             row["size"], f"{row['params']:,}", f"{row['target_layers']} ({row['target_params'] / 1e6:.1f}M)",
             f"{row['wall_seconds']:.1f}", mib(row["rss_peak_bytes"]), mib(row["rss_peak_delta_bytes"]),
             str(row["num_jacobian_evals"]), f"{t.get('forward_backward', 0):.2f}", f"{t.get('compression', 0):.2f}",
-            f"{t.get('ghost', 0):.2f}", f"{t.get('io', 0):.2f}", f"{t['other']:.2f}", f"{t.get('total', 0):.2f}",
-            paths,
+            f"{t.get('ghost', 0):.2f}", f"{t.get('io', 0):.2f}", f"{t['other']:.2f}", f"{t['setup']:.2f}",
+            f"{t.get('total', 0):.2f}",
+            paths, f"{row['other_processes_cores']:.2f}",
         ])
+    notes = ("\nPhases are `report.timings` (total = Rectifier.run); setup = rectify() before run() starts "
+             "(replay collation, weight copies), so wall = setup + total. Peak RSS is the whole process "
+             "(model, θ0 copy, replay included); RSS increase is over the RSS just before rectify().\n")
     return head + md_table(
         ["model", "params", "target layers (weights)", "wall s", "peak RSS MiB", "RSS increase MiB",
-         "Jacobian evals", "fwd+bwd s", "compression s", "ghost s", "io s", "other s", "total s", "layer paths"],
-        rows) + "\n"
+         "Jacobian evals", "fwd+bwd s", "compression s", "ghost s", "io s", "other s", "setup s", "total s",
+         "layer paths",
+         "cores busy with other processes"],
+        rows) + "\n" + notes
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -506,27 +561,40 @@ def part_b_table(part: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------------
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",") if item]  # type: ignore
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shapes must look like 768x768,768x3072; got {text!r}") from None
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small smoke configuration (< 1 minute)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output; the tables go next to it as .md")
-    ap.add_argument("--parts", default="AB", help="which parts to run: A, B or AB")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    ap.add_argument("--repeats", type=int, default=1, help="part A: timed calls per method (best is kept)")
-    ap.add_argument("--a-m", type=int, default=None, help="part A samples m (default 64; quick 16)")
-    ap.add_argument("--a-T", type=int, default=None, help="part A sequence length T (default 128; quick 32)")
-    ap.add_argument("--a-r", type=int, default=None, help="part A compression rank r (default 32; quick 8)")
-    ap.add_argument("--sizes", nargs="*", choices=sorted(MODEL_SIZES), help="part B model sizes")
-    ap.add_argument("--b-m", type=int, default=None, help="part B replay samples m (default 32; quick 8)")
-    ap.add_argument("--b-T", type=int, default=None, help="part B replay length T (default 64; quick 16)")
-    ap.add_argument("--b-r", type=int, default=None, help="part B rank r (default 32; quick 8)")
-    ap.add_argument("--tau", type=float, default=0.0, help="part B JANUS tau (0 = single step, 2 Jacobian evals)")
-    ap.add_argument("--max-steps", type=int, default=10, help="part B JanusConfig.max_steps")
-    ap.add_argument("--batch-size", type=int, default=8, help="part B replay_batch_size")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="JSON output; the tables go next to it as .md (default: benchmarks/results/bench_ghost.json)")
+    ap.add_argument("--parts", default="AB", help="which parts to run: A, B or AB (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of all random data (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch default (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="part A: timed calls per method, the best is kept (default: %(default)s)")
+    ap.add_argument("--shapes", type=parse_shapes, default=None,
+                    help="part A layer shapes as d_inxd_out,... (default: 768x768,768x2304,768x3072,3072x768)")
+    ap.add_argument("--a-m", type=int, default=None, help="part A samples m (default: 64; quick 16)")
+    ap.add_argument("--a-T", type=int, default=None, help="part A sequence length T (default: 128; quick 32)")
+    ap.add_argument("--a-r", type=int, default=None, help="part A compression rank r (default: 32; quick 8)")
+    ap.add_argument("--sizes", nargs="+", choices=list(MODEL_SIZES),
+                    help=f"part B model sizes (default: {' '.join(FULL_SIZES)}; quick {' '.join(QUICK_SIZES)})")
+    ap.add_argument("--b-m", type=int, default=None, help="part B replay samples m (default: 32; quick 8)")
+    ap.add_argument("--b-T", type=int, default=None, help="part B replay length T (default: 64; quick 16)")
+    ap.add_argument("--b-r", type=int, default=None, help="part B rank r (default: 32; quick 8)")
+    ap.add_argument("--tau", type=float, default=0.0,
+                    help="part B JANUS tau; 0 = single step, 2 Jacobian evaluations (default: %(default)s)")
+    ap.add_argument("--max-steps", type=int, default=10, help="part B JanusConfig.max_steps (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=8, help="part B replay_batch_size (default: %(default)s)")
     ap.add_argument("--delta-scale", type=float, default=0.05,
-                    help="part B fake fine-tune: ΔW = scale * std(W) * N(0, 1) on every target weight")
+                    help="part B fake fine-tune: ΔW = scale * std(W) * N(0, 1) on every target weight "
+                         "(default: %(default)s)")
     ap.add_argument("--_part-a", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_single-model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)
@@ -550,22 +618,26 @@ def main(argv: Optional[list[str]] = None) -> None:
             json.dump(result, fh)
         return
 
-    start = time.perf_counter()
     out: dict[str, Any] = {"machine": machine_info(), "args": {k: (str(v) if isinstance(v, Path) else v)
                                                               for k, v in vars(args).items() if not k.startswith("_")}}
     tables = []
-    if "A" in args.parts.upper():
-        out["part_a"] = run_subprocess(common_flags(args) + ["--_part-a"], MALLOC_ENV)
-        tables.append(part_a_tables(out["part_a"]))
-        print(tables[-1], flush=True)
-    if "B" in args.parts.upper():
-        out["part_b"] = run_part_b(args)
-        tables.append(part_b_table(out["part_b"]))
-        print(tables[-1], flush=True)
-    out["total_seconds"] = time.perf_counter() - start
+    with OtherCpu() as overall:
+        if "A" in args.parts.upper():
+            out["part_a"] = run_subprocess(common_flags(args) + ["--_part-a"])
+            tables.append(part_a_tables(out["part_a"]))
+            print(tables[-1], flush=True)
+        if "B" in args.parts.upper():
+            out["part_b"] = run_part_b(args)
+            tables.append(part_b_table(out["part_b"]))
+            print(tables[-1], flush=True)
+    out["total_seconds"] = overall.wall
+    out["other_processes_cpu_seconds"] = overall.other_cpu
+    out["other_processes_mean_cores"] = overall.other_cores
     footer = (f"Machine: {out['machine']['cpu_model']}, {out['machine']['cpu_count_logical']} CPUs, torch "
               f"{out['machine']['torch']} ({out['machine']['torch_threads']} threads). "
-              f"Total benchmark time {out['total_seconds']:.0f} s.\n")
+              f"Total benchmark time {out['total_seconds']:.0f} s; other processes kept "
+              f"{out['other_processes_mean_cores']:.2f} of the cores busy on average (shared machine: timings taken "
+              f"while they ran are inflated).\n")
     print(footer)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,13 @@ from torch import Tensor
 
 Path = Literal["ghost", "materialized"]
 
+# The materialized path's FLOPs are dearer than the ghost path's: building the per-sample gradients is a
+# memory-bound batched product (inner dimension r) writing m x d_out x d_in float64 values, and they are
+# rebuilt for each use because keeping every layer's would hold the whole Jacobian. Measured with
+# benchmarks/bench_ghost.py (m=32, r=32, 512..3072-wide layers) ghost was 1.4-1.7x faster where raw FLOPs
+# favoured materializing by up to 1.5x, hence a factor of 4.
+MATERIALIZED_COST_FACTOR = 4
+
 # Upper bound on the elements of one ghost Gram block (m_chunk x r x m x r), to bound peak memory.
 _GRAM_BLOCK_ELEMS = 1 << 24
 
@@ -154,10 +161,11 @@ def choose_path(m: int, r: int, d_in: int, d_out: int, bytes_per_elem: int, max_
     """Pick the exact path with fewer FLOPs for the Gram, the dominant cost.
 
     Ghost: ``m² r² (d_in + d_out)``. Materialized: ``m r d_in d_out`` to build the per-sample gradients
-    plus ``m² d_in d_out`` for their Gram, and only if the ``m d_in d_out`` tensor fits ``max_bytes``.
+    plus ``m² d_in d_out`` for their Gram, weighted by :data:`MATERIALIZED_COST_FACTOR`, and only if the
+    ``m d_in d_out`` tensor fits ``max_bytes``.
     """
     ghost = m * m * r * r * (d_in + d_out)
-    materialized = m * r * d_in * d_out + m * m * d_in * d_out
+    materialized = MATERIALIZED_COST_FACTOR * (m * r * d_in * d_out + m * m * d_in * d_out)
     fits = m * d_in * d_out * bytes_per_elem <= max_bytes
     return "materialized" if fits and materialized < ghost else "ghost"
 

@@ -115,7 +115,8 @@ def resolve_target_modules(
                     unsupported.append(f"{name} ({type(module).__name__})")
                 else:
                     selected[name] = module
-        if unsupported:
+        # A regex may sweep over activations and norms on its way; only names given one by one must all be layers.
+        if unsupported and (not isinstance(target_modules, str) or not selected):
             raise JanusError(
                 f"target_modules selects layer(s) JANUS cannot rectify: {', '.join(unsupported[:5])}. Supported "
                 f"layer types: {', '.join(supported_layer_names())}. Narrow target_modules to those layers."

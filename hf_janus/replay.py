@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Iterable, Optional
 
@@ -90,8 +91,9 @@ def _normalize_batch(batch: Any, index: int) -> dict[str, Tensor]:
 def prepare_replay(replay: Any, batch_size: int) -> list[dict[str, Tensor]]:
     """Normalize ``replay`` into a list of batches ``{input_ids, attention_mask[, labels]}`` on the CPU.
 
-    ``replay`` may be a ``datasets.Dataset``, a list of dicts (one sample each), or a
-    ``torch.utils.data.DataLoader`` (or any iterable of batch dicts, used as given).
+    ``replay`` may be a ``datasets.Dataset``, a list of dicts (one sample each, padded here), a list of
+    pre-collated batch dicts (2-D ``input_ids``), or a ``torch.utils.data.DataLoader`` (or any iterable of
+    batch dicts), used as given.
     """
     if replay is None:
         raise JanusError("replay is None: pass the past-task samples to replay (a Dataset, list of dicts or DataLoader)")
@@ -101,6 +103,8 @@ def prepare_replay(replay: Any, batch_size: int) -> list[dict[str, Tensor]]:
         raise JanusError(
             "replay is a single dict; pass a list of samples, a datasets.Dataset or a DataLoader of batches"
         )
+    elif _is_sample_sequence(replay) and len(replay) > 0 and _is_batch(replay[0]):
+        batches = [_normalize_batch(b, i) for i, b in enumerate(replay)]
     elif _is_sample_sequence(replay):
         samples = replay
         n = len(samples)
@@ -114,20 +118,30 @@ def prepare_replay(replay: Any, batch_size: int) -> list[dict[str, Tensor]]:
     return batches
 
 
-def _is_sample_sequence(replay: Any) -> bool:
-    try:
-        import datasets
+def _is_batch(item: Any) -> bool:
+    """A dict whose input_ids are already 2-D (batch, seq): a pre-collated batch, not one sample."""
+    if not isinstance(item, Mapping) or "input_ids" not in item:
+        return False
+    ids = item["input_ids"]
+    if isinstance(ids, Tensor):
+        return ids.dim() == 2
+    return isinstance(ids, (list, tuple)) and len(ids) > 0 and isinstance(ids[0], (list, tuple, Tensor))
 
-        if isinstance(replay, datasets.Dataset):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
+
+def _is_sample_sequence(replay: Any) -> bool:
+    datasets = sys.modules.get("datasets")  # a Dataset can only exist if the library is already imported
+    if datasets is not None and isinstance(replay, datasets.Dataset):
+        return True
     return isinstance(replay, Sequence) and not isinstance(replay, (str, bytes))
 
 
 def loss_targets(batch: Mapping[str, Tensor]) -> Tensor:
-    """Next-token targets aligned with ``logits[:, :-1]``: labels if given, else every non-pad token."""
+    """Next-token targets aligned with ``logits[:, :-1]``: labels if given, else every non-pad token.
+
+    A token predicted from a padding position (the first real token after left padding) never counts.
+    """
+    mask = batch["attention_mask"]
     labels: Optional[Tensor] = batch.get("labels")
     if labels is None:
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
-    return labels[:, 1:]
+        labels = batch["input_ids"].masked_fill(mask == 0, IGNORE_INDEX)
+    return labels[:, 1:].masked_fill(mask[:, :-1] == 0, IGNORE_INDEX)

@@ -6,6 +6,13 @@ speaks the subset of the Hub HTTP protocol that the *real* ``huggingface_hub`` 2
 ``peft`` and ``datasets`` clients use (see ``/work/shared/docs/hub-protocol.md``). It is standard library
 only, apart from PyYAML (already a hard dependency of ``huggingface_hub``) to parse README front matter.
 
+Checked with huggingface_hub 2.4.0, transformers 5.23, peft 0.21 and datasets 5.2: ``create_repo``,
+``upload_file``/``upload_folder``/``create_commit``, ``push_to_hub`` of transformers and peft models,
+``hf_hub_download``, ``snapshot_download``, ``from_pretrained`` (online, and offline from the cache it filled),
+``PeftModel.from_pretrained(base, repo_id)``, ``datasets.load_dataset(repo_id)`` of a jsonl dataset repo (via
+``HfFileSystem``: revision info, tree listing, resolve), ``model_info``/``dataset_info``, ``list_repo_commits``,
+``list_repo_refs``, ``list_repo_tree``, ``get_paths_info``, ``file_exists``/``repo_exists``, branches and tags.
+
 What it implements
 ------------------
 * repos of type ``model``, ``dataset`` and ``space`` (``create_repo`` / ``delete_repo`` /
@@ -30,8 +37,9 @@ What it implements
 * auth: ``LocalHub(token="hf_x")`` makes every write (and ``whoami``) require ``Authorization: Bearer hf_x``;
   anything else gets ``401`` with a JSON ``{"error": ...}`` body and ``X-Error-Message: Invalid credentials in
   Authorization header``, which the client raises as a plain ``HfHubHTTPError`` (``.response.status_code ==
-  401``). Reads stay anonymous unless the repo is private or ``read_requires_token=True`` (then a missing or
-  wrong token reads as ``RepoNotFound`` -> ``RepositoryNotFoundError``, as on the Hub).
+  401``). Reads stay anonymous unless the repo is private or ``read_requires_token=True``; then (and only if
+  the hub has a token) a missing or wrong token reads as ``RepoNotFound`` -> ``RepositoryNotFoundError``, as on
+  the Hub.
 
 Not implemented: Xet storage (clients must run with ``HF_HUB_DISABLE_XET=1``: with Xet on, uploads ask for
 ``/xet-write-token`` and never fall back to LFS -- the server answers 400 with an explanation), pull requests
@@ -65,22 +73,31 @@ keep the endpoint they were created with. Two ways work, both exercised by ``tes
    ``huggingface_hub.hf_api.api.endpoint``, ``transformers.utils.hub._hf_api`` (reset so it is rebuilt),
    ``datasets.config`` (``HF_ENDPOINT``, ``HUB_DATASETS_URL``, ``HUB_DATASETS_HFFS_URL``, caches, offline), the
    ``HfFileSystem`` instance cache, and the environment variables (``HF_TOKEN``, ``HF_ENDPOINT``, ...). It also
-   closes ``huggingface_hub``'s pooled connections on exit. Use it as::
+   closes ``huggingface_hub``'s pooled connections on entry and exit, and imports ``datasets.config`` first
+   (when datasets is installed) so that it is patched rather than first imported inside the block and left
+   pointing at the hub afterwards. Use it as::
 
        with LocalHub() as hub, patch_hub_clients(hub, tmp_path / "hf_home"):
            model.push_to_hub("me/tiny")
            AutoModelForCausalLM.from_pretrained("me/tiny")
 
+   Client code must not run in other threads while the block is active (the patches are process-wide).
    If a future client caches something else, fall back to the subprocess path.
 
 Lifecycle
 ---------
 ``LocalHub()`` creates its storage in a temporary directory (or ``root=``); ``start()`` binds a random free
-port (``hub.endpoint`` is ``http://127.0.0.1:PORT``) and ``stop()`` closes the listening socket *and* every
-open keep-alive connection, so clients then get ``httpx.ConnectError`` (a "dead server"). ``start()`` after
-``stop()`` serves the same repos again on the same port; ``close()`` (or leaving the ``with`` block) stops the
-server and deletes the storage it created. ``hub.requests`` logs ``(method, path, status)`` of every request.
-Repos can also be seeded without HTTP: ``hub.create_repo(...)``, ``hub.commit(...)``, ``hub.read_file(...)``.
+port (``hub.endpoint`` is ``http://127.0.0.1:PORT``); ``stop()`` (alias ``kill()``) closes the listening
+socket *and* severs every open keep-alive connection -- otherwise the clients' connection pools would still be
+answered by the old handler threads -- so clients then get a connection error, as from a dead Hub
+(``httpx2.ConnectError``: huggingface_hub 2.4 uses the ``httpx2`` package). Some client calls retry connection
+errors with backoff (``http_backoff``, up to ~20 s: tree listing, preupload, LFS); ``model_info`` fails and
+``hf_hub_download`` falls back to the cache at once. ``start()`` after ``stop()`` serves the same repos again on
+the same port; ``close()`` (or leaving the ``with`` block) stops the server and deletes the storage it created.
+
+``hub.requests`` logs ``(method, path, status)`` of every request; ``hub.fail_next = [True, False, ...]``
+answers the next requests with ``hub.fail_status`` (503) or normally. Repos can be seeded and inspected
+without HTTP: ``hub.create_repo``, ``hub.commit``, ``hub.read_file``, ``hub.list_files``, ``hub.list_commits``.
 """
 
 from __future__ import annotations
@@ -139,7 +156,7 @@ DEFAULT_GITATTRIBUTES = "".join(
         "*.pickle", "*.pkl", "*.pt", "*.pth", "*.rar", "*.safetensors", "saved_model/**/*", "*.tar.*",
         "*.tar", "*.tflite", "*.tgz", "*.wasm", "*.xz", "*.zip", "*.zst", "*tfevents*",
     )
-)  # fmt: skip
+)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -313,11 +330,12 @@ class HubStorage:
             raise HubError(400, f"Invalid repo id: {repo_id!r} (expected 'namespace/name')")
         with self.lock:
             if (repo_type, repo_id) in self.repos:
-                raise HubError(409, f"You already created this {repo_type} repo", url=self.repo_url_path(repo_type, repo_id))
+                url = self.repo_url_path(repo_type, repo_id)
+                raise HubError(409, f"You already created this {repo_type} repo", url=url)
             repo = Repo(repo_type, repo_id, private, _now())
             self.repos[(repo_type, repo_id)] = repo
             self.commit(repo, "main", {".gitattributes": DEFAULT_GITATTRIBUTES.encode()}, title="initial commit",
-                        author="system")  # fmt: skip
+                        author="system")
             return repo
 
     def delete_repo(self, repo_type: str, repo_id: str) -> None:
@@ -376,7 +394,7 @@ class HubStorage:
                     raise HubError.revision_not_found(branch)
                 head = repo.commits[repo.branches[branch]]
                 if parent_commit is not None and parent_commit != head.oid:
-                    raise HubError(412, f"A commit has happened since. Please refresh and try again. ({parent_commit} is not the head of {branch})")  # fmt: skip
+                    raise HubError(412, f"A commit has happened since: {parent_commit} is not the head of {branch}")
             files = dict(head.files) if head else {}
             if isinstance(operations, Mapping):
                 items: list[dict[str, Any]] = []
@@ -395,7 +413,7 @@ class HubStorage:
                 self._apply(files, item)
             self._counter += 1
             seed = json.dumps([repo.repo_id, head.oid if head else None, title, message, self._counter,
-                               sorted((p, e.sha256) for p, e in files.items()), secrets.token_hex(8)])  # fmt: skip
+                               sorted((p, e.sha256) for p, e in files.items()), secrets.token_hex(8)])
             new = Commit(
                 oid=hashlib.sha1(seed.encode()).hexdigest(),
                 parent=head.oid if head else None,
@@ -501,7 +519,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # requests are recorded in hub.requests instead of stderr
 
     def log_request(self, code: Any = "-", size: Any = "-") -> None:
-        self.hub.requests.append((self.command, self.path, int(code) if str(code).isdigit() else code))
+        self.hub.requests.append((self.command, self.path, int(code) if isinstance(code, int) else code))
 
     def do_GET(self) -> None:
         self._dispatch()
@@ -546,8 +564,15 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as err:
             raise HubError(400, f"Invalid JSON body: {err}") from err
 
-    def _send(self, status: int, body: bytes = b"", *, headers: Mapping[str, str] | None = None,
-              content_type: str = "application/json; charset=utf-8", content_length: int | None = None) -> None:  # fmt: skip
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        *,
+        headers: Mapping[str, str] | None = None,
+        content_type: str = "application/json; charset=utf-8",
+        content_length: int | None = None,
+    ) -> None:
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
@@ -695,7 +720,7 @@ class _Handler(BaseHTTPRequestHandler):
             "type": "user", "id": hashlib.sha1(name.encode()).hexdigest()[:24], "name": name, "fullname": name,
             "email": f"{name}@localhost", "emailVerified": True, "isPro": False, "orgs": [],
             "auth": {"type": "access_token", "accessToken": {"displayName": "local-hub", "role": "write"}},
-        })  # fmt: skip
+        })
 
     def _validate_yaml(self) -> None:
         body = self._json_body()
@@ -799,7 +824,7 @@ class _Handler(BaseHTTPRequestHandler):
             {"id": c.oid, "title": c.title, "message": c.message, "date": _iso(c.date),
              "authors": [{"user": c.author}]}
             for c in history
-        ])  # fmt: skip
+        ])
 
     def _refs(self, repo_type: str, repo_id: str) -> None:
         repo = self._readable_repo(repo_type, repo_id)
@@ -861,7 +886,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "uploadMode": "lfs" if self.store.is_lfs_path(commit, path, size) else "regular",
                 "shouldIgnore": False,
                 "oid": existing.preupload_oid if existing else None,
-            })  # fmt: skip
+            })
         self._send_json({"files": files, "commitOid": commit.oid})
 
     def _lfs_batch(self, repo_type: str, repo_id: str) -> None:
@@ -883,9 +908,9 @@ class _Handler(BaseHTTPRequestHandler):
                 objects.append({"oid": oid, "size": size, "authenticated": True, "actions": {
                     "upload": {"href": f"{self.hub.endpoint}/_lfs/upload/{oid}?secret={secret}", "header": {}},
                     "verify": {"href": f"{self.hub.endpoint}/_lfs/verify?secret={secret}", "header": {}},
-                }})  # fmt: skip
+                }})
         self._send(200, json.dumps({"transfer": "basic", "objects": objects, "hash_algo": "sha256"}).encode(),
-                   content_type="application/vnd.git-lfs+json")  # fmt: skip
+                   content_type="application/vnd.git-lfs+json")
 
     def _check_upload_secret(self) -> None:
         if self.query.get("secret", [""])[0] != self.hub.upload_secret:
@@ -1032,7 +1057,7 @@ class LocalHub:
         self._server = _Server((self.host, self.port), self)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"LocalHub:{self.port}", daemon=True)  # fmt: skip
+                                        name=f"LocalHub:{self.port}", daemon=True)
         self._thread.start()
         return self
 
@@ -1072,7 +1097,7 @@ class LocalHub:
         return self.endpoint + HubStorage.repo_url_path(repo_type, repo_id)
 
     def create_repo(self, repo_id: str, repo_type: str = "model", *, private: bool = False,
-                    exist_ok: bool = False) -> str:  # fmt: skip
+                    exist_ok: bool = False) -> str:
         """Create a repo directly in the store; returns its URL."""
         try:
             self.storage.create_repo(repo_type, repo_id, private=private)
@@ -1082,7 +1107,7 @@ class LocalHub:
         return self.url(repo_id, repo_type)
 
     def commit(self, repo_id: str, files: Mapping[str, bytes | str | None], *, repo_type: str = "model",
-               branch: str = "main", message: str = "Seed commit") -> str:  # fmt: skip
+               branch: str = "main", message: str = "Seed commit") -> str:
         """Commit ``{path: content}`` (``None`` deletes) directly; returns the new commit sha."""
         repo = self.storage.get_repo(repo_type, repo_id)
         ops = {p: (c.encode() if isinstance(c, str) else c) for p, c in files.items()}
@@ -1156,7 +1181,7 @@ class LocalHub:
             info["cardData"] = card
         if repo.repo_type == "model":
             info |= {"modelId": repo.repo_id, "library_name": library, "pipeline_tag": meta.get("pipeline_tag"),
-                     "spaces": []}  # fmt: skip
+                     "spaces": []}
             config = self._json_file(commit, "config.json")
             if isinstance(config, dict):
                 info["config"] = {k: config[k] for k in ("architectures", "model_type") if k in config}
@@ -1186,7 +1211,7 @@ class LocalHub:
             if expand:
                 out["lastCommit"] = self._last_commit(repo, commit, lambda c: c.files.get(path))
                 out["securityFileStatus"] = {"status": "safe", "avScan": {"virusFound": False, "virusNames": None},
-                                             "pickleImportScan": None}  # fmt: skip
+                                             "pickleImportScan": None}
             return out
         prefix = f"{path}/"
 
@@ -1194,7 +1219,7 @@ class LocalHub:
             return tuple(sorted((p, e.git_oid) for p, e in c.files.items() if p.startswith(prefix))) or None
 
         out = {"type": "directory", "oid": hashlib.sha1(repr(snapshot(commit)).encode()).hexdigest(), "size": 0,
-               "path": path}  # fmt: skip
+               "path": path}
         if expand:
             out["lastCommit"] = self._last_commit(repo, commit, snapshot)
         return out
@@ -1219,11 +1244,11 @@ _CLIENT_ENV_DROP = (
     "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
     "TRANSFORMERS_CACHE", "HF_DATASETS_CACHE", "HF_XET_CACHE", "HF_ASSETS_CACHE", "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_OIDC_RESOURCE", "HF_HUB_ENABLE_HF_TRANSFER",
-)  # fmt: skip
+)
 
 
 def client_env_overrides(hub: LocalHub, hf_home: str | os.PathLike[str], *, token: str | None = None,
-                         offline: bool = False) -> dict[str, str]:  # fmt: skip
+                         offline: bool = False) -> dict[str, str]:
     """The environment variables a Hub client needs to talk to ``hub`` (only the ones this sets)."""
     env = {
         "HF_ENDPOINT": hub.endpoint,
@@ -1248,7 +1273,7 @@ _DEFAULT_TOKEN = object()
 
 
 def hub_env(hub: LocalHub, tmp_path: str | os.PathLike[str], *, token: Any = _DEFAULT_TOKEN,
-            offline: bool = False, **extra: str) -> dict[str, str]:  # fmt: skip
+            offline: bool = False, **extra: str) -> dict[str, str]:
     """A full environment (``os.environ`` + overrides) for a subprocess that talks to ``hub``.
 
     ``HF_HOME`` is ``tmp_path/hf_home`` (created), so the cache starts empty and is private to the test; pass
@@ -1279,14 +1304,14 @@ def emit(value):
 
 
 def run_client(script: str, env: Mapping[str, str], *, timeout: float = 300, check: bool = True,
-               cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+               cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``script`` (dedented) in a fresh ``python`` with ``env``; an ``emit(value)`` helper is predefined.
 
     With ``check=True`` a non-zero exit raises ``AssertionError`` carrying the child's stdout and stderr.
     """
     code = _PRELUDE + textwrap.dedent(script)
     proc = subprocess.run([sys.executable, "-c", code], env=dict(env), capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)  # fmt: skip
+                          timeout=timeout, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"client script failed with exit code {proc.returncode}\n"
@@ -1322,7 +1347,7 @@ def close_client_connections() -> None:
 
 @contextlib.contextmanager
 def patch_hub_clients(hub: LocalHub, hf_home: str | os.PathLike[str], *, token: Any = _DEFAULT_TOKEN,
-                      offline: bool = False) -> Iterator[dict[str, str]]:  # fmt: skip
+                      offline: bool = False) -> Iterator[dict[str, str]]:
     """Point the *already imported* huggingface_hub / transformers / peft / datasets of this process at ``hub``.
 
     Patches (and restores on exit) the environment variables of :func:`client_env_overrides` plus the module

@@ -1,0 +1,437 @@
+"""End-to-end rectification on tiny causal LMs, checked against explicit per-sample Jacobians."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import build_tiny, fine_tune, random_replay
+
+from hf_janus import JanusConfig, JanusError, RectificationError, RectificationReport, rectify
+from hf_janus.layers import resolve_target_modules, rule_for
+from hf_janus.rectifier import Rectifier
+
+FAMILIES = ["llama", "gpt2", "mistral", "qwen2"]
+
+
+def explicit_jacobians(model, reference, samples, names):
+    """Per-sample gradients of the token-summed loss w.r.t. each target weight at θ0, one backprop per sample."""
+    probe = copy.deepcopy(model)
+    probe.load_state_dict({**probe.state_dict(), **{k: v for k, v in reference.items() if k[:-7] in names}})
+    modules = dict(probe.named_modules())
+    rows = {n: [] for n in names}
+    for sample in samples:
+        ids = torch.tensor([sample["input_ids"]])
+        labels = torch.tensor([sample.get("labels", sample["input_ids"])])
+        logits = probe(input_ids=ids).logits[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                               ignore_index=-100, reduction="sum")
+        weights = [modules[n].weight for n in names]
+        grads = torch.autograd.grad(loss, weights)
+        for n, g in zip(names, grads):
+            rows[n].append(rule_for(modules[n]).to_matrix(g).reshape(-1).double())
+    return {n: torch.stack(r) for n, r in rows.items()}
+
+
+def matrices(model, names):
+    modules = dict(model.named_modules())
+    return {n: rule_for(modules[n]).weight(modules[n]).detach().double() for n in names}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_step_equals_explicit_projection(family):
+    """τ=0, no compression: ΔW_rect = ΔW − Jᵀ(JJᵀ)⁺JΔW with J from per-sample backprop, for every layer."""
+    model = build_tiny(family)
+    reference = fine_tune(model)
+    finetuned = copy.deepcopy(model)
+    replay = random_replay(6)
+    names = list(resolve_target_modules(model))
+    report = rectify(model, reference, replay, JanusConfig(tau=0.0, rank=None, replay_batch_size=4), progress=False)
+
+    jac = explicit_jacobians(finetuned, reference, replay, names)
+    ref_w = {n: w for n, w in matrices(build_reference(finetuned, reference), names).items()}
+    ft_w, rect_w = matrices(finetuned, names), matrices(model, names)
+    for n in names:
+        J = jac[n]
+        delta = (ft_w[n] - ref_w[n]).reshape(-1)
+        expected = delta - torch.linalg.pinv(J) @ (J @ delta)
+        got = (rect_w[n] - ref_w[n]).reshape(-1)
+        assert torch.allclose(got, expected, atol=2e-6 * delta.abs().max(), rtol=0), n
+        assert (J @ got).norm() <= 1e-3 * (J @ delta).norm() + 1e-9, n
+    assert report.num_jacobian_evals == 2 and report.converged and len(report.steps) == 1
+    assert all(layer.residual is None or layer.residual < 1e-3 for layer in report.layers)
+
+
+def build_reference(model, reference):
+    ref_model = copy.deepcopy(model)
+    ref_model.load_state_dict(reference)
+    return ref_model
+
+
+def test_only_target_layers_change_and_report_is_complete(tuned_llama):
+    model, reference = tuned_llama
+    before = copy.deepcopy(model.state_dict())
+    report = rectify(model, reference, random_replay(8), JanusConfig(rank=4, replay_batch_size=4), progress=False)
+    targets = set(resolve_target_modules(model))
+    for key, value in model.state_dict().items():
+        if key.rsplit(".", 1)[0] in targets:
+            continue
+        assert torch.equal(value, before[key]), f"{key} is not a target but changed"
+    assert any(not torch.equal(model.state_dict()[t + ".weight"], before[t + ".weight"]) for t in targets)
+    assert "lm_head" not in targets
+    assert report.num_samples == 8 and report.num_tokens > 0
+    assert set(report.replay_loss) == {"reference", "finetuned", "rectified"}
+    assert {"forward_backward", "compression", "ghost", "total"} <= set(report.timings)
+    assert [layer.name for layer in report.layers] == list(resolve_target_modules(model))
+    assert report.num_jacobian_evals == 1 + report.num_trials
+    assert all(math.isfinite(t.mean_cosine) for s in report.steps for t in s.trials)
+
+
+def test_report_json_round_trip(tmp_path, tuned_llama):
+    model, reference = tuned_llama
+    report = rectify(model, reference, random_replay(6), JanusConfig(rank=4), progress=False)
+    path = tmp_path / "janus_rectification.json"
+    report.save(path)
+    loaded = RectificationReport.load(path)
+    assert loaded.to_dict() == report.to_dict()
+    assert json.loads(path.read_text())["config"]["tau"] == 0.95
+    assert "replay loss" in report.summary()
+
+
+def test_rectification_reduces_replay_loss():
+    model, reference, replay = forgetting_setup()
+    report = rectify(model, reference, replay, JanusConfig(rank=8), progress=False)
+    loss = report.replay_loss
+    assert loss["finetuned"] > loss["reference"], "the toy fine-tune should increase the replay loss"
+    assert abs(loss["rectified"] - loss["reference"]) < abs(loss["finetuned"] - loss["reference"])
+
+
+def pattern_batch(n, length, step, low, high, seed):
+    """Sequences that count up by ``step`` inside [low, high): a learnable 'task'."""
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randint(low, high, (n, 1), generator=gen)
+    return low + (start - low + step * torch.arange(length)) % (high - low)
+
+
+def forgetting_setup():
+    """Learn task A, then fine-tune on task B until A's loss rises: a small but real forgetting."""
+    model = build_tiny("llama")
+    task_a, task_b = pattern_batch(16, 10, 1, 0, 24, 0), pattern_batch(16, 10, 3, 24, 48, 1)
+    for data, steps in ((task_a, 60), (task_b, 40)):
+        if data is task_b:
+            reference = copy.deepcopy(model.state_dict())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(steps):
+            model(input_ids=data, labels=data).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    model.eval()
+    replay = [{"input_ids": row.tolist()} for row in pattern_batch(12, 10, 1, 0, 24, 5)]
+    return model, reference, replay
+
+
+def test_replay_input_forms_agree(tuned_llama):
+    """A list, a datasets.Dataset and a DataLoader of the same samples give the same weights."""
+    import datasets
+    from torch.utils.data import DataLoader
+
+    from hf_janus.replay import prepare_replay
+
+    model, reference = tuned_llama
+    replay = random_replay(6)
+    cfg = JanusConfig(tau=0.0, rank=None, replay_batch_size=3)
+    results = []
+    loader = DataLoader(prepare_replay(replay, 3), batch_size=None)
+    for form in (replay, datasets.Dataset.from_list(replay), loader):
+        m = copy.deepcopy(model)
+        rectify(m, reference, form, cfg, progress=False)
+        results.append(m.state_dict())
+    for other in results[1:]:
+        for key in results[0]:
+            torch.testing.assert_close(other[key], results[0][key], rtol=0, atol=1e-6)
+
+
+def test_padding_invariance(tuned_llama):
+    """Batches with right padding, left padding or none at all give the same rectified weights."""
+    model, reference = tuned_llama
+    replay = random_replay(6)
+    cfg = JanusConfig(tau=0.0, rank=None)
+    outs = []
+    for batches in (one_per_batch(replay), padded(replay, "right"), padded(replay, "left")):
+        m = copy.deepcopy(model)
+        rectify(m, reference, batches, cfg, progress=False)
+        outs.append(m.state_dict())
+    for other in outs[1:]:
+        for key in outs[0]:
+            torch.testing.assert_close(other[key], outs[0][key], rtol=0, atol=2e-6)
+
+
+def one_per_batch(samples):
+    return [{"input_ids": torch.tensor([s["input_ids"]]), "attention_mask": torch.tensor([s["attention_mask"]])}
+            for s in samples]
+
+
+def padded(samples, side):
+    width = max(len(s["input_ids"]) for s in samples) + 2
+    ids, mask = [], []
+    for s in samples:
+        pad = width - len(s["input_ids"])
+        garbage = [7] * pad  # padding token values must not matter
+        if side == "right":
+            ids.append(s["input_ids"] + garbage)
+            mask.append([1] * len(s["input_ids"]) + [0] * pad)
+        else:
+            ids.append(garbage + s["input_ids"])
+            mask.append([0] * pad + [1] * len(s["input_ids"]))
+    return [{"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}]
+
+
+def test_left_padding_positions_are_consistent():
+    """The first real token after left padding is predicted from a pad position and must not count."""
+    model = build_tiny("llama")
+    reference = fine_tune(model)
+    replay = random_replay(4)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    ra = rectify(a, reference, one_per_batch(replay), JanusConfig(tau=0.0, rank=None), progress=False)
+    rb = rectify(b, reference, padded(replay, "left"), JanusConfig(tau=0.0, rank=None), progress=False)
+    assert ra.num_tokens == rb.num_tokens
+    assert ra.replay_loss["reference"] == pytest.approx(rb.replay_loss["reference"], rel=1e-5)
+
+
+def test_labels_select_counted_tokens(tuned_llama):
+    """Without labels every non-pad token counts; labels=input_ids is the same; -100 removes tokens."""
+    model, reference = tuned_llama
+    replay = random_replay(5)
+    with_labels = [{**s, "labels": list(s["input_ids"])} for s in replay]
+    half = [{**s, "labels": [-100] * (len(s["input_ids"]) // 2) + s["input_ids"][len(s["input_ids"]) // 2:]}
+            for s in replay]
+    cfg = JanusConfig(tau=0.0, rank=None)
+    reports = []
+    for data in (replay, with_labels, half):
+        reports.append(rectify(copy.deepcopy(model), reference, data, cfg, progress=False))
+    assert reports[0].num_tokens == reports[1].num_tokens > reports[2].num_tokens
+    assert reports[0].replay_loss["reference"] == pytest.approx(reports[1].replay_loss["reference"], rel=1e-6)
+
+
+def test_disk_cache_matches_memory(tmp_path, tuned_llama):
+    model, reference = tuned_llama
+    replay = random_replay(6)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    ra = rectify(a, reference, replay, JanusConfig(rank=4, replay_batch_size=2), progress=False)
+    rb = rectify(b, reference, replay, JanusConfig(rank=4, replay_batch_size=2, cache=str(tmp_path / "cache")),
+                 progress=False)
+    assert ra.alphas == rb.alphas
+    for key, value in a.state_dict().items():
+        torch.testing.assert_close(b.state_dict()[key], value, rtol=0, atol=1e-6)
+    assert list((tmp_path / "cache").iterdir()) == [], "cache files must be cleaned up"
+
+
+def test_bf16_model():
+    model = build_tiny("llama")
+    reference = fine_tune(model)
+    model = model.to(torch.bfloat16)
+    finetuned = copy.deepcopy(model.state_dict())
+    report = rectify(model, reference, random_replay(6), JanusConfig(rank=4), progress=False)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert all(math.isfinite(v) for v in report.replay_loss.values())
+    changed = [k for k in finetuned if not torch.equal(finetuned[k], model.state_dict()[k])]
+    assert changed and all(k.endswith("proj.weight") for k in changed)
+
+
+def test_target_modules_list_and_regex(tuned_llama):
+    model, reference = tuned_llama
+    rep = rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(target_modules=["q_proj", "v_proj"]),
+                  progress=False)
+    assert {layer.name.split(".")[-1] for layer in rep.layers} == {"q_proj", "v_proj"}
+    rep = rectify(copy.deepcopy(model), reference, random_replay(4),
+                  JanusConfig(target_modules=r".*layers\.1\.mlp\..*"), progress=False)
+    assert len(rep.layers) == 3
+    rep = rectify(copy.deepcopy(model), reference, random_replay(4),
+                  JanusConfig(exclude_modules=["down_proj"]), progress=False)
+    assert not any(layer.name.endswith("down_proj") for layer in rep.layers)
+
+
+# ---- the multi-step loop's accept / shrink logic --------------------------------------------------------
+
+def scripted(monkeypatch, cosines):
+    """Replace the orientation comparison by a script of mean cosines, one per trial."""
+    queue = list(cosines)
+
+    def fake_compare(self, current_tag, trial_tag):
+        for layer in self.layers:
+            layer.trial_eig = layer.eig
+        c = queue.pop(0)
+        return c, {layer.name: c for layer in self.layers}
+
+    monkeypatch.setattr(Rectifier, "_compare_all", fake_compare)
+    return queue
+
+
+def test_loop_shrinks_until_accepted_then_takes_full_step(monkeypatch, tuned_llama):
+    model, reference = tuned_llama
+    queue = scripted(monkeypatch, [0.5, 0.9, 0.96, 0.99])
+    report = rectify(model, reference, random_replay(4), JanusConfig(tau=0.95, beta=0.5, rank=4), progress=False)
+    assert report.alphas == [0.25, 1.0]
+    assert [t.accepted for t in report.steps[0].trials] == [False, False, True]
+    assert [t.alpha for t in report.steps[0].trials] == [1.0, 0.5, 0.25]
+    assert report.num_jacobian_evals == 5 and report.converged and not queue
+
+
+def test_loop_geometry_matches_accepted_steps(monkeypatch, tuned_llama):
+    """After steps α1, α2=1 the weights are θ0 + α1 P1 + P2: the final full step ends at the projection."""
+    model, reference = tuned_llama
+    scripted(monkeypatch, [0.0, 1.0, 1.0])
+    rectify(model, reference, random_replay(4), JanusConfig(tau=0.5, beta=0.7, rank=4), progress=False)
+    ref = reference["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, ref)
+
+
+def test_tau_zero_is_single_step(monkeypatch, tuned_llama):
+    model, reference = tuned_llama
+    scripted(monkeypatch, [0.0])
+    report = rectify(model, reference, random_replay(4), JanusConfig(tau=0.0, rank=4), progress=False)
+    assert report.alphas == [1.0] and report.num_jacobian_evals == 2 and report.converged
+
+
+def test_min_alpha_forces_step_and_says_so(monkeypatch, tuned_llama):
+    model, reference = tuned_llama
+    scripted(monkeypatch, [0.1, 0.1, 0.99])
+    report = rectify(model, reference, random_replay(4),
+                     JanusConfig(tau=0.95, beta=0.5, min_alpha=0.3, rank=4), progress=False)
+    # 1 -> 0.5 tried; 0.25 would be below min_alpha, so α=0.5 is taken although c̄ < τ.
+    assert report.alphas == [0.5, 1.0]
+    assert report.steps[0].forced and not report.steps[1].forced and report.converged
+
+
+def test_max_steps_takes_final_unchecked_step(monkeypatch, tuned_llama):
+    model, reference = tuned_llama
+    scripted(monkeypatch, [0.1, 0.99, 0.1])
+    report = rectify(model, reference, random_replay(4),
+                     JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4), progress=False)
+    assert report.alphas == [0.5, 1.0]
+    assert report.steps[-1].forced and not report.converged and "max_steps" in report.stop_reason
+
+
+# ---- failures leave the model at θ̂ ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("exc", [FloatingPointError("injected NaN"), KeyboardInterrupt()])
+def test_failure_restores_finetuned_weights(monkeypatch, tuned_llama, exc):
+    model, reference = tuned_llama
+    finetuned = copy.deepcopy(model.state_dict())
+    calls = {"n": 0}
+    real = Rectifier._capture
+
+    def failing(self, tag):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise exc
+        return real(self, tag)
+
+    monkeypatch.setattr(Rectifier, "_capture", failing)
+    expected = KeyboardInterrupt if isinstance(exc, KeyboardInterrupt) else RectificationError
+    with pytest.raises(expected) as info:
+        rectify(model, reference, random_replay(4), JanusConfig(tau=0.999, rank=4), progress=False)
+    if expected is RectificationError:
+        assert "injected NaN" in str(info.value) and "restored" in str(info.value)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, finetuned[key]), key
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_nan_in_finetuned_weights_is_rejected(tuned_llama):
+    model, reference = tuned_llama
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(JanusError, match="up_proj.*NaN"):
+        rectify(model, reference, random_replay(4), progress=False)
+
+
+def test_nan_in_reference_is_rejected(tuned_llama):
+    model, reference = tuned_llama
+    reference = dict(reference)
+    reference["model.layers.0.self_attn.k_proj.weight"] = torch.full_like(
+        reference["model.layers.0.self_attn.k_proj.weight"], float("inf"))
+    with pytest.raises(JanusError, match="reference weight.*k_proj.*NaN/Inf"):
+        rectify(model, reference, random_replay(4), progress=False)
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------------
+
+def test_empty_replay(tuned_llama):
+    model, reference = tuned_llama
+    with pytest.raises(JanusError, match="replay is empty"):
+        rectify(model, reference, [], progress=False)
+
+
+def test_replay_without_input_ids(tuned_llama):
+    model, reference = tuned_llama
+    with pytest.raises(JanusError, match="input_ids.*tokenize"):
+        rectify(model, reference, [{"text": "hello"}], progress=False)
+
+
+def test_replay_without_counted_tokens(tuned_llama):
+    model, reference = tuned_llama
+    replay = [{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}]
+    with pytest.raises(JanusError, match="no token that counts"):
+        rectify(model, reference, replay, progress=False)
+    assert model.training is False
+
+
+def test_replay_length_mismatch(tuned_llama):
+    model, reference = tuned_llama
+    with pytest.raises(JanusError, match="attention_mask has length 2"):
+        rectify(model, reference, [{"input_ids": [1, 2, 3], "attention_mask": [1, 1]}], progress=False)
+
+
+def test_reference_missing_keys(tuned_llama):
+    model, reference = tuned_llama
+    partial = {k: v for k, v in reference.items() if "layers.1.mlp" not in k}
+    with pytest.raises(JanusError, match="missing key.*layers.1.mlp"):
+        rectify(model, partial, random_replay(4), progress=False)
+
+
+def test_reference_of_other_architecture(tuned_llama):
+    model, _ = tuned_llama
+    other = build_tiny("gpt2")
+    with pytest.raises(JanusError, match="reference"):
+        rectify(model, other, random_replay(4), progress=False)
+    wider = {k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in model.state_dict().items()}
+    with pytest.raises(JanusError, match="shape .* does not match"):
+        rectify(model, wider, random_replay(4), progress=False)
+
+
+def test_reference_model_equals_state_dict(tuned_llama):
+    model, reference = tuned_llama
+    ref_model = build_reference(model, reference)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    rectify(a, reference, random_replay(4), JanusConfig(tau=0.0), progress=False)
+    rectify(b, ref_model, random_replay(4), JanusConfig(tau=0.0), progress=False)
+    for key, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[key])
+
+
+def test_unsupported_and_unknown_targets(tuned_llama):
+    model, reference = tuned_llama
+    with pytest.raises(JanusError, match="cannot rectify.*embed_tokens.*Embedding"):
+        rectify(model, reference, random_replay(4), JanusConfig(target_modules=["embed_tokens"]), progress=False)
+    with pytest.raises(JanusError, match="'nonexistent' matches no module"):
+        rectify(model, reference, random_replay(4), JanusConfig(target_modules=["nonexistent"]), progress=False)
+
+
+def test_peft_model_is_pointed_elsewhere(tuned_llama):
+    from peft import LoraConfig, get_peft_model
+
+    model, reference = tuned_llama
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(JanusError, match="PEFT adapter layer.*JanusMerger"):
+        rectify(peft_model, reference, random_replay(4), progress=False)
+
+
+def test_bad_config_type(tuned_llama):
+    model, reference = tuned_llama
+    with pytest.raises(JanusError, match="JanusConfig"):
+        rectify(model, reference, random_replay(4), config={"tau": 0.9}, progress=False)
