@@ -30,7 +30,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     from .config import JanusConfig
     from .demo import run_demo
 
-    config = JanusConfig(tau=args.tau, rank=args.rank, replay_batch_size=32, seed=args.seed)
+    config = JanusConfig(tau=args.tau, rank=args.rank, replay_batch_size=48, seed=args.seed)
     result = run_demo(seed=args.seed, quick=args.quick, progress=not args.no_progress, config=config)
     print(result.markdown())
     print()

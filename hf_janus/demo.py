@@ -66,7 +66,7 @@ def tiny_llama(seed: int = 0):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
         eos_token_id=None, tie_word_embeddings=False,
     )
@@ -121,8 +121,8 @@ class DemoResult:
 def run_demo(seed: int = 0, quick: bool = False, progress: bool = True, config: Optional[JanusConfig] = None) -> DemoResult:
     """Run the whole story and return the before/after table and the rectification report."""
     start = time.perf_counter()
-    n_qa, n_replay = (48, 24) if quick else (160, 64)
-    pretrain_steps, finetune_steps = (150, 40) if quick else (500, 120)
+    n_qa, n_replay = (48, 24) if quick else (96, 48)
+    pretrain_steps, finetune_steps = (150, 40) if quick else (300, 100)
     qa = qa_samples(n_qa)
     replay, held_out = full_text(qa[:n_replay]), qa[n_replay:]
     math_train, math_test = math_samples(0, 200), math_samples(200, 40)
@@ -135,7 +135,7 @@ def run_demo(seed: int = 0, quick: bool = False, progress: bool = True, config: 
     train(model, math_train, finetune_steps, 1e-3, 16, seed + 1, "fine-tuning on GSM8K", progress)
     table["fine-tuned θ̂"] = {"past_nll": answer_nll(model, held_out), "new_nll": answer_nll(model, math_test)}
 
-    config = config or JanusConfig(rank=32, replay_batch_size=32)
+    config = config or JanusConfig(rank=32, replay_batch_size=48)
     report = rectify(model, pretrained, replay, config, progress=progress)
     table["JANUS-rectified"] = {"past_nll": answer_nll(model, held_out), "new_nll": answer_nll(model, math_test)}
     return DemoResult(table=table, report=report, seconds=time.perf_counter() - start)

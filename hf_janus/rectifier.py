@@ -109,8 +109,12 @@ class Rectifier:
     """Runs Algorithm 1 on one model. Use :func:`rectify` unless you need the pieces."""
 
     def __init__(self, model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None,
-                 progress: bool = True):
+                 progress: bool = True, keep_reference_factors: bool = False):
         self.model = model
+        self.keep_reference_factors = keep_reference_factors
+        # Filled after run() when keep_reference_factors: {layer name: LayerJacobian at θ0}, for callers that
+        # post-process ΔW_rect (e.g. adapter re-factorization) and want to measure ||J0 ΔW||.
+        self.reference_jacobians: dict[str, LayerJacobian] = {}
         self.config = config if config is not None else JanusConfig()
         if not isinstance(self.config, JanusConfig):
             raise JanusError(f"config must be a JanusConfig, got {type(self.config).__name__}")
@@ -236,6 +240,8 @@ class Rectifier:
                                    "mean cosine %.4f < τ=%.3g", step, cfg.min_alpha, alpha, cbar, cfg.tau)
             phase = "computing per-layer statistics"
             report.layers = self._layer_stats()
+            if self.keep_reference_factors:
+                self.reference_jacobians = {layer.name: self._jacobian(layer, "c0") for layer in self.layers}
             report.replay_loss = {"reference": base.loss, "finetuned": finetuned_loss.loss, "rectified": last_capture.loss}
         except BaseException as err:
             self._restore()

@@ -1,0 +1,44 @@
+"""`hf-janus demo` and the top-level CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hf_janus import RectificationReport
+from hf_janus.cli import main
+
+
+def test_demo_quick_single_step(tmp_path, capsys):
+    report_path = tmp_path / "report.json"
+    assert main(["demo", "--quick", "--tau", "0", "--no-progress", "--report", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    for row in ("pretrained θ0", "fine-tuned θ̂", "JANUS-rectified", "replay loss"):
+        assert row in out
+    report = RectificationReport.load(report_path)
+    assert report.config["tau"] == 0.0 and report.alphas == [1.0]
+    loss = report.replay_loss
+    # Forgetting happened and the single projected step gave part of it back on the replayed task.
+    assert loss["finetuned"] > loss["reference"]
+    assert loss["rectified"] < loss["finetuned"]
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "demo" in out and "JANUS" in out
+
+
+def test_invalid_config_value_is_a_clean_error(capsys):
+    assert main(["demo", "--quick", "--tau", "1.5", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "tau" in err and "[0, 1]" in err
+
+
+def test_console_script_module_entry():
+    out = subprocess.run([sys.executable, "-m", "hf_janus.cli", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("hf-janus ")
