@@ -1,5 +1,6 @@
 """hf-janus: undo catastrophic forgetting after fine-tuning by JAcobian NUll Space projection."""
 
+from .callback import JanusCallback
 from .config import JanusConfig
 from .errors import JanusError, RectificationError
 from .layers import register_layer_rule, resolve_target_modules
@@ -9,6 +10,7 @@ from .report import LayerStats, RectificationReport, StepRecord, TrialRecord
 __version__ = "0.1.0"
 
 __all__ = [
+    "JanusCallback",
     "JanusConfig",
     "JanusError",
     "LayerStats",

@@ -8,7 +8,8 @@ between the two factors so that ``Âᵢᵀ X̂ᵢ`` is the rank-r optimum.
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -30,6 +31,28 @@ def pad_rank(t: Tensor, rank: int) -> Tensor:
     if missing <= 0:
         return t
     return torch.nn.functional.pad(t, (0, 0, 0, missing))
+
+
+_SMALL_MATRIX_ELEMS = 1 << 20
+
+
+@contextmanager
+def _single_threaded(device: torch.device, small: bool) -> Iterator[None]:
+    """Run many tiny batched QR/SVD calls on one CPU thread.
+
+    With several OpenMP threads, each small LAPACK call ends in a barrier; when other processes hold the
+    cores, the spinning threads wait for a time slice and a 10 ms call took 5-30 s (measured on a shared
+    2-core machine). One thread costs nothing measurable on an idle machine.
+    """
+    if device.type != "cpu" or torch.get_num_threads() == 1 or not small:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def compress_sequence(
@@ -63,10 +86,11 @@ def compress_sequence(
         # A rank-r approximation of a matrix with at most r summands is the matrix itself.
         return pad_rank(x, rank), pad_rank(a, rank)
 
-    q_x, r_x = torch.linalg.qr(x.transpose(1, 2))  # (B, d_in, k_x), (B, k_x, T)
-    q_a, r_a = torch.linalg.qr(a.transpose(1, 2))  # (B, d_out, k_a), (B, k_a, T)
-    core = r_a @ r_x.transpose(1, 2)  # (B, k_a, k_x)
-    u, s, vh = torch.linalg.svd(core, full_matrices=False)
+    with _single_threaded(x.device, small=T * max(x.shape[2], a.shape[2]) <= _SMALL_MATRIX_ELEMS):
+        q_x, r_x = torch.linalg.qr(x.transpose(1, 2))  # (B, d_in, k_x), (B, k_x, T)
+        q_a, r_a = torch.linalg.qr(a.transpose(1, 2))  # (B, d_out, k_a), (B, k_a, T)
+        core = r_a @ r_x.transpose(1, 2)  # (B, k_a, k_x)
+        u, s, vh = torch.linalg.svd(core, full_matrices=False)
     kept = min(rank, s.shape[-1])
     root = s[:, :kept].clamp_min(0).sqrt()
     x_hat = (q_x @ vh[:, :kept].transpose(1, 2)) * root.unsqueeze(1)  # (B, d_in, kept)

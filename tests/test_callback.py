@@ -1,0 +1,172 @@
+"""JanusCallback inside transformers' Trainer (full fine-tuning, single process), on real text."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from conftest import build_tiny
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_janus import JanusConfig, JanusError, rectify
+from hf_janus.callback import REPORT_NAME, SNAPSHOT_NAME, JanusCallback
+from hf_janus.demo import VOCAB, full_text, math_samples, qa_samples
+from hf_janus.replay import prepare_replay
+
+CONFIG = JanusConfig(rank=8, replay_batch_size=8)
+FAST = JanusConfig(rank=8, replay_batch_size=8, tau=0.0)  # single step: where the loop itself is not under test
+
+
+def collate(samples):
+    return prepare_replay(samples, len(samples))[0]
+
+
+def make_trainer(tmp_path, model, callbacks, max_steps=4, **kwargs):
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-2,
+        report_to=[], save_strategy=kwargs.pop("save_strategy", "no"), use_cpu=True, logging_steps=1,
+        disable_tqdm=True, remove_unused_columns=False, seed=0, **kwargs,
+    )
+    train = math_samples(0, 32, max_len=64)  # GSM8K: the new task
+    return Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=callbacks)
+
+
+def replay_data():
+    return full_text(qa_samples(12, max_len=48))  # NQ-open: the past task
+
+
+_PRETRAINED = {}
+
+
+def pretrained_llama():
+    """A tiny Llama that has learned the replayed QA pairs (the past task), cached per test session."""
+    if not _PRETRAINED:
+        model = build_tiny("llama", vocab=VOCAB)
+        batch = collate(replay_data())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model.train()
+        for _ in range(60):
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        _PRETRAINED.update(copy.deepcopy(model.state_dict()))
+    model = build_tiny("llama", vocab=VOCAB)
+    model.load_state_dict(_PRETRAINED)
+    return model
+
+
+class Probe(TrainerCallback):
+    """Records the weights at the end of training, before JanusCallback (registered after it) changes them."""
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.finetuned = copy.deepcopy(model.state_dict())
+
+
+def test_callback_equals_rectify_on_same_inputs(tmp_path):
+    model = pretrained_llama()
+    theta0 = copy.deepcopy(model.state_dict())
+    probe, janus = Probe(), JanusCallback(replay_data(), CONFIG)
+    trainer = make_trainer(tmp_path, model, [probe, janus])
+    trainer.train()
+
+    twin = pretrained_llama()
+    twin.load_state_dict(probe.finetuned)
+    expected = rectify(twin, theta0, replay_data(), CONFIG, progress=False)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, twin.state_dict()[key], rtol=0, atol=1e-6)
+    assert janus.report.alphas == expected.alphas
+    loss = janus.report.replay_loss
+    assert loss["finetuned"] > loss["reference"] and loss["rectified"] < loss["finetuned"]
+    assert janus.snapshot_bytes == sum(theta0[f"{layer.name}.weight"].numel() * 4 for layer in janus.report.layers)
+
+
+def test_logs_report_and_save_model(tmp_path):
+    model = build_tiny("llama", vocab=VOCAB)
+    janus = JanusCallback(replay_data(), FAST)
+    trainer = make_trainer(tmp_path, model, [janus])
+    trainer.train()
+    janus_logs = [e for e in trainer.state.log_history if any(k.startswith("janus/") for k in e)]
+    assert len(janus_logs) == janus.report.num_trials + 1
+    assert janus_logs[-1]["janus/replay_loss_rectified"] == janus.report.replay_loss["rectified"]
+    assert os.path.isfile(tmp_path / "out" / REPORT_NAME)
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = type(model).from_pretrained(str(tmp_path / "saved"))
+    for key, value in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value)
+
+
+def test_trainer_log_reaches_integrations(tmp_path):
+    """With the trainer bound, janus figures go through Trainer.log (what wandb/tensorboard listen to)."""
+    seen = []
+
+    class Listener(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    model = build_tiny("llama", vocab=VOCAB)
+    janus = JanusCallback(replay_data(), JanusConfig(rank=8, tau=0.0))
+    trainer = make_trainer(tmp_path, model, [Listener(), janus])
+    janus.trainer = trainer
+    trainer.train()
+    assert any("janus/replay_loss_rectified" in logs for logs in seen)
+
+
+def test_disk_snapshot_matches_cpu(tmp_path):
+    results = []
+    for mode in ("cpu", "disk"):
+        model = build_tiny("llama", vocab=VOCAB)
+        janus = JanusCallback(replay_data(), FAST, snapshot=mode)
+        make_trainer(tmp_path / mode, model, [janus]).train()
+        results.append(model.state_dict())
+        if mode == "disk":
+            assert janus._theta0 is None and os.path.isfile(tmp_path / mode / "out" / SNAPSHOT_NAME)
+    for key in results[0]:
+        torch.testing.assert_close(results[1][key], results[0][key], rtol=0, atol=0)
+
+
+def test_resume_uses_pre_training_snapshot(tmp_path):
+    model = build_tiny("llama", vocab=VOCAB)
+    theta0 = copy.deepcopy(model.state_dict())
+    first = JanusCallback(replay_data(), FAST)
+    make_trainer(tmp_path, model, [first], max_steps=4, save_strategy="steps", save_steps=2).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / SNAPSHOT_NAME).is_file()
+
+    resumed_model = build_tiny("llama", seed=5, vocab=VOCAB)  # weights are replaced by the checkpoint's
+    second = JanusCallback(replay_data(), FAST)
+    make_trainer(tmp_path, resumed_model, [second], max_steps=4).train(resume_from_checkpoint=str(checkpoint))
+    for key, value in second.theta0().items():
+        assert torch.equal(value, theta0[key]), f"{key}: θ0 must be the pre-training weights"
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=1e-5)
+
+
+def test_on_error_warn_keeps_finetuned_weights(tmp_path):
+    model = build_tiny("llama", vocab=VOCAB)
+    probe = Probe()
+    janus = JanusCallback([], CONFIG, on_error="warn")
+    make_trainer(tmp_path, model, [probe, janus]).train()
+    assert janus.report is None
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, probe.finetuned[key])
+
+
+def test_on_error_raise(tmp_path):
+    model = build_tiny("llama", vocab=VOCAB)
+    with pytest.raises(JanusError, match="replay is empty"):
+        make_trainer(tmp_path, model, [JanusCallback([], CONFIG)]).train()
+
+
+def test_bad_arguments_and_unsupported_models(tmp_path):
+    with pytest.raises(ValueError, match="snapshot"):
+        JanusCallback(replay_data(), snapshot="gpu")
+    with pytest.raises(ValueError, match="on_error"):
+        JanusCallback(replay_data(), on_error="ignore")
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(build_tiny("llama", vocab=VOCAB), LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(JanusError, match="PEFT.*JanusMerger"):
+        make_trainer(tmp_path, peft_model, [JanusCallback(replay_data(), CONFIG)]).train()
