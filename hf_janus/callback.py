@@ -1,8 +1,9 @@
 """``JanusCallback``: snapshot θ0 when ``Trainer`` starts, rectify with JANUS when it ends.
 
-This version covers full fine-tuning of a plain (non-PEFT) model in a single process, including
-``resume_from_checkpoint`` (the θ0 snapshot travels with every checkpoint). PEFT models and multi-process
-runs are refused with a clear error until they are supported.
+This version covers full fine-tuning of a plain (non-PEFT) model, in one process or under DDP (each rank
+captures its share of the replay; every rank ends with identical weights), including
+``resume_from_checkpoint`` (the θ0 snapshot travels with every checkpoint). PEFT models, FSDP and DeepSpeed
+are refused with a clear error until they are supported.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from .config import JanusConfig
 from .errors import JanusError, RectificationError
 from .layers import resolve_target_modules
-from .rectifier import rectify
+from .rectifier import Rectifier
 from .report import RectificationReport
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,13 @@ def atomic_save_safetensors(tensors: dict[str, Tensor], path: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -79,6 +87,7 @@ class JanusCallback(TrainerCallback):
         self.on_error = on_error
         self.trainer = trainer
         self.report: Optional[RectificationReport] = None
+        self.rectifier: Optional[Rectifier] = None
         self.snapshot_bytes = 0
         self._theta0: Optional[dict[str, Tensor]] = None
         self._snapshot_path: Optional[str] = None
@@ -94,10 +103,10 @@ class JanusCallback(TrainerCallback):
                 "JanusCallback does not support PEFT models yet: train, save the adapter, then rectify it with "
                 "hf_janus.JanusMerger (or the `hf-janus merge` command)"
             )
-        if args.world_size > 1:
+        if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
             raise JanusError(
-                f"JanusCallback runs in a single process for now (world_size={args.world_size}); rectify after "
-                "training with hf_janus.rectify on the saved model"
+                "JanusCallback does not support FSDP or DeepSpeed sharded weights yet; save the model and rectify it "
+                "with hf_janus.rectify afterwards"
             )
 
     def _take_snapshot(self, model: nn.Module, args: TrainingArguments) -> None:
@@ -107,7 +116,10 @@ class JanusCallback(TrainerCallback):
         self.snapshot_bytes = sum(t.numel() * t.element_size() for t in theta0.values())
         if self.snapshot == "disk":
             self._snapshot_path = os.path.join(args.output_dir, SNAPSHOT_NAME)
-            atomic_save_safetensors(theta0, self._snapshot_path)
+            # One writer; the other data-parallel ranks read the same file (output_dir must be shared).
+            if args.process_index == 0:
+                atomic_save_safetensors(theta0, self._snapshot_path)
+            _barrier()
             self._theta0 = None
         else:
             self._theta0 = theta0
@@ -168,7 +180,9 @@ class JanusCallback(TrainerCallback):
         model = _unwrap(model)
         try:
             replay = self._replay(processing_class)
-            self.report = rectify(model, self.theta0(), replay, self.config, progress=not args.disable_tqdm)
+            self.rectifier = Rectifier(model, self.theta0(), replay, self.config,
+                                       progress=not args.disable_tqdm and state.is_local_process_zero)
+            self.report = self.rectifier.run()
         except (JanusError, RectificationError) as err:
             if self.on_error == "raise":
                 raise

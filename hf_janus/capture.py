@@ -114,6 +114,12 @@ def replay_losses(model: nn.Module, batches: list[dict[str, Tensor]], tag: str =
             losses.append(loss.double().cpu())
             counts.append(tokens.cpu())
             offset += loss.numel()
+    return _result(tag, losses, counts)
+
+
+def _result(tag: str, losses: list[Tensor], counts: list[Tensor]) -> CaptureResult:
+    if not losses:  # a rank whose share of the replay is empty
+        return CaptureResult(tag, torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
     return CaptureResult(tag, torch.cat(losses), torch.cat(counts))
 
 
@@ -213,4 +219,4 @@ def capture_factors(
             handle.remove()
         for rec in recorders.values():
             rec.calls = []
-    return CaptureResult(tag, torch.cat(losses), torch.cat(counts))
+    return _result(tag, losses, counts)

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from .capture import CaptureResult, capture_factors, model_device, replay_losses
 from .config import JanusConfig
+from .distributed import World
 from .errors import JanusError, RectificationError
 from .ghost import GramEig, LayerJacobian, eig_psd, mean_cosine, principal_cosines, project
 from .layers import LayerRule, resolve_target_modules, rule_for
@@ -125,6 +126,9 @@ class Rectifier:
         self.layers = self._build_layers(modules, reference)
         self.timer = PhaseTimer(self.device)
         self.store = FactorStore(self.config.cache, self.device)
+        # Under data parallelism each rank captures its share of the replay; factors are then gathered.
+        self.world = World.detect(self.device)
+        self.local_batches = self.world.shard(self.batches)
 
     def _build_layers(self, modules: dict[str, nn.Module], reference: Reference) -> list[_Layer]:
         layers = []
@@ -144,7 +148,22 @@ class Rectifier:
     # ---- capture -------------------------------------------------------------------------------------
     def _capture(self, tag: str) -> CaptureResult:
         targets = {layer.name: (layer.module, layer.d_in, layer.d_out) for layer in self.layers}
-        return capture_factors(self.model, targets, self.batches, self.store, tag, self.config.rank, self.timer)
+        result = capture_factors(self.model, targets, self.local_batches, self.store, tag, self.config.rank, self.timer)
+        return self._combine_ranks(result)
+
+    def _combine_ranks(self, result: CaptureResult) -> CaptureResult:
+        """Give every rank the factors and losses of all replay samples, in rank order."""
+        if not self.world.active:
+            return result
+        with self.timer.phase("communication"):
+            for layer in self.layers:
+                if self.store.has(result.tag, layer.name):
+                    x, a = self.store.get(result.tag, layer.name)
+                else:
+                    x = torch.zeros(0, 0, layer.d_in, device=self.device)
+                    a = torch.zeros(0, 0, layer.d_out, device=self.device)
+                self.store.replace(result.tag, layer.name, *self.world.gather_factors(x, a))
+            return self._combine_losses(result)
 
     def _jacobian(self, layer: _Layer, tag: str) -> LayerJacobian:
         x, a = self.store.get(tag, layer.name)
@@ -189,7 +208,9 @@ class Rectifier:
         phase = "measuring the fine-tuned replay loss"
         try:
             with self.timer.phase("forward_backward"):
-                finetuned_loss = replay_losses(self.model, self.batches)
+                finetuned_loss = replay_losses(self.model, self.local_batches)
+            if self.world.active:
+                finetuned_loss = self._combine_losses(finetuned_loss)
             phase = "capturing the Jacobian at the reference weights"
             self._write_all()
             base = self._capture("c0")
@@ -212,6 +233,7 @@ class Rectifier:
                     trial = self._capture(tag)
                     report.num_jacobian_evals += 1
                     cbar, per_layer = self._compare_all(current_tag, tag)
+                    cbar = self.world.from_rank0(cbar)  # every replica must take the same decision
                     shrink_floor = alpha * cfg.beta < cfg.min_alpha
                     accepted = cbar >= cfg.tau or final_allowed or shrink_floor
                     record.trials.append(TrialRecord(step, alpha, cbar, per_layer, accepted, trial.loss))
@@ -238,6 +260,11 @@ class Rectifier:
                 if record.forced:
                     logger.warning("JANUS step %d: step size would fall below min_alpha=%g; took α=%.4g with "
                                    "mean cosine %.4f < τ=%.3g", step, cfg.min_alpha, alpha, cbar, cfg.tau)
+            if self.world.active:
+                phase = "synchronizing the rectified weights across ranks"
+                for layer in self.layers:
+                    with torch.no_grad():
+                        self.world.broadcast_(layer.module.weight)
             phase = "computing per-layer statistics"
             report.layers = self._layer_stats()
             if self.keep_reference_factors:
@@ -264,6 +291,12 @@ class Rectifier:
         report.timings = self.timer.as_dict()
         logger.info(report.summary())
         return report
+
+    def _combine_losses(self, result: CaptureResult) -> CaptureResult:
+        """Per-sample replay losses of every rank, in rank order."""
+        losses = self.world.gather_vector(result.sample_loss.to(self.world.device)).cpu()
+        tokens = self.world.gather_vector(result.sample_tokens.double().to(self.world.device)).cpu()
+        return CaptureResult(result.tag, losses, tokens.round().long())
 
     def _layer_stats(self) -> list[LayerStats]:
         stats = []

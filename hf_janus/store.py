@@ -58,6 +58,14 @@ class FactorStore:
         self._pieces[key].append(path)
         self.io_seconds += time.perf_counter() - start
 
+    def has(self, tag: str, layer: str) -> bool:
+        return (tag, layer) in self._pieces
+
+    def replace(self, tag: str, layer: str, x: Tensor, a: Tensor) -> None:
+        """Swap a layer's stored factors for new ones (e.g. after gathering them from every rank)."""
+        self._pieces.pop((tag, layer), None)
+        self.append(tag, layer, x, a)
+
     def get(self, tag: str, layer: str) -> tuple[Tensor, Tensor]:
         key = (tag, layer)
         if key not in self._pieces:

@@ -1,0 +1,89 @@
+"""Splitting the replay across data-parallel ranks and combining what each rank captured.
+
+Under DDP every rank holds a full model replica. Each captures the Jacobian factors of its own share of
+the replay; the factors are then all-gathered (in rank order) so that every rank runs the same ghost math on
+all m samples. Decisions that compare floats against τ, and the final weights, come from rank 0, so the
+replicas end identical even if their arithmetic differed in the last bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+@dataclass
+class World:
+    """The process group the rectification runs in; ``size == 1`` means a single process."""
+
+    rank: int = 0
+    size: int = 1
+    group: Optional[Any] = None
+    device: torch.device = torch.device("cpu")  # where scalars travel: the accelerator under NCCL
+
+    @classmethod
+    def detect(cls, device: Optional[torch.device] = None) -> "World":
+        dist = _dist()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            wire = device if device is not None and dist.get_backend() == "nccl" else torch.device("cpu")
+            return cls(rank=dist.get_rank(), size=dist.get_world_size(), device=wire)
+        return cls()
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+    def shard(self, items: list) -> list:
+        """This rank's share: every ``size``-th item starting at ``rank``."""
+        return items[self.rank::self.size] if self.active else items
+
+    def _all_gather_padded(self, tensor: Tensor) -> list[Tensor]:
+        """All-gather tensors whose leading two dims may differ per rank (zero-padded on the wire)."""
+        dist = _dist()
+        shape = torch.tensor(list(tensor.shape[:2]), dtype=torch.long, device=tensor.device)
+        shapes = [torch.zeros_like(shape) for _ in range(self.size)]
+        dist.all_gather(shapes, shape, group=self.group)
+        rows = max(int(s[0]) for s in shapes)
+        cols = max(int(s[1]) for s in shapes)
+        padded = torch.zeros((rows, cols, *tensor.shape[2:]), dtype=tensor.dtype, device=tensor.device)
+        padded[: tensor.shape[0], : tensor.shape[1]] = tensor
+        out = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(out, padded.contiguous(), group=self.group)
+        return [o[: int(s[0])] for o, s in zip(out, shapes)]
+
+    def gather_factors(self, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+        """Concatenate every rank's ``(m_rank, r, d)`` factors along samples, in rank order."""
+        if not self.active:
+            return x, a
+        return torch.cat(self._all_gather_padded(x)), torch.cat(self._all_gather_padded(a))
+
+    def gather_vector(self, values: Tensor) -> Tensor:
+        """Concatenate every rank's 1-D per-sample values, in rank order."""
+        if not self.active:
+            return values
+        parts = self._all_gather_padded(values.reshape(-1, 1))
+        return torch.cat(parts).reshape(-1).to(values.dtype)
+
+    def from_rank0(self, value: float) -> float:
+        """Rank 0's value of a scalar every rank computed."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        _dist().broadcast(t, src=0, group=self.group)
+        return float(t.item())
+
+    def broadcast_(self, tensor: Tensor) -> None:
+        """Overwrite ``tensor`` in place with rank 0's copy."""
+        if self.active:
+            wire = tensor.detach().to(self.device).contiguous()
+            _dist().broadcast(wire, src=0, group=self.group)
+            tensor.copy_(wire)

@@ -1,0 +1,114 @@
+"""Data-parallel rectification: 2 CPU processes (gloo) split the replay and end with identical weights."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import build_tiny, fine_tune, random_replay
+
+from hf_janus import JanusConfig
+from hf_janus.rectifier import Rectifier
+
+CONFIG = dict(rank=4, replay_batch_size=2, tau=0.95)
+
+
+def _setup():
+    model = build_tiny("llama")
+    reference = fine_tune(model)
+    return model, reference
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, n_samples: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, reference = _setup()
+        rectifier = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False)
+        report = rectifier.run()
+        torch.save({"state": model.state_dict(), "local_batches": len(rectifier.local_batches),
+                    "report": report.to_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_two_ranks(tmp_path, n_samples):
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), n_samples), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("n_samples", [10, 2])
+def test_two_processes_match_one(tmp_path, n_samples):
+    ranks = _run_two_ranks(tmp_path, n_samples)
+    batches = (n_samples + 1) // 2
+    # The replay work is split, not repeated: rank r captures batches r, r+2, ...
+    assert [r["local_batches"] for r in ranks] == [len(range(0, batches, 2)), len(range(1, batches, 2))]
+    for key, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
+
+    torch.set_num_threads(1)
+    model, reference = _setup()
+    single = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False).run()
+    report = ranks[0]["report"]
+    assert report["num_samples"] == single.num_samples == n_samples
+    assert report["num_tokens"] == single.num_tokens
+    assert [s["alpha"] for s in report["steps"]] == single.alphas
+    assert report["replay_loss"]["reference"] == pytest.approx(single.replay_loss["reference"], rel=1e-6)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
+
+
+def _trainer_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One DDP rank of a Trainer run with JanusCallback (gloo on CPU), launched like torchrun would."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from test_callback import CONFIG as CB_CONFIG
+    from test_callback import Probe, make_trainer, pretrained_llama, replay_data
+
+    import pathlib
+
+    from hf_janus.callback import JanusCallback
+
+    model = pretrained_llama()
+    theta0 = copy.deepcopy(model.state_dict())
+    probe, janus = Probe(), JanusCallback(replay_data(), CB_CONFIG)
+    trainer = make_trainer(pathlib.Path(out_dir), model, [probe, janus], ddp_backend="gloo")
+    assert trainer.args.world_size == world and dist.is_initialized()
+    trainer.train()
+    torch.save({"state": model.state_dict(), "finetuned": probe.finetuned, "theta0": theta0,
+                "report": janus.report.to_dict(), "local_batches": len(janus.rectifier.local_batches)}, os.path.join(out_dir, f"trainer_rank{rank}.pt"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_callback_under_ddp_matches_single_process_rectify(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_trainer_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"trainer_rank{r}.pt", weights_only=False) for r in range(2)]
+    for key, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
+    # 12 replay samples in batches of 8: rank 0 captures batch 0, rank 1 batch 1.
+    assert [r["local_batches"] for r in ranks] == [1, 1]
+    assert ranks[0]["report"]["num_samples"] == 12
+
+    from test_callback import CONFIG as CB_CONFIG
+    from test_callback import pretrained_llama, replay_data
+
+    from hf_janus import rectify
+
+    torch.set_num_threads(1)
+    twin = pretrained_llama()
+    twin.load_state_dict(ranks[0]["finetuned"])
+    single = rectify(twin, ranks[0]["theta0"], replay_data(), CB_CONFIG, progress=False)
+    assert [s["alpha"] for s in ranks[0]["report"]["steps"]] == single.alphas
+    for key, value in twin.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
