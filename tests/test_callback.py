@@ -170,3 +170,17 @@ def test_bad_arguments_and_unsupported_models(tmp_path):
     peft_model = get_peft_model(build_tiny("llama", vocab=VOCAB), LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(JanusError, match="PEFT.*JanusMerger"):
         make_trainer(tmp_path, peft_model, [JanusCallback(replay_data(), CONFIG)]).train()
+
+
+def test_gradient_checkpointing_run(tmp_path):
+    """Training with gradient checkpointing: the capture runs in eval mode and gives the same rectification."""
+    model = pretrained_llama()
+    probe, janus = Probe(), JanusCallback(replay_data(), FAST)
+    make_trainer(tmp_path, model, [probe, janus], gradient_checkpointing=True).train()
+    assert model.is_gradient_checkpointing
+    twin = pretrained_llama()
+    theta0 = copy.deepcopy(twin.state_dict())
+    twin.load_state_dict(probe.finetuned)
+    rectify(twin, theta0, replay_data(), FAST, progress=False)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, twin.state_dict()[key], rtol=0, atol=1e-6)
