@@ -4,6 +4,7 @@ from .callback import JanusCallback
 from .config import JanusConfig
 from .errors import JanusError, RectificationError
 from .layers import register_layer_rule, resolve_target_modules
+from .merger import JanusMerger, MergeReport, RectifiedDelta
 from .rectifier import Rectifier, rectify
 from .report import LayerStats, RectificationReport, StepRecord, TrialRecord
 
@@ -13,9 +14,12 @@ __all__ = [
     "JanusCallback",
     "JanusConfig",
     "JanusError",
+    "JanusMerger",
     "LayerStats",
+    "MergeReport",
     "RectificationError",
     "RectificationReport",
+    "RectifiedDelta",
     "Rectifier",
     "StepRecord",
     "TrialRecord",

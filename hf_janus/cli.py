@@ -1,4 +1,4 @@
-"""The ``hf-janus`` command line: ``demo`` (and further subcommands registered in :func:`build_parser`)."""
+"""The ``hf-janus`` command line: ``demo``, ``merge`` (and further subcommands registered in :func:`build_parser`)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,156 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+_MERGE_EPILOG = """\
+examples:
+  hf-janus merge --base meta-llama/Llama-3.2-1B --adapter me/llama-math-lora \\
+      --replay me/past-task-qa:train --prompt-field question --response-field answer \\
+      --output ./rectified --format adapter --rank same --refine
+  hf-janus merge --base ./base --adapter ./adapter --replay past.jsonl --text-field text \\
+      --output ./rectified-full --format full --overwrite --push-to-hub me/rectified
+
+Only the layers the adapter changes are rectified (--target-modules/--exclude-modules can narrow them).
+The output directory is written atomically and also holds janus_rectification.json, the report.
+"""
+
+
+def _add_merge(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "merge",
+        help="rectify a PEFT adapter (Hub or disk) against forgetting and save it as an adapter or full model",
+        description="Load a base model and a PEFT adapter (LoRA, rsLoRA, DoRA, PiSSA, LoHa, ... anything PEFT can "
+                    "merge), rectify the adapter's weight update with JANUS against forgetting of the task in "
+                    "--replay, and save the result as a standard LoRA adapter (per-layer truncated SVD) or as full "
+                    "weights.",
+        epilog=_MERGE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_argument_group("inputs")
+    src.add_argument("--base", required=True, metavar="ID_OR_DIR", help="base model: Hub repo id or local directory")
+    src.add_argument("--adapter", required=True, metavar="ID_OR_DIR",
+                     help="PEFT adapter: Hub repo id or local directory")
+    src.add_argument("--revision", help="revision (branch, tag, commit) of the adapter repo")
+    src.add_argument("--base-revision", help="revision of the base model repo")
+    src.add_argument("--initial-adapter", metavar="ID_OR_DIR",
+                     help="for an unconverted PiSSA-like adapter with a randomized or data-dependent init "
+                          "(pissa_niter_k, olora, corda, lora_ga, loftq): the adapter saved right after initialization")
+    src.add_argument("--allow-base-mismatch", action="store_true",
+                     help="warn instead of failing when the adapter names a different base model (shapes are "
+                          "still checked)")
+    src.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                     help="dtype to load the base model in (default: the checkpoint's; float32 is the most exact)")
+    src.add_argument("--device", default=None,
+                     help="device for the model and the Jacobians, e.g. cuda:0 (default: cpu)")
+
+    rep = p.add_argument_group("replay (samples of the past task to protect)")
+    rep.add_argument("--replay", required=True, metavar="DATASET[:SPLIT]",
+                     help="Hub dataset id, local .jsonl/.json/.parquet/.csv file, or datasets directory "
+                          "(save_to_disk or data files); optional :SPLIT, e.g. data.jsonl:train[:256] (default "
+                          "split: train)")
+    rep.add_argument("--replay-format", default="auto", choices=["auto", "text", "prompt-response", "tokens"],
+                     help="text: every token of --text-field counts; prompt-response: only --response-field tokens "
+                          "count; tokens: input_ids column; auto (default): tokens if input_ids exists, else "
+                          "prompt-response if both fields exist, else text")
+    rep.add_argument("--text-field", help="text column (default: text; giving it implies --replay-format text)")
+    rep.add_argument("--prompt-field", help="prompt column (default: prompt; giving it or --response-field implies "
+                                            "--replay-format prompt-response)")
+    rep.add_argument("--response-field", help="response column (default: response)")
+    rep.add_argument("--replay-samples", type=int, default=256, metavar="N",
+                     help="use the first N rows (default: 256, as the paper; 0 = all)")
+    rep.add_argument("--max-length", type=int, default=1024,
+                     help="cut replay sequences to this many tokens (default: 1024)")
+
+    jan = p.add_argument_group("JANUS")
+    jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
+    jan.add_argument("--tau", type=float, help="acceptance threshold τ (default: 0.95; 0 = single step)")
+    jan.add_argument("--beta", type=float, help="step-size decay β (default: 0.7)")
+    jan.add_argument("--compression-rank", type=int, metavar="R",
+                     help="sequence compression rank r of the Jacobian factors (default: 32; 0 = no compression)")
+    jan.add_argument("--max-steps", type=int, help="maximum rectification steps (default: 50)")
+    jan.add_argument("--replay-batch-size", type=int, help="replay samples per forward/backward (default: 8)")
+    jan.add_argument("--target-modules", nargs="+", metavar="NAME",
+                     help="only rectify adapted layers matching these names/suffixes (default: all adapted layers)")
+    jan.add_argument("--exclude-modules", nargs="+", metavar="NAME", help="never rectify these layers")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--output", required=True, metavar="DIR", help="output directory (written atomically)")
+    out.add_argument("--format", dest="output_format", default="adapter", choices=["adapter", "full"],
+                     help="adapter: a standard LoRA adapter re-factorized by truncated SVD (default); full: base + "
+                          "rectified update with save_pretrained, sharded like the base")
+    out.add_argument("--rank", default="same", metavar="same|auto|INT|FLOAT",
+                     help="LoRA rank for --format adapter: same (each layer's rank in the input adapter, default), "
+                          "auto (smallest rank keeping --energy of each layer's update), an int, or a float in "
+                          "(0, 1] as an energy threshold")
+    out.add_argument("--energy", type=float, default=0.99, help="energy kept by --rank auto (default: 0.99)")
+    out.add_argument("--refine", action="store_true",
+                     help="alternate between the rank-k set and the Jacobian null space so that truncation gives "
+                          "back less of the repair")
+    out.add_argument("--refine-iterations", type=int, default=5, help="iterations of --refine (default: 5)")
+    out.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output directory")
+    out.add_argument("--push-to-hub", metavar="REPO", help="also upload the output directory to this Hub repo")
+    out.add_argument("--private", action="store_true", help="create the --push-to-hub repo as private")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.set_defaults(func=_run_merge)
+
+
+def _merge_config(args: argparse.Namespace):
+    from .config import JanusConfig
+
+    base = JanusConfig.load(args.config) if args.config else JanusConfig()
+    overrides = {
+        "tau": args.tau, "beta": args.beta, "rank": args.compression_rank, "max_steps": args.max_steps,
+        "replay_batch_size": args.replay_batch_size, "target_modules": args.target_modules,
+        "exclude_modules": args.exclude_modules,
+    }
+    import dataclasses
+
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides.get("rank") == 0:
+        overrides["rank"] = None  # no sequence compression
+    return dataclasses.replace(base, **overrides)
+
+
+def _run_merge(args: argparse.Namespace) -> int:
+    from .io_utils import check_output_dir
+    from .merger import JanusMerger, push_folder_to_hub
+    from .refactor import parse_rank_spec, validate_rank_spec
+
+    rank = parse_rank_spec(args.rank) if args.output_format == "adapter" else "same"
+    validate_rank_spec(rank, args.energy)
+    if args.refine_iterations < 0:
+        raise ValueError(f"--refine-iterations must be >= 0, got {args.refine_iterations}")
+    if args.replay_samples < 0:
+        raise ValueError(f"--replay-samples must be >= 0, got {args.replay_samples}")
+    replay_format = args.replay_format
+    if replay_format == "auto" and (args.prompt_field or args.response_field):
+        replay_format = "prompt-response"
+    elif replay_format == "auto" and args.text_field:
+        replay_format = "text"
+    output = check_output_dir(args.output, args.overwrite)  # fail before the expensive part
+    config = _merge_config(args)
+    merger = JanusMerger(
+        args.base, args.adapter, args.replay, config, revision=args.revision, torch_dtype=args.dtype,
+        device=args.device, base_revision=args.base_revision, initial_adapter=args.initial_adapter,
+        allow_base_mismatch=args.allow_base_mismatch, replay_format=replay_format,
+        text_field=args.text_field or "text", prompt_field=args.prompt_field or "prompt",
+        response_field=args.response_field or "response",
+        max_length=args.max_length, num_samples=args.replay_samples or None, progress=not args.no_progress,
+    )
+    delta = merger.run()
+    if args.output_format == "adapter":
+        delta.save_adapter(output, rank=rank, energy=args.energy, refine=args.refine,
+                           refine_iterations=args.refine_iterations, overwrite=args.overwrite,
+                           progress=not args.no_progress)
+    else:
+        delta.save_full(output, overwrite=args.overwrite)
+    print(delta.report.summary())
+    print(f"\nrectified {args.output_format} written to {output}")
+    if args.push_to_hub:
+        url = push_folder_to_hub(output, args.push_to_hub, private=args.private or None,
+                                 commit_message=f"JANUS-rectified {args.output_format} of {args.adapter}")
+        print(f"pushed to {args.push_to_hub}: {url}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-janus",
@@ -56,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SUBCOMMANDS = [_add_demo]
+_SUBCOMMANDS = [_add_demo, _add_merge]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,242 @@
+"""Load past-task replay samples from a Hub dataset, a local file or a ``datasets`` directory, and tokenize them.
+
+Returns the list-of-dicts replay the engine accepts (``input_ids``, ``attention_mask`` and, for
+prompt/response data, ``labels`` with the prompt masked by -100). Sources:
+
+* a Hub dataset id (``"user/name"``), through ``datasets.load_dataset``;
+* a local ``.jsonl``/``.json``/``.parquet``/``.csv``/``.txt``/``.arrow`` file (``load_dataset`` with the
+  matching builder);
+* a directory written by ``Dataset.save_to_disk``/``DatasetDict.save_to_disk`` (``load_from_disk``), or a
+  directory of data files (``load_dataset``).
+
+A split can be appended as ``SOURCE:SPLIT`` (``"data.jsonl:train[:256]"``); the default split is ``train``
+(or the only split of a saved ``DatasetDict``).
+
+Formats (``format=``): ``"text"`` (every token of ``text_field`` counts), ``"prompt-response"`` (only the
+response tokens count), ``"tokens"`` (already tokenized ``input_ids`` [``attention_mask``, ``labels``]) or
+``"auto"``: ``tokens`` if there is an ``input_ids`` column, else ``prompt-response`` if the prompt and
+response columns exist, else ``text``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Optional, Sequence
+
+from .errors import JanusError
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("auto", "text", "prompt-response", "tokens")
+DEFAULT_NUM_SAMPLES = 256
+DEFAULT_MAX_LENGTH = 1024
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
+             ".arrow": "arrow"}
+_SPLIT_SUFFIX = re.compile(r"^(?P<source>.+?):(?P<split>[A-Za-z_][\w.\-]*(?:\[[^\]]*\])?)$")
+
+
+def parse_replay_spec(spec: str) -> tuple[str, Optional[str]]:
+    """``"name:split"`` -> ``("name", "split")``; an existing path is never split."""
+    spec = os.fspath(spec)
+    if os.path.exists(os.path.expanduser(spec)):
+        return spec, None
+    match = _SPLIT_SUFFIX.match(spec)
+    if match:
+        return match.group("source"), match.group("split")
+    return spec, None
+
+
+def _is_saved_dataset(path: str) -> bool:
+    names = set(os.listdir(path))
+    return "dataset_dict.json" in names or {"dataset_info.json", "state.json"} <= names
+
+
+def _pick_split(dataset_dict: Any, split: Optional[str], source: str) -> Any:
+    if split is not None:
+        base = split.split("[", 1)[0]
+        if base not in dataset_dict:
+            raise JanusError(f"replay dataset {source!r} has no split {base!r}; its splits are {sorted(dataset_dict)}")
+        if base != split:
+            raise JanusError(f"slicing ({split!r}) is not supported for a saved DatasetDict; use split {base!r}")
+        return dataset_dict[base]
+    if "train" in dataset_dict:
+        return dataset_dict["train"]
+    if len(dataset_dict) == 1:
+        return next(iter(dataset_dict.values()))
+    raise JanusError(f"replay dataset {source!r} has splits {sorted(dataset_dict)}; choose one with {source}:SPLIT")
+
+
+def load_replay_dataset(source: str, split: Optional[str] = None, revision: Optional[str] = None,
+                        token: Any = None) -> Any:
+    """Open ``source`` as one ``datasets.Dataset`` (see the module docstring for what ``source`` may be)."""
+    import datasets
+
+    path = os.path.expanduser(os.fspath(source))
+    try:
+        if os.path.isfile(path):
+            ext = os.path.splitext(path)[1].lower()
+            if ext not in _BUILDERS:
+                raise JanusError(
+                    f"replay file {source!r} has an unsupported extension {ext or '(none)'}; use one of "
+                    f"{', '.join(sorted(_BUILDERS))}, a datasets directory or a Hub dataset id"
+                )
+            return datasets.load_dataset(_BUILDERS[ext], data_files=path, split=split or "train")
+        if os.path.isdir(path):
+            if _is_saved_dataset(path):
+                loaded = datasets.load_from_disk(path)
+                if isinstance(loaded, datasets.DatasetDict):
+                    return _pick_split(loaded, split, source)
+                if split is not None:
+                    raise JanusError(f"replay dataset {source!r} is a single saved Dataset; drop the ':{split}' suffix")
+                return loaded
+            return datasets.load_dataset(path, split=split or "train")
+        looks_local = source.startswith((".", "/", "~")) or source.count("/") > 1
+        if looks_local or os.path.splitext(path)[1].lower() in _BUILDERS:
+            raise JanusError(f"replay file or directory {source!r} does not exist")
+        kwargs: dict[str, Any] = {"split": split or "train"}
+        if revision:
+            kwargs["revision"] = revision
+        if token is not None:
+            kwargs["token"] = token
+        return datasets.load_dataset(source, **kwargs)
+    except JanusError:
+        raise
+    except Exception as err:
+        raise JanusError(
+            f"could not load replay data {source!r} (split {split or 'train'!r}): {type(err).__name__}: {err}"
+        ) from err
+
+
+def _resolve_format(columns: Sequence[str], fmt: str, text_field: str, prompt_field: str, response_field: str,
+                    source: str) -> str:
+    if fmt not in FORMATS:
+        raise JanusError(f"replay format {fmt!r} is invalid; choose one of {', '.join(FORMATS)}")
+    if fmt == "auto":
+        if "input_ids" in columns:
+            fmt = "tokens"
+        elif prompt_field in columns and response_field in columns:
+            fmt = "prompt-response"
+        elif text_field in columns:
+            fmt = "text"
+        else:
+            raise JanusError(
+                f"cannot tell how to read replay {source!r} (columns {list(columns)}): name the text column with "
+                f"text_field (--text-field), or the prompt and response columns with prompt_field/response_field "
+                f"(--prompt-field/--response-field), or provide input_ids"
+            )
+    needed = {"text": [text_field], "prompt-response": [prompt_field, response_field], "tokens": ["input_ids"]}[fmt]
+    missing = [c for c in needed if c not in columns]
+    if missing:
+        raise JanusError(f"replay {source!r} has no column(s) {missing} needed for format {fmt!r}; its columns are "
+                         f"{list(columns)}")
+    return fmt
+
+
+def _token_ids(tokenizer: Any, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def tokenize_replay(
+    dataset: Any,
+    tokenizer: Any = None,
+    *,
+    format: str = "auto",
+    text_field: str = "text",
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+    max_length: int = DEFAULT_MAX_LENGTH,
+    num_samples: Optional[int] = DEFAULT_NUM_SAMPLES,
+    source: str = "replay",
+) -> list[dict[str, list[int]]]:
+    """Turn rows into engine samples; the first ``num_samples`` rows are used (``None``: all), in order.
+
+    ``text``: the whole text counts (BOS etc. as the tokenizer adds them). ``prompt-response``: prompt
+    (with special tokens) + response (+ EOS when the tokenizer has one), labels -100 on the prompt.
+    Sequences are cut to ``max_length`` tokens (for prompt/response, the prompt's end is cut first, keeping
+    at least half of ``max_length`` for the response); rows left with nothing to predict are skipped.
+    """
+    if max_length is not None and max_length < 2:
+        raise JanusError(f"max_length={max_length} is too small: a replay sample needs at least 2 tokens")
+    columns = list(getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else []))
+    if len(dataset) == 0:
+        raise JanusError(f"replay {source!r} is empty: JANUS needs samples of the past task (typically ~256)")
+    fmt = _resolve_format(columns, format, text_field, prompt_field, response_field, source)
+    if fmt != "tokens" and tokenizer is None:
+        raise JanusError(
+            f"replay {source!r} is raw text but no tokenizer is available: the base model has none; pass a "
+            "tokenizer, or replay data that is already tokenized (an input_ids column)"
+        )
+    count = len(dataset) if num_samples is None else min(len(dataset), int(num_samples))
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    samples: list[dict[str, list[int]]] = []
+    skipped = 0
+    for i in range(count):
+        row = dataset[i]
+        labels: Optional[list[int]] = None
+        if fmt == "tokens":
+            ids = [int(t) for t in row["input_ids"]]
+            mask = [int(t) for t in row["attention_mask"]] if row.get("attention_mask") is not None else [1] * len(ids)
+            if row.get("labels") is not None:
+                labels = [int(t) for t in row["labels"]]
+        elif fmt == "text":
+            text = row[text_field]
+            if not isinstance(text, str):
+                raise JanusError(f"replay {source!r} row {i}: column {text_field!r} holds {type(text).__name__}, "
+                                 "expected a string")
+            ids = _token_ids(tokenizer, text, True)
+            mask = [1] * len(ids)
+        else:
+            prompt, response = row[prompt_field], row[response_field]
+            if not isinstance(prompt, str) or not isinstance(response, str):
+                raise JanusError(f"replay {source!r} row {i}: {prompt_field!r} and {response_field!r} must be strings")
+            p = _token_ids(tokenizer, prompt, True)
+            r = _token_ids(tokenizer, response, False) + ([int(eos)] if eos is not None else [])
+            if max_length is not None and len(p) + len(r) > max_length:  # cut the prompt's end before the answer
+                r = r[: max(max_length - len(p), max_length // 2)]
+                p = p[: max_length - len(r)]
+            ids, mask, labels = p + r, [1] * (len(p) + len(r)), [-100] * len(p) + r
+        if max_length is not None:
+            ids, mask = ids[:max_length], mask[:max_length]
+            labels = labels[:max_length] if labels is not None else None
+        targets = labels[1:] if labels is not None else ids[1:]
+        if len(ids) < 2 or all(t == -100 for t in targets):
+            skipped += 1
+            continue
+        sample = {"input_ids": ids, "attention_mask": mask}
+        if labels is not None:
+            sample["labels"] = labels
+        samples.append(sample)
+    if skipped:
+        logger.warning("skipped %d replay row(s) of %r with nothing to predict (empty, or cut by max_length=%s)",
+                       skipped, source, max_length)
+    if not samples:
+        raise JanusError(f"replay {source!r} has no usable sample: every row is empty or has nothing to predict "
+                         f"after cutting to max_length={max_length}")
+    return samples
+
+
+def load_replay(
+    source: str,
+    tokenizer: Any = None,
+    *,
+    split: Optional[str] = None,
+    format: str = "auto",
+    text_field: str = "text",
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+    max_length: int = DEFAULT_MAX_LENGTH,
+    num_samples: Optional[int] = DEFAULT_NUM_SAMPLES,
+    revision: Optional[str] = None,
+    token: Any = None,
+) -> list[dict[str, list[int]]]:
+    """:func:`load_replay_dataset` + :func:`tokenize_replay`; ``source`` may carry a ``:split`` suffix."""
+    name, spec_split = parse_replay_spec(source)
+    if split is not None and spec_split is not None and split != spec_split:
+        raise JanusError(f"replay {source!r} names split {spec_split!r} but split={split!r} was also given")
+    dataset = load_replay_dataset(name, split or spec_split, revision=revision, token=token)
+    return tokenize_replay(dataset, tokenizer, format=format, text_field=text_field, prompt_field=prompt_field,
+                           response_field=response_field, max_length=max_length, num_samples=num_samples,
+                           source=source)
