@@ -1,13 +1,16 @@
 """``JanusCallback``: snapshot θ0 when ``Trainer`` starts, rectify with JANUS when it ends.
 
-This version covers full fine-tuning of a plain (non-PEFT) model, in one process or under DDP (each rank
-captures its share of the replay; every rank ends with identical weights), including
-``resume_from_checkpoint`` (the θ0 snapshot travels with every checkpoint). PEFT models, FSDP and DeepSpeed
-are refused with a clear error until they are supported.
+Full fine-tuning of a plain model and PEFT training (LoRA and its variants: rsLoRA, DoRA, PiSSA, OLoRA, ...)
+are covered, in one process or under DDP (each rank captures its share of the replay; every rank ends with
+identical weights), including ``resume_from_checkpoint`` (the θ0 snapshot travels with every checkpoint).
+For a PEFT model θ0 is the *effective* weight of each adapted layer at train begin (base + the adapter's
+initial delta, which is non-zero for PiSSA-like inits). FSDP and DeepSpeed ZeRO-3 sharded weights are
+refused with a clear error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, Optional
@@ -16,9 +19,22 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .adapters import _MUTATING_INITS
 from .config import JanusConfig
 from .errors import JanusError, RectificationError
-from .layers import resolve_target_modules
+from .layers import resolve_target_modules, rule_for
+from .peft_layers import (
+    adapted_linear_layers,
+    check_adapter_writable,
+    effective_weights,
+    inner_model,
+    is_peft_model,
+    plain_view,
+    record_rank_pattern,
+    set_base_weight,
+    validate_peft_output,
+    write_lora,
+)
 from .rectifier import Rectifier
 from .report import RectificationReport
 
@@ -49,6 +65,29 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _lora_state(module: nn.Module, adapter: str) -> dict[str, Any]:
+    """What :func:`write_lora` may change in one layer, for putting it back after a failure."""
+    state = {"A": module.lora_A[adapter], "B": module.lora_B[adapter], "r": module.r[adapter],
+             "scaling": module.scaling[adapter],
+             "A_weight": module.lora_A[adapter].weight.detach().clone(),
+             "B_weight": module.lora_B[adapter].weight.detach().clone()}
+    magnitude = getattr(module, "lora_magnitude_vector", {})
+    if adapter in magnitude:
+        state["magnitude"] = magnitude[adapter].weight.detach().clone()
+    return state
+
+
+def _restore_lora(module: nn.Module, state: dict[str, Any]) -> None:
+    adapter = module.active_adapters[0]
+    with torch.no_grad():
+        module.lora_A[adapter], module.lora_B[adapter] = state["A"], state["B"]
+        module.r[adapter], module.scaling[adapter] = state["r"], state["scaling"]
+        state["A"].weight.copy_(state["A_weight"])
+        state["B"].weight.copy_(state["B_weight"])
+        if "magnitude" in state:
+            module.lora_magnitude_vector[adapter].weight.copy_(state["magnitude"])
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
@@ -68,7 +107,15 @@ class JanusCallback(TrainerCallback):
         on_error: ``"raise"`` (default) or ``"warn"``: on failure the model keeps its fine-tuned weights
             either way; ``"warn"`` logs the error and lets training finish normally.
         trainer: optional ``Trainer``; when given, the rectification steps are logged with ``trainer.log``
-            so every reporting integration (wandb, tensorboard, ...) receives them.
+            so every reporting integration (wandb, tensorboard, ...) receives them. Required for
+            ``peft_output="merged"`` (the merged model replaces ``trainer.model``).
+        peft_output: for a PEFT model, ``"adapter"`` (default) writes the rectified update back into the
+            LoRA factors (truncated SVD per layer, see ``adapter_rank``) so ``trainer.save_model()`` saves an
+            adapter; ``"merged"`` writes the rectified weights into the base layers and replaces
+            ``trainer.model`` by the merged plain model, which ``trainer.save_model()`` then saves in full.
+        adapter_rank: rank of each re-factorized layer: ``"same"`` (the adapter's own rank), an int,
+            ``"auto"`` (smallest rank keeping ``adapter_energy`` of the layer's update) or a float energy.
+        adapter_energy: energy threshold for ``adapter_rank="auto"``.
 
     After training, ``callback.report`` is the :class:`RectificationReport`; it is also written to
     ``args.output_dir/janus_rectification.json`` and its figures are appended to
@@ -76,11 +123,18 @@ class JanusCallback(TrainerCallback):
     """
 
     def __init__(self, replay: Any, config: Optional[JanusConfig] = None, snapshot: str = "cpu",
+                 peft_output: str = "adapter", adapter_rank: Any = "same", adapter_energy: float = 0.99,
                  on_error: str = "raise", trainer: Any = None):
         if snapshot not in ("cpu", "disk"):
             raise ValueError(f"snapshot={snapshot!r} is invalid: expected 'cpu' or 'disk'")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r} is invalid: expected 'raise' or 'warn'")
+        validate_peft_output(peft_output, adapter_rank)
+        if not 0.0 < adapter_energy <= 1.0:
+            raise ValueError(f"adapter_energy={adapter_energy!r} is invalid: expected a float in (0, 1]")
+        self.peft_output = peft_output
+        self.adapter_rank = adapter_rank
+        self.adapter_energy = adapter_energy
         self.replay = replay
         self.config = config if config is not None else JanusConfig()
         self.snapshot = snapshot
@@ -91,28 +145,43 @@ class JanusCallback(TrainerCallback):
         self.snapshot_bytes = 0
         self._theta0: Optional[dict[str, Tensor]] = None
         self._snapshot_path: Optional[str] = None
+        # The model after train end: the trainer's model, or the merged plain model (peft_output="merged").
+        self.model: Optional[nn.Module] = None
 
     # ---- θ0 -----------------------------------------------------------------------------------------
     def _check_supported(self, model: nn.Module, args: TrainingArguments) -> None:
-        try:
-            from peft import PeftModel
-        except ImportError:  # pragma: no cover
-            PeftModel = ()
-        if isinstance(model, PeftModel):
-            raise JanusError(
-                "JanusCallback does not support PEFT models yet: train, save the adapter, then rectify it with "
-                "hf_janus.JanusMerger (or the `hf-janus merge` command)"
-            )
         if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
             raise JanusError(
                 "JanusCallback does not support FSDP or DeepSpeed sharded weights yet; save the model and rectify it "
-                "with hf_janus.rectify afterwards"
+                "with hf_janus.rectify (full fine-tuning) or hf_janus.JanusMerger (adapters) afterwards"
             )
+        if is_peft_model(model):
+            layers = self._peft_layers(model)
+            if self.peft_output == "adapter":
+                check_adapter_writable(layers)
+                init = getattr(model.peft_config.get(model.active_adapter), "init_lora_weights", True)
+                if isinstance(init, str) and init.lower().startswith(_MUTATING_INITS) and self.adapter_rank != "same":
+                    raise JanusError(
+                        f"the adapter was initialized with init_lora_weights={init!r}: it is saved relative to a "
+                        "residual base that PEFT rebuilds at the adapter's own rank when loading, so its rank cannot "
+                        "change. Keep adapter_rank='same', or use peft_output='merged'"
+                    )
+            elif self.trainer is None:
+                raise JanusError(
+                    "peft_output='merged' replaces trainer.model by the merged model, so the callback needs the "
+                    "trainer: JanusCallback(..., trainer=trainer) or set callback.trainer = trainer before train()"
+                )
+
+    def _peft_layers(self, model: nn.Module) -> dict[str, nn.Module]:
+        return adapted_linear_layers(model, self.config.target_modules, self.config.exclude_modules)
 
     def _take_snapshot(self, model: nn.Module, args: TrainingArguments) -> None:
-        targets = resolve_target_modules(model, self.config.target_modules, self.config.exclude_modules)
-        theta0 = {f"{name}.weight": module.weight.detach().to("cpu", copy=True).contiguous()
-                  for name, module in targets.items()}
+        if is_peft_model(model):
+            theta0 = effective_weights(self._peft_layers(model))
+        else:
+            targets = resolve_target_modules(model, self.config.target_modules, self.config.exclude_modules)
+            theta0 = {f"{name}.weight": module.weight.detach().to("cpu", copy=True).contiguous()
+                      for name, module in targets.items()}
         self.snapshot_bytes = sum(t.numel() * t.element_size() for t in theta0.values())
         if self.snapshot == "disk":
             self._snapshot_path = os.path.join(args.output_dir, SNAPSHOT_NAME)
@@ -178,19 +247,99 @@ class JanusCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      model: Optional[nn.Module] = None, processing_class: Any = None, **kwargs: Any) -> None:
         model = _unwrap(model)
+        progress = not args.disable_tqdm and state.is_local_process_zero
         try:
             replay = self._replay(processing_class)
-            self.rectifier = Rectifier(model, self.theta0(), replay, self.config,
-                                       progress=not args.disable_tqdm and state.is_local_process_zero)
-            self.report = self.rectifier.run()
+            if is_peft_model(model):
+                self._rectify_peft(model, replay, progress)
+            else:
+                self.rectifier = Rectifier(model, self.theta0(), replay, self.config, progress=progress)
+                self.report = self.rectifier.run()
+                self.model = model
         except (JanusError, RectificationError) as err:
             if self.on_error == "raise":
                 raise
             logger.warning("JANUS rectification skipped, the model keeps its fine-tuned weights: %s", err)
             return
+        self.report.output.setdefault("snapshot_mib", self.snapshot_bytes / 2**20)
         self._log(state)
         if state.is_world_process_zero:
             self.report.save(os.path.join(args.output_dir, REPORT_NAME))
+
+    def _rectify_peft(self, model: nn.Module, replay: Any, progress: bool) -> None:
+        """Rectify the effective weights of the adapted layers, then write them back as configured.
+
+        Everything that can fail (capture, projection, re-factorization) runs before the model is touched
+        for good: on failure the tuner layers and their weights are exactly as training left them.
+        """
+        layers = self._peft_layers(model)
+        theta0 = self.theta0()
+        finetuned = effective_weights(layers)
+        # Only the adapted layers moved during training: they are the targets, whatever "all-linear" says.
+        config = dataclasses.replace(self.config, target_modules=list(layers), exclude_modules=None)
+        with plain_view(model, finetuned) as plain:
+            self.rectifier = Rectifier(plain, theta0, replay, config, progress=progress,
+                                       keep_reference_factors=self.peft_output == "adapter")
+            self.report = self.rectifier.run()
+        rectified = {layer.name: layer.current.detach().float() for layer in self.rectifier.layers}
+        if self.peft_output == "merged":
+            self.model = self._merge(model, layers, rectified)
+            self.report.output = {"format": "merged"}
+            return
+        self._write_adapter(model, layers, rectified, theta0, finetuned)
+        self.model = model
+
+    def _write_adapter(self, model: nn.Module, layers: dict[str, nn.Module], rectified: dict[str, Tensor],
+                       theta0: dict[str, Tensor], finetuned: dict[str, Tensor]) -> None:
+        written, originals = [], {}
+        try:
+            for layer in self.rectifier.layers:
+                module = layers[layer.name]
+                adapter = module.active_adapters[0]
+                originals[layer.name] = _lora_state(module, adapter)
+                rule = rule_for(module.get_base_layer())
+                w_base = rule.to_matrix(module.get_base_layer().weight.detach()).float().to(layer.current.device)
+                reference = layer.reference  # θ0 in (d_out, d_in), float32
+                jac = self.rectifier.reference_jacobians.get(layer.name)
+                original_delta = rule.to_matrix(finetuned[layer.name + ".weight"]).float().to(reference.device) - reference
+                ref_norm = float(jac.jvp(original_delta).norm()) if jac is not None else None
+                written.append(write_lora(
+                    module, layer.name, rectified[layer.name], reference - w_base, rectified[layer.name] - reference,
+                    self.adapter_rank, self.adapter_energy, jacobian=jac, reference_norm=ref_norm,
+                ))
+        except Exception:
+            for name, state in originals.items():
+                _restore_lora(layers[name], state)
+            raise
+        changed = {w.stats.name: w.stats.rank for w in written if w.rank_changed}
+        if changed:
+            record_rank_pattern(model, next(iter(layers.values())).active_adapters[0], changed)
+        self.rectifier.reference_jacobians.clear()
+        self.report.output = {
+            "format": "adapter", "adapter_rank": self.adapter_rank, "adapter_energy": self.adapter_energy,
+            "layers": [w.stats.to_dict() for w in written],
+        }
+        kept = [w.stats.kept_energy for w in written]
+        logger.info("JANUS: rectified update written back into the adapter (%d layers, kept energy min %.4f)",
+                    len(written), min(kept) if kept else 1.0)
+
+    def _merge(self, model: nn.Module, layers: dict[str, nn.Module], rectified: dict[str, Tensor]) -> nn.Module:
+        """Rectified weights into the base layers, every other adapter merged, PEFT wrappers removed."""
+        with torch.no_grad():
+            for name, module in layers.items():
+                set_base_weight(module, rectified[name])
+            # Adapted layers JANUS did not rectify (narrowed targets, embeddings) keep their fine-tuned value.
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for name, module in inner_model(model).named_modules():
+                if isinstance(module, BaseTunerLayer) and name not in layers and hasattr(module, "merge"):
+                    module.merge()
+        merged = model.unload()
+        trainer = self.trainer
+        trainer.model = merged
+        trainer.model_wrapped = merged
+        logger.info("JANUS: rectified weights merged; trainer.model is now the plain %s", type(merged).__name__)
+        return merged
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _replay(self, tokenizer: Any) -> Any:

@@ -59,6 +59,9 @@ class RectificationReport:
     num_tokens: int = 0
     converged: bool = False
     stop_reason: str = ""
+    # What callers did with the rectified weights afterwards (e.g. the callback's PEFT write-back:
+    # format, per-layer rank, kept energy and residual after re-factorization); empty for plain rectify().
+    output: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     @property

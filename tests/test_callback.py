@@ -165,11 +165,15 @@ def test_bad_arguments_and_unsupported_models(tmp_path):
         JanusCallback(replay_data(), snapshot="gpu")
     with pytest.raises(ValueError, match="on_error"):
         JanusCallback(replay_data(), on_error="ignore")
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(build_tiny("llama", vocab=VOCAB), LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(JanusError, match="PEFT.*JanusMerger"):
-        make_trainer(tmp_path, peft_model, [JanusCallback(replay_data(), CONFIG)]).train()
+    with pytest.raises(ValueError, match="adapter_energy"):
+        JanusCallback(replay_data(), adapter_energy=1.5)
+    with pytest.raises(ValueError, match="rank"):
+        JanusCallback(replay_data(), adapter_rank=-2)
+    janus = JanusCallback(replay_data(), CONFIG)
+    trainer = make_trainer(tmp_path, build_tiny("llama", vocab=VOCAB), [janus])
+    trainer.args.fsdp = "full_shard"  # as TrainingArguments leaves it; the sharded weights are refused up front
+    with pytest.raises(JanusError, match="FSDP or DeepSpeed"):
+        janus.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)
 
 
 def test_gradient_checkpointing_run(tmp_path):

@@ -62,7 +62,7 @@ def test_two_processes_match_one(tmp_path, n_samples):
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
 
 
-def _trainer_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bool) -> None:
     """One DDP rank of a Trainer run with JanusCallback (gloo on CPU), launched like torchrun would."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
@@ -76,23 +76,32 @@ def _trainer_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
     model = pretrained_llama()
     theta0 = copy.deepcopy(model.state_dict())
-    probe, janus = Probe(), JanusCallback(replay_data(), CB_CONFIG)
+    if use_peft:
+        from peft import get_peft_model
+        from test_callback_peft import PeftProbe, lora_config, merged_state
+
+        model, probe = get_peft_model(model, lora_config()), PeftProbe()
+        janus = JanusCallback(replay_data(), CB_CONFIG, adapter_rank=64)
+    else:
+        probe, janus = Probe(), JanusCallback(replay_data(), CB_CONFIG)
     trainer = make_trainer(pathlib.Path(out_dir), model, [probe, janus], ddp_backend="gloo")
     assert trainer.args.world_size == world and dist.is_initialized()
     trainer.train()
-    torch.save({"state": model.state_dict(), "finetuned": probe.finetuned, "theta0": theta0,
+    state = merged_state(model) if use_peft else model.state_dict()
+    torch.save({"state": state, "finetuned": probe.finetuned, "theta0": theta0,
                 "report": janus.report.to_dict(), "local_batches": len(janus.rectifier.local_batches)}, os.path.join(out_dir, f"trainer_rank{rank}.pt"))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def test_callback_under_ddp_matches_single_process_rectify(tmp_path):
+@pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
+def test_callback_under_ddp_matches_single_process_rectify(tmp_path, use_peft):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_trainer_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_trainer_worker, args=(2, port, str(tmp_path), use_peft), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"trainer_rank{r}.pt", weights_only=False) for r in range(2)]
     for key, value in ranks[0]["state"].items():
         assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
@@ -108,7 +117,12 @@ def test_callback_under_ddp_matches_single_process_rectify(tmp_path):
     torch.set_num_threads(1)
     twin = pretrained_llama()
     twin.load_state_dict(ranks[0]["finetuned"])
-    single = rectify(twin, ranks[0]["theta0"], replay_data(), CB_CONFIG, progress=False)
+    config = CB_CONFIG
+    if use_peft:  # the adapted layers are the targets
+        from test_callback_peft import TARGETS
+
+        config = JanusConfig(**{**CB_CONFIG.to_dict(), "target_modules": TARGETS})
+    single = rectify(twin, ranks[0]["theta0"], replay_data(), config, progress=False)
     assert [s["alpha"] for s in ranks[0]["report"]["steps"]] == single.alphas
     for key, value in twin.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
