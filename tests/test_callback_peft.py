@@ -308,3 +308,42 @@ def test_trl_sft_trainer_full_and_lora(tmp_path):
         assert janus.report is not None
         assert janus.report.replay_loss["rectified"] < janus.report.replay_loss["finetuned"]
         assert isinstance(trainer.model, PeftModel) == (peft_config is not None)
+
+
+def test_gpt2_conv1d_lora_write_back(tmp_path):
+    """GPT-2 stores Conv1D weights transposed (fan_in_fan_out): layouts must agree end to end."""
+    from conftest import build_tiny
+
+    from hf_janus.demo import VOCAB
+
+    torch.manual_seed(0)
+    base = build_tiny("gpt2", vocab=VOCAB)
+    theta0_plain = copy.deepcopy(base.state_dict())
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=2, target_modules=["c_attn", "c_fc"],
+                                            fan_in_fan_out=True, lora_dropout=0.0))
+    probe, janus = PeftProbe(), JanusCallback(replay_data(), FAST, adapter_rank=FULL_RANK)
+    make_trainer(tmp_path, model, [probe, janus]).train()
+    for key, value in janus.theta0().items():
+        assert torch.equal(value, theta0_plain[key])
+    twin = build_tiny("gpt2", vocab=VOCAB)
+    twin.load_state_dict(probe.finetuned)
+    config = JanusConfig(**{**FAST.to_dict(), "target_modules": ["c_attn", "c_fc"]})
+    rectify(twin, theta0_plain, replay_data(), config, progress=False)
+    got = merged_state(model)
+    for key, value in twin.state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=2e-5)
+
+
+def test_resume_keeps_the_effective_theta0(tmp_path):
+    model = peft_model(init_lora_weights="pissa")
+    first = JanusCallback(replay_data(), FAST)
+    make_trainer(tmp_path, model, [first], max_steps=4, save_strategy="steps", save_steps=2).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    resumed = peft_model(init_lora_weights="pissa")
+    second = JanusCallback(replay_data(), FAST)
+    make_trainer(tmp_path, resumed, [second], max_steps=4).train(resume_from_checkpoint=str(checkpoint))
+    for key, value in second.theta0().items():
+        assert torch.equal(value, first.theta0()[key])
+    first_state, second_state = merged_state(model), merged_state(resumed)
+    for key, value in first_state.items():
+        torch.testing.assert_close(second_state[key], value, rtol=0, atol=1e-4)
