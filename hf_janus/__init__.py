@@ -3,6 +3,7 @@
 from .callback import JanusCallback
 from .config import JanusConfig
 from .errors import JanusError, RectificationError
+from .hub import PublishedReport, load_report
 from .layers import register_layer_rule, resolve_target_modules
 from .merger import JanusMerger, MergeReport, RectifiedDelta
 from .rectifier import Rectifier, rectify
@@ -17,6 +18,7 @@ __all__ = [
     "JanusMerger",
     "LayerStats",
     "MergeReport",
+    "PublishedReport",
     "RectificationError",
     "RectificationReport",
     "RectifiedDelta",
@@ -24,6 +26,7 @@ __all__ = [
     "StepRecord",
     "TrialRecord",
     "__version__",
+    "load_report",
     "rectify",
     "register_layer_rule",
     "resolve_target_modules",

@@ -40,7 +40,8 @@ from .report import RectificationReport
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_NAME = "janus_theta0.safetensors"
+# The leading "_" keeps it out of trainer.push_to_hub() uploads (Trainer ignores "_*" there).
+SNAPSHOT_NAME = "_janus_theta0.safetensors"
 REPORT_NAME = "janus_rectification.json"
 
 
@@ -265,6 +266,11 @@ class JanusCallback(TrainerCallback):
         self._log(state)
         if state.is_world_process_zero:
             self.report.save(os.path.join(args.output_dir, REPORT_NAME))
+        if self.trainer is not None:
+            # trainer.save_model()/push_to_hub() then carry the record, the card and the safetensors metadata.
+            from .hub import install_trainer_hooks
+
+            install_trainer_hooks(self.trainer, lambda: self.report, replay=self.replay)
 
     def _rectify_peft(self, model: nn.Module, replay: Any, progress: bool) -> None:
         """Rectify the effective weights of the adapted layers, then write them back as configured.

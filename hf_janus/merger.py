@@ -11,7 +11,10 @@ merged into it layer by layer by PEFT, ``θ0`` = the base weights of the adapted
 :meth:`RectifiedDelta.save_adapter` re-factorizes each ``ΔW_rect`` with :mod:`hf_janus.refactor` into a
 standard LoRA adapter that stock ``PeftModel.from_pretrained`` loads; :meth:`RectifiedDelta.save_full`
 writes base + ``ΔW_rect`` with ``save_pretrained``. Every output is written atomically (temporary directory
-+ rename) and holds ``janus_rectification.json``, the :class:`MergeReport`.
++ rename) and published with :mod:`hf_janus.hub`: ``janus_rectification.json`` (base model and adapter with
+their Hub commits, the replay dataset's id/split/fingerprint/size, the rectification report and the
+:class:`MergeReport` extras under ``merge``), a model card ``README.md`` and a short form of the record in the
+safetensors ``__metadata__`` of the weight files. :meth:`RectifiedDelta.push_to_hub` uploads the same files.
 
 Which layers are rectified: only layers the adapter changes. ``config.target_modules`` can narrow that set
 (``"all-linear"``, the default, means every adapted linear layer, an adapted ``lm_head`` included) and
@@ -34,21 +37,39 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .adapters import PEFT_PREFIX, DTypeLike, EffectiveModel, _looks_like_local_path, load_effective_model
+from .adapters import PEFT_PREFIX, DTypeLike, EffectiveModel, load_effective_model
 from .config import JanusConfig
 from .errors import JanusError
 from .ghost import LayerJacobian, eig_psd
+from .hub import REPORT_NAME  # noqa: F401 - re-exported: callers import it from here
+from .hub import (
+    PublishedReport,
+    ReplayInfo,
+    RepoRef,
+    describe_replay,
+    push_folder,
+    resolve_repo,
+    write_publication_files,
+)
 from .io_utils import atomic_output_dir, atomic_write_text, check_output_dir
 from .layers import resolve_target_modules, rule_for
 from .rectifier import Rectifier
 from .refactor import DEFAULT_REFINE_ITERATIONS, RankSpec, RefactorStats, refactor_delta, validate_rank_spec
-from .replay_data import DEFAULT_MAX_LENGTH, DEFAULT_NUM_SAMPLES, load_replay
+from .replay_data import (
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_NUM_SAMPLES,
+    load_replay_dataset,
+    parse_replay_spec,
+    tokenize_replay,
+)
 from .report import RectificationReport
 
 logger = logging.getLogger(__name__)
 
-REPORT_NAME = "janus_rectification.json"
 MERGE_SCHEMA_VERSION = 1
+# MergeReport fields that janus_rectification.json stores outside its "merge" section.
+_MERGE_FIELDS_ELSEWHERE = ("base_model", "adapter", "rectification", "base_revision", "adapter_revision", "replay",
+                           "output_format", "adapter_kind", "peft_type")
 
 
 # ---- report ----------------------------------------------------------------------------------------------
@@ -79,9 +100,36 @@ class MergeReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MergeReport":
+        """Read :meth:`to_dict` output, or a published ``janus_rectification.json`` (see :mod:`hf_janus.hub`)."""
+        if "hf_janus_version" in data:
+            return cls.from_published(PublishedReport.from_dict(data))
         data = dict(data)
         data["rectification"] = RectificationReport.from_dict(data["rectification"])
         return cls(**data)
+
+    def merge_section(self) -> dict[str, Any]:
+        """The ``merge`` field of ``janus_rectification.json``: what the rest of the document does not hold."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in _MERGE_FIELDS_ELSEWHERE}
+        return json.loads(json.dumps(out))  # a detached copy: later saves must not rewrite a built record
+
+    @classmethod
+    def from_published(cls, published: PublishedReport) -> "MergeReport":
+        """The :class:`MergeReport` inside a :class:`~hf_janus.hub.PublishedReport` written by the merger."""
+        if published.merge is None or published.adapter is None or published.base_model is None:
+            raise JanusError(
+                f"this janus_rectification.json{f' ({published.source})' if published.source else ''} was not "
+                "written by JanusMerger (no merge section); read it with hf_janus.load_report"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        extras = {k: v for k, v in published.merge.items() if k in known and k not in _MERGE_FIELDS_ELSEWHERE}
+        return cls(
+            base_model=published.base_model.id, adapter=published.adapter.id,
+            adapter_kind=published.adapter.kind or "", peft_type=published.adapter.peft_type or "",
+            rectification=published.rectification, base_revision=published.base_model.revision,
+            adapter_revision=published.adapter.revision,
+            replay=published.replay.source if published.replay is not None else None,
+            output_format=published.kind, **extras,
+        )
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
@@ -145,7 +193,8 @@ class RectifiedDelta:
 
     def __init__(self, model: nn.Module, effective: EffectiveModel, layers: dict[str, LayerDelta],
                  report: MergeReport, config: JanusConfig, tokenizer: Any = None,
-                 max_shard_size: Optional[int] = None):
+                 max_shard_size: Optional[int] = None, *, base_ref: Optional[RepoRef] = None,
+                 adapter_ref: Optional[RepoRef] = None, replay_info: Optional[ReplayInfo] = None):
         self.model = model
         self.layers = layers
         self.config = config
@@ -153,6 +202,13 @@ class RectifiedDelta:
         self._report = report
         self._effective = effective
         self._max_shard_size = max_shard_size
+        # Provenance, resolved once by JanusMerger.run while the Hub (or its cache) was just used.
+        self.base_ref = base_ref or RepoRef(id=report.base_model, revision=report.base_revision,
+                                            local=os.path.exists(report.base_model))
+        self.adapter_ref = adapter_ref or RepoRef(id=report.adapter, revision=report.adapter_revision,
+                                                  local=os.path.exists(report.adapter), kind=report.adapter_kind,
+                                                  peft_type=report.peft_type)
+        self.replay_info = replay_info
 
     @property
     def report(self) -> MergeReport:
@@ -288,8 +344,7 @@ class RectifiedDelta:
         with atomic_output_dir(path, overwrite) as tmp:
             save_file(state, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
             config.save_pretrained(tmp)
-            self._write_card(tmp, "adapter")
-            self._report.save(os.path.join(tmp, REPORT_NAME))
+            self._publish(tmp, "adapter", os.fspath(path))
         logger.info("saved the rectified adapter (%d layer(s)) to %s", len(factors), path)
         return os.path.abspath(path)
 
@@ -308,16 +363,36 @@ class RectifiedDelta:
             self.model.save_pretrained(tmp, **kwargs)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
-            self._write_card(tmp, "full")
-            self._report.save(os.path.join(tmp, REPORT_NAME))
+            # Inside the temporary directory: the shards get their metadata before the output appears.
+            self._publish(tmp, "full", os.fspath(path))
         logger.info("saved the rectified model to %s", path)
         return os.path.abspath(path)
 
-    def push_to_hub(self, repo_id: str, *, format: str = "adapter", private: Optional[bool] = None,
+    def published_report(self, kind: str) -> PublishedReport:
+        """The ``janus_rectification.json`` record of this result saved as ``kind`` (``"adapter"``/``"full"``)."""
+        self._report.output_format = kind
+        return PublishedReport(kind=kind, rectification=self._report.rectification, base_model=self.base_ref,
+                               adapter=self.adapter_ref, replay=self.replay_info, merge=self._report.merge_section())
+
+    def _publish(self, folder: str, kind: str, load_id: str) -> None:
+        write_publication_files(folder, self.published_report(kind), repo_id=load_id)
+
+    def push_to_hub(self, repo_id: str, format: str = "adapter", private: Optional[bool] = None,
                     token: Union[str, bool, None] = None, commit_message: Optional[str] = None,
                     revision: Optional[str] = None, **save_kwargs: Any) -> str:
-        """Save as ``format`` (``"adapter"`` with ``save_kwargs`` of :meth:`save_adapter`, or ``"full"``) into
-        a temporary directory and upload it to ``repo_id`` (created if needed). Returns the commit URL."""
+        """Upload the rectified result to the Hub repo ``repo_id`` (created if needed) in one commit.
+
+        The output is first written as by :meth:`save_adapter` (``format="adapter"``, with ``save_kwargs`` such
+        as ``rank``/``energy``/``refine``) or :meth:`save_full` (``format="full"``) into a temporary directory,
+        with ``janus_rectification.json``, the model card and the safetensors metadata, then uploaded with
+        :func:`hf_janus.hub.push_folder`. ``revision`` is a branch (created from ``main`` if missing).
+
+        Returns:
+            The ``huggingface_hub.CommitInfo`` of the commit (a ``str``: its URL; ``.oid`` is the sha).
+
+        Raises:
+            JanusError: a bad ``format``, or a Hub failure (authentication, unreachable Hub, ...), with the fix.
+        """
         if format not in ("adapter", "full"):
             raise JanusError(f"format must be 'adapter' or 'full', got {format!r}")
         with tempfile.TemporaryDirectory(prefix="hf-janus-push-") as tmp:
@@ -326,42 +401,17 @@ class RectifiedDelta:
                 self.save_adapter(out, **save_kwargs)
             else:
                 self.save_full(out, **save_kwargs)
-            return push_folder_to_hub(out, repo_id, private=private, token=token, revision=revision,
-                                      commit_message=commit_message or f"JANUS-rectified {format} of "
-                                                                       f"{self._report.adapter}")
-
-    def _write_card(self, folder: str, kind: str) -> None:
-        base = self._effective.base_model
-        lines = ["---"]
-        if not (_looks_like_local_path(base) or os.path.exists(base)):  # the Hub only accepts repo ids here
-            lines.append(f"base_model: {json.dumps(base)}")
-        if kind == "adapter":
-            lines.append("library_name: peft")
-        lines += ["tags:", "- hf-janus", "- janus-rectified", "---", "",
-                  f"# JANUS-rectified {'LoRA adapter' if kind == 'adapter' else 'model'}", "",
-                  f"The {self._report.adapter_kind} adapter `{self._report.adapter}` on `{base}`, rectified with "
-                  "hf-janus (JANUS: JAcobian NUll Space projection) to forget less of the past task "
-                  + (f"`{self._report.replay}`." if self._report.replay else "given as replay."),
-                  "", f"Details: `{REPORT_NAME}`.", ""]
-        atomic_write_text(os.path.join(folder, "README.md"), "\n".join(lines))
+            return push_folder(out, repo_id, private=private, token=token, revision=revision,
+                               commit_message=commit_message or f"JANUS-rectified {format} of {self._report.adapter}")
 
 
 def push_folder_to_hub(folder: Union[str, os.PathLike], repo_id: str, *, private: Optional[bool] = None,
                        token: Union[str, bool, None] = None, revision: Optional[str] = None,
                        commit_message: str = "Upload JANUS-rectified weights") -> str:
-    """Create ``repo_id`` if needed and upload ``folder`` in one commit; returns the commit URL."""
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token)
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, folder_path=os.fspath(folder), revision=revision,
-                                 commit_message=commit_message)
-    except Exception as err:
-        raise JanusError(f"could not push {os.fspath(folder)!r} to the Hub repo {repo_id!r}: "
-                         f"{type(err).__name__}: {err}. Check the repo id and that you are logged in "
-                         "(`hf auth login`) with write access") from err
-    return str(getattr(info, "commit_url", info))
+    """Create ``repo_id`` if needed and upload ``folder`` in one commit; returns the commit URL (a
+    ``CommitInfo``). Kept for the command line; see :func:`hf_janus.hub.push_folder`."""
+    return push_folder(folder, repo_id, private=private, token=token, revision=revision,
+                       commit_message=commit_message)
 
 
 # ---- the merger ------------------------------------------------------------------------------------------
@@ -490,15 +540,25 @@ class JanusMerger:
             logger.info("no tokenizer for %r (%s: %s)", self.base_model, type(err).__name__, err)
             return None
 
-    def _load_replay(self, tokenizer: Any) -> Any:
-        if isinstance(self.replay, (str, os.PathLike)):
-            return load_replay(os.fspath(self.replay), tokenizer, token=self.token, **self.replay_kwargs)
-        return self.replay
+    def _load_replay(self, tokenizer: Any) -> tuple[Any, ReplayInfo]:
+        """The replay samples and their description (id, split, fingerprint, size) for the published record."""
+        if not isinstance(self.replay, (str, os.PathLike)):
+            return self.replay, describe_replay(self.replay)
+        # hf_janus.replay_data.load_replay, unrolled to keep the dataset for its fingerprint and size.
+        source = os.fspath(self.replay)
+        kwargs = dict(self.replay_kwargs)
+        split = kwargs.pop("split")
+        name, spec_split = parse_replay_spec(source)
+        if split is not None and spec_split is not None and split != spec_split:
+            raise JanusError(f"replay {source!r} names split {spec_split!r} but split={split!r} was also given")
+        dataset = load_replay_dataset(name, split or spec_split, token=self.token)
+        samples = tokenize_replay(dataset, tokenizer, source=source, **kwargs)
+        return samples, describe_replay(dataset, source=source, split=split or spec_split, token=self.token)
 
     def run(self) -> RectifiedDelta:
         """Load, merge, rectify. The replay is read first, so that bad replay fails before the model loads."""
         tokenizer = self._load_tokenizer()
-        replay = self._load_replay(tokenizer)
+        replay, replay_info = self._load_replay(tokenizer)
         effective = load_effective_model(
             self.base_model, self.adapter, revision=self.revision, base_revision=self.base_revision,
             torch_dtype=self.torch_dtype, device=self.device, initial_adapter=self.initial_adapter,
@@ -548,7 +608,11 @@ class JanusMerger:
         if unrectified:
             logger.info("adapted layer(s) kept at their fine-tuned value: %s", ", ".join(unrectified))
         shard = _base_max_shard_size(self.base_model, self.base_revision, effective.model)
-        return RectifiedDelta(effective.model, effective, layers, report, config, tokenizer, shard)
+        base_ref = resolve_repo(self.base_model, self.base_revision, token=self.token)
+        adapter_ref = resolve_repo(self.adapter, self.revision, token=self.token, local_path=effective.adapter.path)
+        adapter_ref.kind, adapter_ref.peft_type = effective.adapter.kind, effective.adapter.peft_type
+        return RectifiedDelta(effective.model, effective, layers, report, config, tokenizer, shard,
+                              base_ref=base_ref, adapter_ref=adapter_ref, replay_info=replay_info)
 
 
 def merge_adapter(base_model: Union[str, os.PathLike], adapter: Union[str, os.PathLike], replay: Any,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Union
 
 from .io_utils import atomic_write_text
@@ -77,7 +77,10 @@ class RectificationReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RectificationReport":
-        data = dict(data)
+        """Rebuild a report; keys it does not know (e.g. the publication record that
+        :func:`hf_janus.hub.build_report` puts around it) are ignored."""
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
         steps = []
         for s in data.pop("steps", []):
             s = dict(s)

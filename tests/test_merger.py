@@ -380,7 +380,7 @@ def test_base_and_adapter_by_repo_id_from_the_hub(ws, lora_result, tmp_path):
     for name in lora_result.layer_names:
         torch.testing.assert_close(hub_result.delta(name), lora_result.delta(name), rtol=0, atol=1e-6)
     assert {"adapter_config.json", "adapter_model.safetensors", REPORT_NAME, "README.md"} <= pushed
-    assert 'base_model: "me/tiny-base"' in card
+    assert "base_model: me/tiny-base" in card
     assert "me/tiny-lora-janus" in url
     assert hub_result.report.adapter == "me/tiny-lora"
 

@@ -1,0 +1,201 @@
+"""The model card (``README.md``) of a JANUS-rectified adapter or model.
+
+Rendered with huggingface_hub's ``ModelCard.from_template`` from ``model_card_templates/janus_modelcard.md``
+(shipped inside the package) and ``ModelCardData`` front matter: ``base_model`` (Hub ids only: the Hub
+rejects paths there), ``library_name`` (``peft`` for adapters, ``transformers`` for full models), ``tags``
+(``janus``, ``hf-janus``, ``janus-rectified``), ``datasets`` (the replay dataset, when it is a Hub id) and
+``pipeline_tag``.
+
+Our text lives between ``<!-- hf-janus:begin ... -->`` and ``<!-- hf-janus:end -->``. When a card already
+exists (the one ``Trainer.create_model_card`` writes, or one the user edited), its front matter is kept and
+extended and only that block is replaced (or appended), so publishing twice is idempotent and nothing the
+user wrote outside the block is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Optional
+
+from .errors import JanusError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from .hub import PublishedReport, RepoRef
+
+TEMPLATE_NAME = "janus_modelcard.md"
+JANUS_TAGS = ("janus", "hf-janus", "janus-rectified")
+BLOCK_BEGIN = "<!-- hf-janus:begin"
+BLOCK_END = "<!-- hf-janus:end -->"
+_BLOCK_RE = re.compile(re.escape(BLOCK_BEGIN) + r".*?" + re.escape(BLOCK_END), re.S)
+
+
+def template_path() -> str:
+    """Path of the Jinja template; it ships as package data, so this works from a wheel and a checkout."""
+    path = resources.files("hf_janus") / "model_card_templates" / TEMPLATE_NAME
+    if not path.is_file():
+        raise JanusError(f"the model card template {TEMPLATE_NAME} is missing from the hf_janus package "
+                         f"({path}); reinstall hf-janus")
+    return os.fspath(path)
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    if value is None:
+        return "-"
+    try:
+        return format(float(value), spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _ref_line(ref: Optional["RepoRef"]) -> str:
+    if ref is None:
+        return "unknown"
+    line = f"`{ref.id}`"
+    if ref.local:
+        return line + " (local directory)"
+    if ref.revision and ref.revision != ref.sha:
+        line += f" revision `{ref.revision}`"
+    return line + (f", commit `{ref.sha[:12]}`" if ref.sha else "")
+
+
+def _refactor_line(published: "PublishedReport") -> Optional[str]:
+    """Ranks and kept energy of the LoRA re-factorization, from the merger's or the callback's record."""
+    merge = published.merge or {}
+    source = merge.get("refactorization") or published.rectification.output or {}
+    layers = [s for s in source.get("layers", []) if isinstance(s, dict) and "rank" in s]
+    if not layers:
+        return None
+    ranks = [int(s["rank"]) for s in layers]
+    kept = [float(s["kept_energy"]) for s in layers if s.get("kept_energy") is not None]
+    rank_text = str(ranks[0]) if min(ranks) == max(ranks) else f"{min(ranks)}..{max(ranks)}"
+    line = f"rank {rank_text} per layer"
+    if kept:
+        line += f", kept energy ≥ {min(kept):.4f}"
+    if source.get("refine"):
+        line += ", refined toward the null space"
+    return line
+
+
+def template_variables(published: "PublishedReport", *, load_id: str) -> dict[str, Any]:
+    """Everything the template shows, formatted."""
+    rect = published.rectification
+    cfg = rect.config
+    steps = []
+    for s in rect.steps:
+        cbar = s.trials[-1].mean_cosine if s.trials else None
+        steps.append({"step": s.step, "alpha": _fmt(s.alpha, ".4g"), "cbar": _fmt(cbar, ".4f"),
+                      "trials": len(s.trials), "note": "taken with c̄ < τ (step floor or step limit)" if s.forced
+                      else "accepted"})
+    total = rect.timings.get("total")
+    if rect.converged:
+        result = f"converged after {len(rect.steps)} step(s)"
+    else:
+        result = rect.stop_reason or "not converged"
+    result += f", {rect.num_trials} trial(s), {rect.num_jacobian_evals} Jacobian evaluation(s)"
+    if total is not None:
+        result += f", {total:.1f} s"
+    replay = published.replay
+    if replay is None:
+        replay_line = "not recorded"
+    else:
+        replay_line = f"`{replay.id}`" if replay.id else "in-memory samples"
+        if replay.local and replay.id:
+            replay_line += " (local)"
+        if replay.split:
+            replay_line += f", split `{replay.split}`"
+        if replay.size is not None:
+            replay_line += f", {replay.size} rows"
+        if replay.fingerprint:
+            replay_line += f", fingerprint `{replay.fingerprint[:23]}`"
+    residuals = [layer.residual for layer in rect.layers if layer.residual is not None]
+    base = published.base_model
+    name = (published.adapter or base).id if (published.adapter or base) else "model"
+    return {
+        "kind": published.kind,
+        "title": f"JANUS-rectified {os.path.basename(name.rstrip('/')) or name}",
+        "base_model": base.to_dict() if base else None,
+        "adapter": published.adapter.to_dict() if published.adapter else None,
+        "base_line": _ref_line(base),
+        "adapter_line": _ref_line(published.adapter),
+        "replay_line": replay_line,
+        "tau": _fmt(cfg.get("tau"), "g"),
+        "beta": _fmt(cfg.get("beta"), "g"),
+        "rank": "none (every token kept, exact)" if cfg.get("rank") is None else str(cfg["rank"]),
+        "m": f"{rect.num_samples}" + (f" ({rect.num_tokens} tokens)" if rect.num_tokens else ""),
+        "result_line": result,
+        "refactor_line": _refactor_line(published),
+        "hf_janus_version": published.hf_janus_version,
+        "num_layers": len(rect.layers),
+        "steps": steps,
+        "loss": {k: _fmt(rect.replay_loss.get(k), ".4f") for k in ("reference", "finetuned", "rectified")},
+        "residual": _fmt(max(residuals), ".3g") if residuals else None,
+        "load_id": load_id,
+        "base_load_id": base.id if base else "<base model id or path>",
+    }
+
+
+def card_data(published: "PublishedReport", *, pipeline_tag: Optional[str] = None) -> "ModelCardData":
+    """The front matter: only Hub ids go into ``base_model``/``datasets`` (the Hub validates them)."""
+    from huggingface_hub import ModelCardData
+
+    base = published.base_model
+    replay = published.replay
+    return ModelCardData(
+        base_model=base.id if base is not None and base.is_hub else None,
+        library_name="peft" if published.kind == "adapter" else "transformers",
+        tags=list(JANUS_TAGS),
+        datasets=[replay.id] if replay is not None and replay.is_hub else None,
+        pipeline_tag=pipeline_tag,
+    )
+
+
+def _merge_data(existing: "ModelCardData", ours: "ModelCardData") -> None:
+    """Add our front matter to ``existing`` in place: tags and datasets are unioned; ``library_name`` is ours
+    (it decides how the Hub loads the repo); ``base_model``/``pipeline_tag`` fill in what is missing."""
+    def as_list(value: Any) -> list[Any]:
+        return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+    existing.tags = list(dict.fromkeys(as_list(existing.get("tags")) + as_list(ours.tags))) or None
+    datasets = list(dict.fromkeys(as_list(existing.get("datasets")) + as_list(ours.datasets)))
+    existing.datasets = datasets or None
+    existing.library_name = ours.library_name
+    for key in ("base_model", "pipeline_tag"):
+        if existing.get(key) is None and getattr(ours, key, None) is not None:
+            setattr(existing, key, getattr(ours, key))
+
+
+def render_card(published: "PublishedReport", *, load_id: str, existing: Optional[str] = None,
+                pipeline_tag: Optional[str] = None) -> "ModelCard":
+    """The card for ``published``, merged into ``existing`` (the current README.md text) when given.
+
+    Args:
+        published: the record.
+        load_id: the repo id or directory the usage snippet loads from.
+        existing: the text of an existing README.md, whose metadata and text outside our block are kept.
+        pipeline_tag: e.g. ``"text-generation"``.
+    """
+    from huggingface_hub import ModelCard
+
+    data = card_data(published, pipeline_tag=pipeline_tag)
+    old = ModelCard(existing, ignore_metadata_errors=True) if existing and existing.strip() else None
+    foreign_text = bool(old is not None and _BLOCK_RE.sub("", old.text).strip())
+    # A card of its own gets a top-level title; inside someone else's card our part is a section.
+    ours = ModelCard.from_template(data, template_path=template_path(), h="##" if foreign_text else "#",
+                                   **template_variables(published, load_id=load_id))
+    if old is None:
+        return ours
+    block = _BLOCK_RE.search(ours.text)
+    if block is None:  # pragma: no cover - the template always has the markers
+        raise JanusError(f"the model card template {TEMPLATE_NAME} lacks the {BLOCK_BEGIN} ... {BLOCK_END} markers")
+    _merge_data(old.data, data)
+    if _BLOCK_RE.search(old.text):
+        old.text = _BLOCK_RE.sub(lambda _: block.group(0), old.text, count=1)
+    elif foreign_text:
+        old.text = old.text.rstrip() + "\n\n" + block.group(0) + "\n"
+    else:
+        old.text = ours.text
+    return old
