@@ -17,8 +17,20 @@ Part B - end-to-end ``hf_janus.rectify`` wall time and peak RSS vs model size (r
     models of ~10M/50M/125M parameters, a fake fine-tune, a random-token replay). Every size runs in a
     fresh subprocess so its peak RSS is its own.
 
-Run ``python benchmarks/bench_ghost.py`` (full: ~4 min on an idle 2-core machine) or ``--quick`` (smoke,
-~30 s). Timings are wall-clock; the CPU time other processes used meanwhile is recorded next to each one,
+Part C - model level, what the paper says the ghost path avoids: per-sample backpropagation and the
+    instantiated J. A GPT-2-small-shaped model (n_embd 768, 12 heads) with ``--c-layers`` (2) blocks and a
+    ``--c-vocab`` (8192) vocabulary, random init, θ0 = its state dict, θ̂ = θ0 + a small random perturbation
+    of every target weight; m=64 random-token replay samples of T=128. Single-step JANUS at θ0 is computed
+      * explicit: one forward+backward per sample (per-sample gradients = J row by row, stored float32),
+                  float64 Gram, pinv and projection per layer;
+      * by the engine: ``Rectifier._capture("c0")`` + ``Rectifier._project_all("c0")`` (one batched
+                  capture, Gram, eigendecomposition, projection) with rank=None and the ghost path forced
+                  (equal error), rank=None and the engine's path choice, and rank=r (the default).
+    The projected updates are compared (equal error) and each one's residual is measured against the
+    explicit J. Runs in its own process.
+
+Run ``python benchmarks/bench_ghost.py`` (full: ~10 min on an idle 2-core machine) or ``--quick`` (smoke,
+~1 min). ``--parts`` picks parts; parts not run are kept from an existing ``--out`` file. Timings are wall-clock; the CPU time other processes used meanwhile is recorded next to each one,
 because on a shared machine a busy neighbour can slow small multi-threaded LAPACK calls by orders of
 magnitude.
 """
@@ -49,6 +61,7 @@ from torch.func import grad, vmap
 import hf_janus
 from hf_janus.compression import compress_sequence
 from hf_janus.ghost import LayerJacobian, choose_path, eig_psd, project
+from hf_janus.layers import rule_for
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "bench_ghost.json"
@@ -439,7 +452,9 @@ def common_flags(args: argparse.Namespace) -> list[str]:
              "--a-m", str(args.a_m), "--a-T", str(args.a_T), "--a-r", str(args.a_r),
              "--b-m", str(args.b_m), "--b-T", str(args.b_T), "--b-r", str(args.b_r),
              "--tau", str(args.tau), "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size),
-             "--delta-scale", str(args.delta_scale)]
+             "--delta-scale", str(args.delta_scale),
+             "--c-layers", str(args.c_layers), "--c-vocab", str(args.c_vocab), "--c-m", str(args.c_m),
+             "--c-T", str(args.c_T), "--c-r", str(args.c_r)]
     if args.threads:
         flags += ["--threads", str(args.threads)]
     if args.shapes:
@@ -463,6 +478,249 @@ def run_part_b(args: argparse.Namespace) -> dict[str, Any]:
         "memory_method": ("peak RSS of a fresh process per model (psutil thread, 5 ms) during rectify(); "
                           "baseline = RSS after building the model, θ0 copy and replay; default glibc malloc"),
         "rows": rows,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------
+# Part C: model level, per-sample backprop ("explicit") vs the engine's capture + projection ("ghost")
+# ------------------------------------------------------------------------------------------------------
+
+# GPT-2-small-shaped blocks for part C: (n_embd, n_head); the block count and vocab are flags.
+C_ARCH = (768, 12)
+C_ARCH_QUICK = (128, 4)
+
+
+def build_part_c_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_embd, n_head = C_ARCH_QUICK if args.quick else C_ARCH
+    torch.manual_seed(args.seed)
+    config = GPT2Config(n_embd=n_embd, n_head=n_head, n_layer=args.c_layers, vocab_size=args.c_vocab,
+                        n_positions=max(128, args.c_T), bos_token_id=args.c_vocab - 1, eos_token_id=args.c_vocab - 1)
+    return GPT2LMHeadModel(config).eval()
+
+
+def _replay_batch(sample: dict[str, list[int]]) -> dict[str, Tensor]:
+    ids = torch.tensor(sample["input_ids"], dtype=torch.long)[None]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def explicit_model_projection(model: torch.nn.Module, weights: dict[str, Tensor], deltas: dict[str, Tensor],
+                              batches: list[dict[str, Tensor]]) -> dict[str, Any]:
+    """Single-step JANUS the naive way, with the model at θ0: one forward + backward of sample i's
+    token-summed loss per sample (``autograd.grad`` w.r.t. the target weights only, every other parameter
+    frozen) gives row i of every layer's J; rows are stored float32 (as backprop yields them) in one
+    preallocated (m, numel) tensor per layer; then per layer J -> float64, Gram J Jᵀ, pinv (relative cutoff
+    RCOND, as the engine's eigen-cutoff) and ΔW - Jᵀ (J Jᵀ)⁺ J ΔW. Weights, ΔW and J rows are in the
+    module's stored layout (Conv1D: (d_in, d_out)); the projection does not depend on the layout."""
+    from hf_janus.capture import token_summed_loss
+
+    names, params = list(weights), list(weights.values())
+    m = len(batches)
+    start = time.perf_counter()
+    jac = {name: torch.empty(m, w.numel(), dtype=torch.float32) for name, w in weights.items()}
+    for i, batch in enumerate(batches):
+        loss, _ = token_summed_loss(model, batch, i)
+        grads = torch.autograd.grad(loss.sum(), params)
+        for name, g in zip(names, grads):
+            jac[name][i] = g.reshape(-1)
+        del grads, loss
+    backprop_seconds = time.perf_counter() - start
+    projs = {}
+    for name in names:
+        j64 = jac[name].double()
+        flat = deltas[name].double().reshape(-1)
+        gram = j64 @ j64.T
+        coeff = torch.linalg.pinv(gram, rtol=RCOND, hermitian=True) @ (j64 @ flat)
+        projs[name] = (flat - j64.T @ coeff).reshape(deltas[name].shape)
+        del j64
+    return {"jac": jac, "proj": projs, "backprop_seconds": backprop_seconds,
+            "linalg_seconds": time.perf_counter() - start - backprop_seconds}
+
+
+def ghost_model_projection(model: torch.nn.Module, theta0: dict[str, Tensor], replay: list[dict[str, list[int]]],
+                           config: "hf_janus.JanusConfig") -> dict[str, Any]:
+    """The engine's part of single-step JANUS that corresponds to the explicit computation: Rectifier's
+    ``_capture("c0")`` (one batched forward/backward per replay batch at θ0, hooks record X and A, compressed
+    to rank r unless rank=None) and ``_project_all("c0")`` (Gram, eigendecomposition, projection of every
+    layer, on the path LayerJacobian picks). Not timed: Rectifier() (replay collation, weight copies) and
+    ``_write_all()`` (writes θ0 into the model), as the explicit side's θ0 load; not run at all: the
+    fine-tuned replay loss, the trial capture at θ0 + ΔW_proj, the orientation comparison and the per-layer
+    statistics that ``rectify`` adds. The float64 projections used for the error check are recomputed from
+    the same factors and eigendecompositions after the timed block (the engine keeps them as float32)."""
+    from hf_janus.rectifier import Rectifier
+
+    rect = Rectifier(model, theta0, replay, config, progress=False)
+    rect._write_all()
+
+    def timed() -> None:
+        rect._capture("c0")
+        rect._project_all("c0")
+
+    try:
+        res = measure(timed, 1)
+        phases = {k: v for k, v in rect.timer.seconds.items()}
+        proj64, proj32, paths = {}, {}, {}
+        for layer in rect.layers:
+            jac = rect._jacobian(layer, "c0")
+            proj64[layer.name] = project(jac, layer.finetuned() - layer.current, layer.eig)  # (d_out, d_in)
+            proj32[layer.name] = layer.proj
+            paths[layer.name] = layer.path
+            jac.release()
+    finally:
+        rect._restore()
+        rect.store.close()
+    return {"measured": res, "phases": phases, "proj": proj64, "proj_engine_float32": proj32, "paths": paths}
+
+
+def run_part_c(args: argparse.Namespace) -> dict[str, Any]:
+    """Part C worker (own process, see main): builds the model and runs every method once."""
+    from hf_janus.rectifier import Rectifier
+
+    model = build_part_c_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    theta0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fake_finetune(model, args.delta_scale, args.seed + 1)
+    theta_hat = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    targets = hf_janus.resolve_target_modules(model)
+    rules = {name: rule_for(mod) for name, mod in targets.items()}
+    stored_delta = {name: (theta_hat[name + ".weight"] - theta0[name + ".weight"]) for name in targets}
+    replay = random_replay(args.c_m, args.c_T, args.c_vocab, args.seed + 2)
+    batches = [_replay_batch(s) for s in replay]
+    m, T, r = args.c_m, args.c_T, args.c_r
+    target_params = sum(mod.weight.numel() for mod in targets.values())
+
+    # Warm-up (untimed): thread pools, autograd, QR/SVD/eigh/pinv initialisation.
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.load_state_dict(theta0)
+    weights = {name: mod.weight for name, mod in targets.items()}
+    for w in weights.values():
+        w.requires_grad_(True)
+    explicit_model_projection(model, weights, stored_delta, batches[:2])
+    for w in weights.values():
+        w.requires_grad_(False)
+    model.load_state_dict(theta_hat)
+    warm = Rectifier(model, theta0, replay[:4], hf_janus.JanusConfig(rank=min(r, 4), tau=0.0, replay_batch_size=4),
+                     progress=False)
+    warm._write_all()
+    warm._capture("c0")
+    warm._project_all("c0")
+    warm._restore()
+    warm.store.close()
+    del warm
+
+    # Ghost variants first, so the explicit J (m x all target weights) is not resident while they run.
+    base = dict(tau=0.0, replay_batch_size=args.batch_size, seed=args.seed)
+    variants = {
+        "ghost_T": ("rank=None, materialize_max_bytes=0: all T rows, ghost path forced (equal error)",
+                    hf_janus.JanusConfig(rank=None, materialize_max_bytes=0, **base)),
+        "auto_T": ("rank=None, default materialize_max_bytes: all T rows, engine's path choice (equal error)",
+                   hf_janus.JanusConfig(rank=None, **base)),
+        "auto_r": (f"rank={r}, default materialize_max_bytes: the engine's default compression and path choice",
+                   hf_janus.JanusConfig(rank=r, **base)),
+    }
+    ghost_runs = {}
+    for key, (_, config) in variants.items():
+        start = time.perf_counter()
+        ghost_runs[key] = ghost_model_projection(model, theta0, replay, config)
+        print(f"[part C] {key}: {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+
+    # Explicit, with the model at θ0 and only the target weights requiring grad.
+    model.load_state_dict(theta0)
+    for w in weights.values():
+        w.requires_grad_(True)
+    start = time.perf_counter()
+    explicit = measure(lambda: explicit_model_projection(model, weights, stored_delta, batches), 1)
+    print(f"[part C] explicit: {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    for w in weights.values():
+        w.requires_grad_(False)
+    model.load_state_dict(theta_hat)
+    jac, proj_e = explicit.value["jac"], explicit.value["proj"]
+
+    # Errors per layer, in the stored layout, against the explicit J (rows cast to float64 in chunks).
+    def jmul(name: str, flat: Tensor) -> Tensor:
+        return torch.cat([jac[name][i:i + 8].double() @ flat for i in range(0, m, 8)])
+
+    def layer_errors(name: str, proj_stored: Tensor) -> dict[str, float]:
+        delta = stored_delta[name].double()
+        pe = proj_e[name]
+        return {
+            "residual": rel(jmul(name, proj_stored.reshape(-1)), jmul(name, delta.reshape(-1))),
+            "proj_rel_diff_vs_explicit": rel(proj_stored - pe, pe),
+            "correction_rel_diff_vs_explicit": rel(proj_stored - pe, delta - pe),
+        }
+
+    def summarize(per_layer: dict[str, dict[str, float]]) -> dict[str, float]:
+        keys = next(iter(per_layer.values())).keys()
+        return {f"max_{k}": max(v[k] for v in per_layer.values()) for k in keys}
+
+    errors = {"explicit": {name: layer_errors(name, proj_e[name]) for name in targets}}
+    for key, run in ghost_runs.items():
+        errors[key] = {name: layer_errors(name, rules[name].from_matrix(run["proj"][name]).double())
+                       for name in targets}
+        errors[key + "_engine_float32"] = {
+            name: layer_errors(name, rules[name].from_matrix(run["proj_engine_float32"][name]).double())
+            for name in targets}
+
+    methods: dict[str, Any] = {
+        "explicit": {
+            "what": ("per-sample backprop at θ0 (m forward+backward passes), J stored float32, "
+                     "float64 Gram + pinv + projection per layer"),
+            "seconds": explicit.seconds,
+            "phases": {"per_sample_backprop": explicit.value["backprop_seconds"],
+                       "gram_pinv_projection": explicit.value["linalg_seconds"]},
+            "peak_delta_bytes": explicit.peak_delta_bytes,
+            "other_processes_cores": explicit.other_cores,
+            "layer_paths": {"explicit": len(targets)},
+            "errors": summarize(errors["explicit"]),
+        }
+    }
+    for key, run in ghost_runs.items():
+        meas, ph = run["measured"], run["phases"]
+        paths = list(run["paths"].values())
+        methods[key] = {
+            "what": variants[key][0],
+            "config": variants[key][1].to_dict(),
+            "seconds": meas.seconds,
+            "phases": {"forward_backward": ph.get("forward_backward", 0.0), "compression": ph.get("compression", 0.0),
+                       "ghost": ph.get("ghost", 0.0)},
+            "peak_delta_bytes": meas.peak_delta_bytes,
+            "other_processes_cores": meas.other_cores,
+            "layer_paths": {p: paths.count(p) for p in sorted(set(paths))},
+            "errors": summarize(errors[key]),
+            "errors_engine_float32_output": summarize(errors[key + "_engine_float32"]),
+        }
+        methods[key]["ratios"] = {
+            "time_explicit_over_this": explicit.seconds / meas.seconds,
+            "mem_explicit_over_this": explicit.peak_delta_bytes / max(meas.peak_delta_bytes, 1),
+        }
+    n_embd, n_head = C_ARCH_QUICK if args.quick else C_ARCH
+    return {
+        "settings": {
+            "m": m, "T": T, "r": r, "replay_batch_size": args.batch_size, "delta_scale": args.delta_scale,
+            "model": (f"random-init GPT2LMHeadModel, n_embd={n_embd}, n_head={n_head}, n_layer={args.c_layers}, "
+                      f"vocab {args.c_vocab}, {max(128, T)} positions; targets: every c_attn, attn.c_proj, c_fc, "
+                      "mlp.c_proj weight"),
+            "params": n_params, "target_layers": len(targets), "target_params": target_params,
+            "explicit_J_bytes_float32": m * target_params * 4,
+            "replay": "random token ids, no padding",
+            "fine_tune": f"W += {args.delta_scale}·std(W)·N(0,1) on every target weight; θ0 = the full state dict",
+            "rcond": RCOND,
+            "repeats": 1,
+        },
+        "time_method": ("one wall-clock run per method after an untimed warm-up (per-sample backprop on 2 samples, "
+                        f"a 4-sample rectifier capture + projection), torch threads = {torch.get_num_threads()}"),
+        "memory_method": ("peak RSS of the part C process (psutil thread, 5 ms) during the timed block minus the RSS "
+                          "just before it (after gc + malloc_trim); includes what the block returns/keeps (explicit: "
+                          "the stored J; ghost: the captured factors in the FactorStore)"),
+        "error_method": ("against the explicit (per-sample backprop) J: residual = ‖J ΔW_proj‖/‖J ΔW‖ per layer; "
+                         "ΔW_proj and correction (ΔW − ΔW_proj) relative differences to the explicit projection; "
+                         "max over layers. Ghost errors use the engine's float64 projection recomputed from the "
+                         "same factors; errors_engine_float32_output uses the float32 layer.proj the engine keeps"),
+        "methods": methods,
+        "per_layer_errors": errors,
+        "layer_names": list(targets),
     }
 
 
@@ -556,6 +814,50 @@ def part_b_table(part: dict[str, Any]) -> str:
         rows) + "\n" + notes
 
 
+C_LABELS = {
+    "explicit": "explicit (per-sample backprop, J stored)",
+    "ghost_T": "ghost T, forced (equal error)",
+    "auto_T": "engine auto path, T (equal error)",
+    "auto_r": "engine default, r={r} (compressed)",
+}
+
+
+def part_c_table(part: dict[str, Any]) -> str:
+    st = part["settings"]
+    head = (f"### Part C - model level, single-step projection at θ0: {st['model'].split(';')[0]} "
+            f"({st['params'] / 1e6:.1f}M params, {st['target_layers']} target layers, "
+            f"{st['target_params'] / 1e6:.1f}M target weights), m={st['m']}, T={st['T']}, r={st['r']}, replay batch "
+            f"{st['replay_batch_size']}, one run per method\n\n")
+    time_rows, err_rows = [], []
+    for key, row in part["methods"].items():
+        label = C_LABELS.get(key, key).format(r=st["r"])
+        ph, e = row["phases"], row["errors"]
+        paths = ", ".join(f"{v} {k}" for k, v in row["layer_paths"].items())
+        if key == "explicit":
+            split = f"backprop {ph['per_sample_backprop']:.2f} / linalg {ph['gram_pinv_projection']:.2f}"
+            ratio_t = ratio_m = "1x"
+        else:
+            split = (f"fwd+bwd {ph['forward_backward']:.2f} / compr. {ph['compression']:.2f} / "
+                     f"ghost {ph['ghost']:.2f}")
+            ratio_t = f"{row['ratios']['time_explicit_over_this']:.2f}x"
+            ratio_m = f"{row['ratios']['mem_explicit_over_this']:.1f}x"
+        time_rows.append([label, paths, f"{row['seconds']:.1f}", split, mib(row["peak_delta_bytes"]), ratio_t, ratio_m,
+                          f"{row['other_processes_cores']:.2f}"])
+        err_rows.append([label, f"{e['max_residual']:.1e}", f"{e['max_proj_rel_diff_vs_explicit']:.1e}",
+                         f"{e['max_correction_rel_diff_vs_explicit']:.1e}"])
+    t = md_table(["method", "layer paths", "time s", "split s", "peak RSS increase MiB", "time explicit / this",
+                  "memory explicit / this", "cores busy with other processes"], time_rows)
+    ee = md_table(["method", "max residual ‖J ΔW_proj‖/‖J ΔW‖", "max ΔW_proj rel diff vs explicit",
+                   "max correction rel diff vs explicit"], err_rows)
+    notes = (f"\nTimed: explicit = m per-sample forward+backward passes filling J (float32, "
+             f"{mib(st['explicit_J_bytes_float32'])} MiB for all layers) + per layer float64 Gram, pinv, projection; "
+             "ghost rows = `Rectifier._capture(\"c0\")` + `Rectifier._project_all(\"c0\")` (batched capture at θ0, "
+             "Gram, eigendecomposition, projection), i.e. without the trial capture, orientation comparison and "
+             "statistics that `rectify()` adds. Errors: max over layers, against the explicit J; ghost projections "
+             "recomputed in float64 from the same factors (the engine keeps float32).\n")
+    return head + t + "\n\n" + ee + "\n" + notes
+
+
 # ------------------------------------------------------------------------------------------------------
 # Entry point
 # ------------------------------------------------------------------------------------------------------
@@ -573,7 +875,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="small smoke configuration (< 1 minute)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="JSON output; the tables go next to it as .md (default: benchmarks/results/bench_ghost.json)")
-    ap.add_argument("--parts", default="AB", help="which parts to run: A, B or AB (default: %(default)s)")
+    ap.add_argument("--parts", default="ABC",
+                    help="which parts to run, any of A, B, C (default: %(default)s); parts not run are kept from an "
+                         "existing --out file written with the same --quick setting, unless --fresh")
+    ap.add_argument("--fresh", action="store_true", help="do not keep parts from an existing --out file")
     ap.add_argument("--seed", type=int, default=0, help="seed of all random data (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch default (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=2,
@@ -595,15 +900,42 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--delta-scale", type=float, default=0.05,
                     help="part B fake fine-tune: ΔW = scale * std(W) * N(0, 1) on every target weight "
                          "(default: %(default)s)")
+    ap.add_argument("--c-layers", type=int, default=None,
+                    help="part C transformer blocks of the GPT-2-small-shaped model (default: 2; quick 1)")
+    ap.add_argument("--c-vocab", type=int, default=None, help="part C vocabulary size (default: 8192; quick 1024)")
+    ap.add_argument("--c-m", type=int, default=None, help="part C replay samples m (default: 64; quick 8)")
+    ap.add_argument("--c-T", type=int, default=None, help="part C replay length T (default: 128; quick 16)")
+    ap.add_argument("--c-r", type=int, default=None, help="part C rank r of the compressed run (default: 32; quick 8)")
     ap.add_argument("--_part-a", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_part-c", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_single-model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    defaults = {"a_m": (64, 16), "a_T": (128, 32), "a_r": (32, 8), "b_m": (32, 8), "b_T": (64, 16), "b_r": (32, 8)}
+    if not args.parts or set(args.parts.upper()) - set("ABC"):
+        ap.error(f"--parts takes letters from A, B, C; got {args.parts!r}")
+    defaults = {"a_m": (64, 16), "a_T": (128, 32), "a_r": (32, 8), "b_m": (32, 8), "b_T": (64, 16), "b_r": (32, 8),
+                "c_layers": (2, 1), "c_vocab": (8192, 1024), "c_m": (64, 8), "c_T": (128, 16), "c_r": (32, 8)}
     for key, (full, quick) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
     return args
+
+
+PART_KEYS = {"A": "part_a", "B": "part_b", "C": "part_c"}
+
+
+def load_previous(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Earlier results at ``path`` whose parts this run does not redo are kept (same --quick setting only)."""
+    if args.fresh or not path.exists():
+        return {}
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if bool(previous.get("args", {}).get("quick")) != bool(args.quick):
+        print(f"not merging {path}: it was written with a different --quick setting", file=sys.stderr)
+        return {}
+    return previous
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -612,32 +944,64 @@ def main(argv: Optional[list[str]] = None) -> None:
         torch.set_num_threads(args.threads)
 
     # Hidden worker modes: one isolated measurement, result to --_result.
-    if args._part_a or args._single_model:
-        result = run_part_a(args) if args._part_a else run_single_model(args, args._single_model)
+    if args._part_a or args._part_c or args._single_model:
+        if args._part_a:
+            result = run_part_a(args)
+        elif args._part_c:
+            result = run_part_c(args)
+        else:
+            result = run_single_model(args, args._single_model)
         with open(args._result, "w", encoding="utf-8") as fh:
             json.dump(result, fh)
         return
 
+    parts = args.parts.upper()
+    previous = load_previous(args.out, args)
     out: dict[str, Any] = {"machine": machine_info(), "args": {k: (str(v) if isinstance(v, Path) else v)
                                                               for k, v in vars(args).items() if not k.startswith("_")}}
-    tables = []
+    runners = {
+        "A": lambda: run_subprocess(common_flags(args) + ["--_part-a"]),
+        "B": lambda: run_part_b(args),
+        "C": lambda: run_subprocess(common_flags(args) + ["--_part-c"]),
+    }
     with OtherCpu() as overall:
-        if "A" in args.parts.upper():
-            out["part_a"] = run_subprocess(common_flags(args) + ["--_part-a"])
-            tables.append(part_a_tables(out["part_a"]))
-            print(tables[-1], flush=True)
-        if "B" in args.parts.upper():
-            out["part_b"] = run_part_b(args)
-            tables.append(part_b_table(out["part_b"]))
-            print(tables[-1], flush=True)
+        for letter, key in PART_KEYS.items():
+            if letter not in parts:
+                continue
+            with OtherCpu() as cpu:
+                out[key] = runners[letter]()
+            # Per part, so that a file merged from several invocations still says when and how cleanly each ran.
+            out[key]["run"] = {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": cpu.wall,
+                               "other_processes_mean_cores": cpu.other_cores, "args": out["args"]}
+            print(f"[part {letter}] done in {cpu.wall:.0f}s, other processes {cpu.other_cores:.2f} cores",
+                  file=sys.stderr, flush=True)
+    kept = []
+    for letter, key in PART_KEYS.items():
+        if letter not in parts and key in previous:
+            out[key] = previous[key]
+            kept.append(letter)
+    out["parts_run"] = [letter for letter in PART_KEYS if letter in parts]
+    out["parts_kept_from_previous_file"] = kept
     out["total_seconds"] = overall.wall
     out["other_processes_cpu_seconds"] = overall.other_cpu
     out["other_processes_mean_cores"] = overall.other_cores
+
+    tables = []
+    for key, render in (("part_a", part_a_tables), ("part_b", part_b_table), ("part_c", part_c_table)):
+        if key in out:
+            tables.append(render(out[key]))
+            print(tables[-1], flush=True)
     footer = (f"Machine: {out['machine']['cpu_model']}, {out['machine']['cpu_count_logical']} CPUs, torch "
-              f"{out['machine']['torch']} ({out['machine']['torch_threads']} threads). "
-              f"Total benchmark time {out['total_seconds']:.0f} s; other processes kept "
+              f"{out['machine']['torch']} ({out['machine']['torch_threads']} threads). This invocation ran part(s) "
+              f"{', '.join(out['parts_run'])} in {out['total_seconds']:.0f} s; other processes kept "
               f"{out['other_processes_mean_cores']:.2f} of the cores busy on average (shared machine: timings taken "
-              f"while they ran are inflated).\n")
+              f"while they ran are inflated).")
+    for letter in kept:
+        run = out[PART_KEYS[letter]].get("run")
+        footer += (f" Part {letter} kept from the previous file" + (
+            f" (run {run['finished']}, {run['seconds']:.0f} s, other processes {run['other_processes_mean_cores']:.2f}"
+            " cores)." if run else "."))
+    footer += "\n"
     print(footer)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .compression import compress_sequence, merge_calls
+from .compression import SequenceBasis, apply_token_mask, compress_sequence, merge_calls, sequence_basis, trim_rank
 from .errors import JanusError
 from .replay import IGNORE_INDEX, loss_targets
 from .store import FactorStore
@@ -123,11 +123,60 @@ def _result(tag: str, losses: list[Tensor], counts: list[Tensor]) -> CaptureResu
     return CaptureResult(tag, torch.cat(losses), torch.cat(counts))
 
 
+class _SharedInputs:
+    """The inputs of one batch that several target layers read, and their sequence QR, computed once.
+
+    q/k/v projections read one tensor, as do gate/up projections: without sharing, a LLaMA block
+    factorizes 7 inputs where 4 are distinct. Keyed by storage and version so that two different tensors
+    never share; each entry is dropped once its last reader has used it.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, list] = {}  # key -> [readers left, SequenceBasis or None]
+
+    @staticmethod
+    def key(x: Tensor) -> tuple:
+        return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version, x.dtype)
+
+    def register(self, x: Tensor) -> tuple:
+        key = self.key(x)
+        self._entries.setdefault(key, [0, None])[0] += 1
+        return key
+
+    def basis(self, key: tuple, masked: Tensor) -> Optional[SequenceBasis]:
+        """The basis for one reader; ``None`` when no other reader shares the input (nothing to save)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry[0] <= 1 and entry[1] is None:
+            del self._entries[key]
+            return None
+        if entry[1] is None:
+            entry[1] = sequence_basis(masked)
+        entry[0] -= 1
+        basis = entry[1]
+        if entry[0] <= 0:
+            del self._entries[key]
+        return basis
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class _Pending(NamedTuple):
+    """A recorded call whose output gradient has not arrived (yet, or ever: the output may not reach the loss)."""
+
+    x: Tensor
+    key: tuple
+
+
 class _LayerRecorder:
     """Hooks of one target layer for one batch: pairs each call's input with its output gradient."""
 
-    def __init__(self, name: str, rank: Optional[int], timer: PhaseTimer, device: torch.device):
+    def __init__(self, name: str, rank: Optional[int], timer: PhaseTimer, device: torch.device,
+                 shared: Optional[_SharedInputs] = None):
         self.name, self.rank, self.timer, self.device = name, rank, timer, device
+        self.shared = shared if shared is not None else _SharedInputs()
         self.mask: Optional[Tensor] = None
         self.calls: list = []
 
@@ -137,7 +186,7 @@ class _LayerRecorder:
     def forward_hook(self, module: nn.Module, inputs: tuple, output: Tensor):
         x = inputs[0].detach()
         slot = len(self.calls)
-        self.calls.append(x)
+        self.calls.append(_Pending(x, self.shared.register(inputs[0])))
         replaced = None
         if not output.requires_grad:
             # The first target layers see inputs that need no grad; make their outputs the graph leaves.
@@ -146,14 +195,18 @@ class _LayerRecorder:
         return replaced
 
     def _on_grad(self, slot: int, grad: Tensor) -> None:
-        x = self.calls[slot]
+        pending = self.calls[slot]
         batch = self.mask.shape[0]
-        x3 = x.reshape(batch, -1, x.shape[-1]).float()
+        x3 = pending.x.reshape(batch, -1, pending.x.shape[-1]).float()
         a3 = grad.detach().reshape(batch, -1, grad.shape[-1]).float()
         mask = self.mask if x3.shape[1] == self.mask.shape[1] else None
         synchronize(self.device)
         start = time.perf_counter()
-        factors = compress_sequence(x3, a3, self.rank, mask)
+        x3, a3 = apply_token_mask(x3, a3, mask)
+        basis = None
+        if self.rank is not None and x3.shape[1] > self.rank:
+            basis = self.shared.basis(pending.key, x3)
+        factors = compress_sequence(x3, a3, self.rank, x_basis=basis)
         synchronize(self.device)
         self.timer.add("compression", time.perf_counter() - start)
         if not (torch.isfinite(factors[0]).all() and torch.isfinite(factors[1]).all()):
@@ -164,13 +217,13 @@ class _LayerRecorder:
         self.calls[slot] = factors
 
     def finish(self, batch: int, d_in: int, d_out: int) -> tuple[Tensor, Tensor]:
-        done = [c for c in self.calls if isinstance(c, tuple)]
+        done = [c for c in self.calls if not isinstance(c, _Pending)]
         if not done:
             # The layer did not influence the loss in this batch: its Jacobian rows are zero.
-            r = self.rank or 1
-            zeros = torch.zeros(batch, r, d_in, device=self.device), torch.zeros(batch, r, d_out, device=self.device)
+            zeros = torch.zeros(batch, 1, d_in, device=self.device), torch.zeros(batch, 1, d_out, device=self.device)
             return zeros
-        return merge_calls(done, self.rank)
+        # Zero slots (short samples padded up to r, masked tokens at the end) would cost (slots)² later.
+        return trim_rank(*merge_calls(done, self.rank))
 
 
 def capture_factors(
@@ -187,7 +240,8 @@ def capture_factors(
     ``targets`` maps a layer name to ``(module, d_in, d_out)``. Factors go to ``store`` under ``tag``.
     """
     device = model_device(model)
-    recorders = {name: _LayerRecorder(name, rank, timer, device) for name in targets}
+    shared = _SharedInputs()
+    recorders = {name: _LayerRecorder(name, rank, timer, device, shared) for name in targets}
     handles = [module.register_forward_hook(recorders[name].forward_hook) for name, (module, _, _) in targets.items()]
     losses, counts, offset = [], [], 0
     try:
@@ -195,6 +249,7 @@ def capture_factors(
             for batch in batches:
                 batch = _to_device(batch, device)
                 mask = batch["attention_mask"]
+                shared.clear()
                 for rec in recorders.values():
                     rec.reset(mask)
                 compression_before = timer.seconds["compression"]
@@ -219,4 +274,5 @@ def capture_factors(
             handle.remove()
         for rec in recorders.values():
             rec.calls = []
+        shared.clear()
     return _result(tag, losses, counts)

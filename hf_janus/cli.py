@@ -13,11 +13,13 @@ from . import __version__
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="fine-tune a tiny model, show forgetting, repair it with JANUS (CPU, about a minute)",
+        help="fine-tune a tiny model, show forgetting, repair it with JANUS (CPU, a minute or two)",
         description="Pretrain a tiny Llama on NQ-open QA pairs, fine-tune it on GSM8K, then rectify it with JANUS "
-                    "and print the past-task and new-task losses before and after. Needs no network.",
+                    "and print the past-task and new-task losses before and after. Then the same with a LoRA "
+                    "adapter, rectified from disk with JanusMerger and saved as an adapter again. Needs no network.",
     )
     p.add_argument("--quick", action="store_true", help="a smaller, faster run (for smoke tests)")
+    p.add_argument("--no-lora", action="store_true", help="skip the LoRA adapter part of the story")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold τ (default: 0.95)")
     p.add_argument("--rank", type=int, default=32, help="sequence compression rank r (default: 32)")
@@ -27,19 +29,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .config import JanusConfig
-    from .demo import run_demo
+    from .demo import run_cli
 
-    config = JanusConfig(tau=args.tau, rank=args.rank, replay_batch_size=48, seed=args.seed)
-    result = run_demo(seed=args.seed, quick=args.quick, progress=not args.no_progress, config=config)
-    print(result.markdown())
-    print()
-    print(result.report.summary())
-    print(f"\ndemo finished in {result.seconds:.1f}s")
-    if args.report:
-        result.report.save(args.report)
-        print(f"report written to {args.report}")
-    return 0
+    return run_cli(args)
 
 
 _MERGE_EPILOG = """\

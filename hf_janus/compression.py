@@ -4,11 +4,17 @@ For one sample with inputs ``X_i`` (T x d_in) and output gradients ``A_i`` (T x 
 gradient is ``A_iᵀ X_i``. Its best rank-r approximation is found without forming the d_out x d_in matrix:
 QR of ``X_iᵀ`` and ``A_iᵀ``, SVD of the small core ``R_A R_Xᵀ``, and the singular values split evenly
 between the two factors so that ``Âᵢᵀ X̂ᵢ`` is the rank-r optimum.
+
+The QR is a Householder factorization (``torch.geqrf``) whose ``Q`` is applied to the r kept singular
+vectors (``torch.ormqr``) rather than formed: 1.3-1.4x faster at T=128 on CPU. Layers that read the same
+input tensor share its factorization (:class:`SequenceBasis`). Every call is batched over the samples of
+a replay batch.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -55,8 +61,49 @@ def _single_threaded(device: torch.device, small: bool) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@dataclass
+class SequenceBasis:
+    """Householder QR of one batch of (masked) layer inputs ``Xᵢᵀ``, shareable by every layer reading them.
+
+    In a transformer block several target layers read the same tensor (q/k/v projections, gate/up
+    projections), so one factorization serves them all; ``torch.geqrf`` keeps the reflectors instead of
+    forming ``Q`` (``Q`` is only ever applied to the r kept singular vectors, with ``torch.ormqr``).
+    """
+
+    reflectors: Tensor  # (B, d, T): R in the upper triangle, Householder vectors below
+    tau: Tensor  # (B, min(d, T))
+    length: int  # T, the sequence length it was computed for
+
+    @property
+    def k(self) -> int:
+        return self.tau.shape[-1]
+
+    def r_factor(self) -> Tensor:
+        """``R`` of ``Xᵢᵀ = Q R``, shape ``(B, k, T)``."""
+        return self.reflectors[:, : self.k, :].triu()
+
+    def apply_q(self, coeff: Tensor) -> Tensor:
+        """``Q @ coeff`` for ``coeff`` of shape ``(B, k, c)``; returns ``(B, d, c)``."""
+        d = self.reflectors.shape[1]
+        if coeff.shape[1] < d:  # Q is d x d; the rows beyond k multiply zeros
+            coeff = torch.nn.functional.pad(coeff, (0, 0, 0, d - coeff.shape[1]))
+        return torch.ormqr(self.reflectors, self.tau, coeff)
+
+
+def _is_small(t: Tensor) -> bool:
+    return t.shape[1] * t.shape[2] <= _SMALL_MATRIX_ELEMS
+
+
+def sequence_basis(t: Tensor) -> SequenceBasis:
+    """QR of ``tᵢᵀ`` for a batch ``t`` of shape ``(B, T, d)`` (already masked)."""
+    with _single_threaded(t.device, small=_is_small(t)):
+        reflectors, tau = torch.geqrf(t.transpose(1, 2))
+    return SequenceBasis(reflectors, tau, t.shape[1])
+
+
 def compress_sequence(
-    x: Tensor, a: Tensor, rank: Optional[int], mask: Optional[Tensor] = None
+    x: Tensor, a: Tensor, rank: Optional[int], mask: Optional[Tensor] = None,
+    x_basis: Optional[SequenceBasis] = None,
 ) -> tuple[Tensor, Tensor]:
     """Compress a batch of per-sample factors along the sequence dimension.
 
@@ -65,6 +112,8 @@ def compress_sequence(
         a: gradients of the token-summed loss w.r.t. the layer outputs, shape ``(B, T, d_out)``.
         rank: target rank ``r``; ``None`` keeps all ``T`` rows (after masking).
         mask: optional ``(B, T)`` mask of valid tokens; padding rows are zeroed first.
+        x_basis: optional :func:`sequence_basis` of the masked ``x``, computed once for all layers that
+            read the same input; ``x`` itself is then not factorized again.
 
     Returns:
         ``(x_hat, a_hat)`` of shapes ``(B, r, d_in)`` and ``(B, r, d_out)`` such that
@@ -86,16 +135,37 @@ def compress_sequence(
         # A rank-r approximation of a matrix with at most r summands is the matrix itself.
         return pad_rank(x, rank), pad_rank(a, rank)
 
-    with _single_threaded(x.device, small=T * max(x.shape[2], a.shape[2]) <= _SMALL_MATRIX_ELEMS):
-        q_x, r_x = torch.linalg.qr(x.transpose(1, 2))  # (B, d_in, k_x), (B, k_x, T)
-        q_a, r_a = torch.linalg.qr(a.transpose(1, 2))  # (B, d_out, k_a), (B, k_a, T)
-        core = r_a @ r_x.transpose(1, 2)  # (B, k_a, k_x)
+    if x_basis is None:
+        x_basis = sequence_basis(x)
+    elif x_basis.reflectors.shape != (x.shape[0], x.shape[2], T):
+        raise ValueError(f"x_basis was computed for inputs of shape {tuple(x_basis.reflectors.shape)} "
+                         f"(B, d_in, T), not {(x.shape[0], x.shape[2], T)}")
+    a_basis = sequence_basis(a)
+    with _single_threaded(x.device, small=_is_small(x) and _is_small(a)):
+        core = a_basis.r_factor() @ x_basis.r_factor().transpose(1, 2)  # (B, k_a, k_x)
         u, s, vh = torch.linalg.svd(core, full_matrices=False)
-    kept = min(rank, s.shape[-1])
-    root = s[:, :kept].clamp_min(0).sqrt()
-    x_hat = (q_x @ vh[:, :kept].transpose(1, 2)) * root.unsqueeze(1)  # (B, d_in, kept)
-    a_hat = (q_a @ u[:, :, :kept]) * root.unsqueeze(1)  # (B, d_out, kept)
+        kept = min(rank, s.shape[-1])
+        root = s[:, :kept].clamp_min(0).sqrt().unsqueeze(1)
+        x_hat = x_basis.apply_q(vh[:, :kept].transpose(1, 2) * root)  # (B, d_in, kept)
+        a_hat = a_basis.apply_q(u[:, :, :kept] * root)  # (B, d_out, kept)
     return pad_rank(x_hat.transpose(1, 2), rank), pad_rank(a_hat.transpose(1, 2), rank)
+
+
+def trim_rank(x: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """Drop trailing rank slots that contribute to no sample's gradient (``x_ik = 0`` or ``a_ik = 0``).
+
+    ``compress_sequence`` zero-pads to ``rank`` when a batch has at most ``rank`` tokens (short replay
+    samples), and masked positions are zero rows. Every later Gram block costs (slots)², so a replay of
+    16-token samples at r=32 would pay 4x for zeros. Returns views; at least one slot is kept.
+    """
+    if x.dim() != 3 or a.dim() != 3 or x.shape[:2] != a.shape[:2]:
+        raise ValueError(f"trim_rank expects (B, r, d_in) and (B, r, d_out), got {tuple(x.shape)}, {tuple(a.shape)}")
+    live = ((x != 0).any(dim=2) & (a != 0).any(dim=2)).any(dim=0)  # (r,)
+    nonzero = live.nonzero()
+    keep = int(nonzero[-1]) + 1 if nonzero.numel() else 1
+    if keep == x.shape[1]:
+        return x, a
+    return x[:, :keep], a[:, :keep]
 
 
 def merge_calls(

@@ -1,9 +1,12 @@
-"""``hf-janus demo``: forgetting and its repair on a tiny model, on CPU, in about a minute.
+"""``hf-janus demo``: forgetting and its repair on a tiny model, on CPU, in a minute or two.
 
 1. "Pretrain" a tiny Llama until it has memorized NQ-open question/answer pairs (the past task).
 2. Fine-tune it on GSM8K worked solutions (the new task): it forgets the QA pairs.
-3. Rectify with JANUS, replaying a part of the memorized pairs, and measure both tasks again on pairs
-   that were *not* replayed.
+3. Rectify with JANUS (:func:`hf_janus.rectify`), replaying a part of the memorized pairs, and measure both
+   tasks again on pairs that were *not* replayed.
+4. (unless ``lora=False``) Train a LoRA adapter on GSM8K from the same pretrained model instead, save base and
+   adapter to disk, and rectify the saved adapter with :class:`hf_janus.JanusMerger`; the result is saved as
+   a LoRA adapter of the same rank and reloaded with stock ``PeftModel.from_pretrained`` to be measured.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -90,9 +95,10 @@ def answer_nll(model, samples: list[dict], batch_size: int = 32) -> float:
 
 def train(model, samples: list[dict], steps: int, lr: float, batch_size: int, seed: int, desc: str,
           progress: bool = True) -> None:
-    """Plain AdamW loop; a Trainer would do the same, this keeps the demo dependency-light and fast."""
+    """Plain AdamW loop over the trainable parameters; a Trainer would do the same, this keeps the demo
+    dependency-light and fast."""
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
     for _ in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
         idx = torch.randint(len(samples), (batch_size,), generator=gen).tolist()
@@ -105,11 +111,27 @@ def train(model, samples: list[dict], steps: int, lr: float, batch_size: int, se
     model.eval()
 
 
+LORA_RANK = 8
+# A gentler learning rate than the full fine-tuning: it already makes the tiny model forget the QA pairs, and keeps
+# the rectification of the adapter to a few dozen steps.
+LORA_LR = 5e-4
+
+
 @dataclass
 class DemoResult:
-    table: dict[str, dict[str, float]]  # model -> {"past_nll", "new_nll"}
+    """What :func:`run_demo` measured.
+
+    ``table`` maps a model name to ``{"past_nll", "new_nll"}`` (held-out answer NLL of the past task and of the
+    new task); the first three rows are the full fine-tuning story, the ``LoRA ...`` rows (if any) the adapter
+    story. ``report`` is the full fine-tuning rectification, ``lora_report`` the adapter's (``None`` without
+    the LoRA part), ``seconds`` the wall time of the whole demo and ``phase_seconds`` that of each part.
+    """
+
+    table: dict[str, dict[str, float]]
     report: RectificationReport
     seconds: float
+    lora_report: Optional[RectificationReport] = None
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     def markdown(self) -> str:
         rows = ["| model | past task NLL (QA, not replayed) ↓ | new task NLL (GSM8K held out) ↓ |", "|---|---|---|"]
@@ -118,24 +140,123 @@ class DemoResult:
         return "\n".join(rows)
 
 
-def run_demo(seed: int = 0, quick: bool = False, progress: bool = True, config: Optional[JanusConfig] = None) -> DemoResult:
-    """Run the whole story and return the before/after table and the rectification report."""
+def _measure(model, held_out: list[dict], math_test: list[dict]) -> dict[str, float]:
+    return {"past_nll": answer_nll(model, held_out), "new_nll": answer_nll(model, math_test)}
+
+
+def _lora_story(pretrained: dict, replay: list[dict], held_out: list[dict], math_train: list[dict],
+                math_test: list[dict], steps: int, config: JanusConfig, seed: int, progress: bool,
+                say: Callable[[str], None]) -> tuple[dict[str, dict[str, float]], RectificationReport]:
+    """Train a LoRA adapter on the new task, rectify the *saved* adapter with JanusMerger, reload, measure."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from .merger import JanusMerger
+
+    rows: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="hf-janus-demo-") as tmp:
+        base_dir, adapter_dir, rect_dir = (os.path.join(tmp, n) for n in ("base", "adapter", "adapter-rect"))
+        base = tiny_llama(seed)
+        base.load_state_dict(pretrained)
+        base.save_pretrained(base_dir)
+
+        torch.manual_seed(seed + 2)
+        lora = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear", lora_dropout=0.0)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), lora)
+        say(f"LoRA: training a rank-{LORA_RANK} adapter on GSM8K from the same pretrained model")
+        train(model, math_train, steps, LORA_LR, 16, seed + 3, "LoRA fine-tuning on GSM8K", progress)
+        rows[f"LoRA r={LORA_RANK} fine-tuned"] = _measure(model, held_out, math_test)
+        model.save_pretrained(adapter_dir)
+
+        say("LoRA: rectifying the saved adapter with JanusMerger (base and adapter read from disk)")
+        delta = JanusMerger(base_dir, adapter_dir, replay, config, progress=progress).run()
+        delta.model.eval()
+        rows["LoRA + JANUS (merged weights)"] = _measure(delta.model, held_out, math_test)
+        delta.save_adapter(rect_dir, rank="same", progress=progress)
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), rect_dir).eval()
+        rows[f"LoRA + JANUS (saved as r={LORA_RANK} adapter)"] = _measure(reloaded, held_out, math_test)
+        report = delta.report.rectification
+    return rows, report
+
+
+def run_demo(seed: int = 0, quick: bool = False, progress: bool = True, config: Optional[JanusConfig] = None,
+             lora: bool = True, say: Optional[Callable[[str], None]] = None) -> DemoResult:
+    """Run the whole story and return the before/after table and the rectification report(s).
+
+    Args:
+        seed: seed of the model init, the data order and JANUS.
+        quick: fewer samples and steps (a smoke test; the effect is smaller).
+        progress: show progress bars.
+        config: :class:`JanusConfig` of both rectifications (default: r=32, all replay in one batch).
+        lora: also tell the LoRA story (train an adapter, rectify it with :class:`JanusMerger`).
+        say: called with one line of narration before each phase (e.g. ``print``); silent by default.
+    """
+    say = say or (lambda line: None)
     start = time.perf_counter()
+    phases: dict[str, float] = {}
     n_qa, n_replay = (48, 24) if quick else (96, 48)
     pretrain_steps, finetune_steps = (150, 40) if quick else (300, 100)
     qa = qa_samples(n_qa)
     replay, held_out = full_text(qa[:n_replay]), qa[n_replay:]
     math_train, math_test = math_samples(0, 200), math_samples(200, 40)
 
+    say(f"pretraining a tiny Llama on {n_qa} NQ-open question/answer pairs (the past task)")
     model = tiny_llama(seed)
     train(model, full_text(qa), pretrain_steps, 3e-3, 32, seed, "pretraining on NQ-open QA", progress)
     pretrained = copy.deepcopy(model.state_dict())
-    table = {"pretrained θ0": {"past_nll": answer_nll(model, held_out), "new_nll": answer_nll(model, math_test)}}
+    table = {"pretrained θ0": _measure(model, held_out, math_test)}
+    phases["pretrain"] = time.perf_counter() - start
 
+    t0 = time.perf_counter()
+    say("full fine-tuning on GSM8K worked solutions (the new task)")
     train(model, math_train, finetune_steps, 1e-3, 16, seed + 1, "fine-tuning on GSM8K", progress)
-    table["fine-tuned θ̂"] = {"past_nll": answer_nll(model, held_out), "new_nll": answer_nll(model, math_test)}
+    table["fine-tuned θ̂"] = _measure(model, held_out, math_test)
 
     config = config or JanusConfig(rank=32, replay_batch_size=48)
+    say(f"rectifying with JANUS (τ={config.tau}, r={config.rank}), replaying {n_replay} of the QA pairs")
     report = rectify(model, pretrained, replay, config, progress=progress)
-    table["JANUS-rectified"] = {"past_nll": answer_nll(model, held_out), "new_nll": answer_nll(model, math_test)}
-    return DemoResult(table=table, report=report, seconds=time.perf_counter() - start)
+    table["JANUS-rectified"] = _measure(model, held_out, math_test)
+    phases["full fine-tuning"] = time.perf_counter() - t0
+
+    lora_report = None
+    if lora:
+        t0 = time.perf_counter()
+        rows, lora_report = _lora_story(pretrained, replay, held_out, math_train, math_test, finetune_steps,
+                                        config, seed, progress, say)
+        table.update(rows)
+        phases["LoRA"] = time.perf_counter() - t0
+    return DemoResult(table=table, report=report, seconds=time.perf_counter() - start, lora_report=lora_report,
+                      phase_seconds=phases)
+
+
+def _silence_library_progress() -> None:
+    """transformers' own bars (loading/saving weights) would interleave with the demo's."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - an older transformers without the switch
+        pass
+
+
+def run_cli(args) -> int:
+    """``hf-janus demo``: run :func:`run_demo` as the command line says, narrate it and print the results."""
+    from tqdm.auto import tqdm
+
+    config = JanusConfig(tau=args.tau, rank=args.rank, replay_batch_size=48, seed=args.seed)
+    _silence_library_progress()
+    write = print if args.no_progress else tqdm.write  # keep the narration above the progress bars
+    result = run_demo(seed=args.seed, quick=args.quick, progress=not args.no_progress, config=config,
+                      lora=not getattr(args, "no_lora", False), say=lambda line: write(f"» {line}"))
+    print()
+    print(result.markdown())
+    print("\nPast-task figures are measured on QA pairs JANUS never replayed; lower is better.")
+    print("\nFull fine-tuning, " + result.report.summary())
+    if result.lora_report is not None:
+        print("\nLoRA adapter (JanusMerger), " + result.lora_report.summary())
+    phases = ", ".join(f"{k} {v:.0f}s" for k, v in result.phase_seconds.items())
+    print(f"\ndemo finished in {result.seconds:.1f}s ({phases})")
+    if args.report:
+        result.report.save(args.report)
+        print(f"report written to {args.report}")
+    return 0

@@ -1,0 +1,141 @@
+"""Post-hoc variants applied to one fine-tuned θ̂: JANUS with other settings, the average-gradient ablation,
+WiSE-FT, spectral truncation, PEFT's intruder-dimension reduction, and the reset-linear diagnostic.
+
+Every function returns a new plain model and leaves its inputs untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lib import collate
+
+
+def _targets(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
+    return {n: model.get_submodule(n) for n in names}
+
+
+def rectify_copy(finetuned: nn.Module, theta0: dict[str, torch.Tensor], replay: list[dict], config) -> tuple:
+    """``hf_janus.rectify`` on a copy of θ̂ (the same engine the callback runs)."""
+    from hf_janus import rectify
+
+    model = copy.deepcopy(finetuned)
+    report = rectify(model, theta0, replay, config, progress=False)
+    return model, report
+
+
+def reset_linear(finetuned: nn.Module, theta0: dict[str, torch.Tensor], names: list[str]) -> nn.Module:
+    """θ̂ with every rectified layer put back to θ0 (embeddings, norms, lm_head keep their fine-tuned values):
+    the most knowledge that editing these layers alone can give back."""
+    model = copy.deepcopy(finetuned)
+    with torch.no_grad():
+        for n, m in _targets(model, names).items():
+            m.weight.copy_(theta0[n + ".weight"])
+    return model
+
+
+def wise_ft(theta0_model: nn.Module, finetuned: nn.Module, a: float) -> nn.Module:
+    """WiSE-FT: every parameter θ0 + a (θ̂ − θ0)."""
+    model = copy.deepcopy(finetuned)
+    ref = theta0_model.state_dict()
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if v.is_floating_point():
+                v.copy_(ref[k] + a * (v - ref[k]))
+    return model
+
+
+def spectral_truncate(finetuned: nn.Module, theta0: dict[str, torch.Tensor], names: list[str], rank: int) -> nn.Module:
+    """Data-free repair: keep only the top-``rank`` singular directions of each layer's ΔW = Ŵ − W0."""
+    model = copy.deepcopy(finetuned)
+    with torch.no_grad():
+        for n, m in _targets(model, names).items():
+            w0 = theta0[n + ".weight"].double()
+            u, s, vh = torch.linalg.svd(m.weight.double() - w0, full_matrices=False)
+            k = min(rank, s.numel())
+            m.weight.copy_((w0 + (u[:, :k] * s[:k]) @ vh[:k]).to(m.weight.dtype))
+    return model
+
+
+def avg_grad_project(finetuned: nn.Module, theta0: dict[str, torch.Tensor], names: list[str], replay: list[dict],
+                     pad_id: int, batch_size: int = 64) -> tuple[nn.Module, dict]:
+    """The paper's "average gradient" ablation (App., Tab. "Ablation on the use of Jacobian matrices"):
+    project each layer's ΔW onto the null space of the single averaged replay gradient ḡ = (1/m) Σ_i g_i
+    (one row instead of the m-row Jacobian J), computed at θ0 like the JANUS Jacobian:
+    ΔW_proj = ΔW − ḡ ⟨ḡ, ΔW⟩ / ⟨ḡ, ḡ⟩. Single step (compare with single-step JANUS, τ = 0).
+
+    Per-sample losses are summed over tokens, as in the engine; the gradient of their sum over the replay
+    is m·ḡ (the scale does not matter for the projection). Only the target layers sit at θ0 during the
+    backward, exactly as in ``hf_janus.rectify``'s capture at the reference point.
+    """
+    model = copy.deepcopy(finetuned)
+    mods = _targets(model, names)
+    with torch.no_grad():
+        for n, m in mods.items():
+            m.weight.copy_(theta0[n + ".weight"])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for m in mods.values():
+        m.weight.requires_grad_(True)
+        m.weight.grad = None
+    model.eval()
+    for i in range(0, len(replay), batch_size):
+        batch = collate(replay[i:i + batch_size], pad_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                               batch["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+        loss.backward()
+    ref_finetuned = dict(finetuned.named_modules())
+    removed = []
+    with torch.no_grad():
+        for n, m in mods.items():
+            g = m.weight.grad.double()
+            w0 = theta0[n + ".weight"].double()
+            delta = ref_finetuned[n].weight.double() - w0
+            coef = (g * delta).sum() / (g * g).sum().clamp_min(1e-300)
+            proj = delta - coef * g
+            removed.append(float((coef * g).norm() / delta.norm().clamp_min(1e-300)))
+            m.weight.grad = None
+            m.weight.requires_grad_(False)
+            m.weight.copy_((w0 + proj).to(m.weight.dtype))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, {"removed_fraction_max": max(removed), "removed_fraction_mean": sum(removed) / len(removed)}
+
+
+def intruder_reduced(peft_model: nn.Module, mitigation_lambda: float, top_k: int = 10,
+                     threshold_epsilon: float = 0.5) -> tuple[nn.Module, list[str]]:
+    """PEFT's post-hoc mitigation ``peft.tuners.lora.intruders.reduce_intruder_dimension`` on a copy of the
+    trained LoRA model, merged into a plain model for evaluation; returns the lines it logged."""
+    from peft.tuners.lora.intruders import reduce_intruder_dimension
+
+    model = copy.deepcopy(peft_model)
+    lines: list[str] = []
+    reduce_intruder_dimension(model, old_adapter_name="default", new_adapter_name="intruder_reduced",
+                              top_k=top_k, threshold_epsilon=threshold_epsilon,
+                              mitigation_lambda=mitigation_lambda, logging_sink=lambda *a: lines.append(" ".join(map(str, a))))
+    model.set_adapter("intruder_reduced")
+    merged = model.merge_and_unload(adapter_names=["intruder_reduced"])
+    return merged, lines
+
+
+def merged_copy(peft_model: nn.Module) -> nn.Module:
+    """A plain model holding the effective weights of a PEFT model (PEFT's own merge), the PEFT model untouched."""
+    return copy.deepcopy(peft_model).merge_and_unload()
+
+
+def above_curve(point: tuple[float, float], curve: list[tuple[float, float]]) -> Optional[float]:
+    """How far (AP1 points) ``point`` = (AP2, AP1) lies above the piecewise-linear curve through ``curve``
+    (sorted by AP2) at the same AP2; ``None`` when AP2 is outside the curve's range."""
+    pts = sorted(curve)
+    x, y = point
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            yc = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            return y - yc
+    return None
