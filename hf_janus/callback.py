@@ -4,8 +4,9 @@ Full fine-tuning of a plain model and PEFT training (LoRA and its variants: rsLo
 are covered, in one process or under DDP (each rank captures its share of the replay; every rank ends with
 identical weights), including ``resume_from_checkpoint`` (the θ0 snapshot travels with every checkpoint).
 For a PEFT model θ0 is the *effective* weight of each adapted layer at train begin (base + the adapter's
-initial delta, which is non-zero for PiSSA-like inits). FSDP and DeepSpeed ZeRO-3 sharded weights are
-refused with a clear error.
+initial delta, which is non-zero for PiSSA-like inits). Full fine-tuning of a model sharded with FSDP2
+(``fully_shard``, DTensor weights) works as under DDP: θ0 is gathered whole to the host. DeepSpeed, FSDP1
+and PEFT models sharded with FSDP2 are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .peft_layers import (
 )
 from .rectifier import Rectifier
 from .report import RectificationReport
+from .sharding import check_sharding, full_weight, is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -151,12 +153,19 @@ class JanusCallback(TrainerCallback):
 
     # ---- θ0 -----------------------------------------------------------------------------------------
     def _check_supported(self, model: nn.Module, args: TrainingArguments) -> None:
-        if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        # args.fsdp alone is no reason to refuse: FSDP2 weights are handled, FSDP1 is caught by check_sharding.
+        if getattr(args, "deepspeed", None):
             raise JanusError(
-                "JanusCallback does not support FSDP or DeepSpeed sharded weights yet; save the model and rectify it "
-                "with hf_janus.rectify (full fine-tuning) or hf_janus.JanusMerger (adapters) afterwards"
+                "JanusCallback does not support DeepSpeed (ZeRO-3 partitions the weights; no stage is tested); save "
+                "the model and rectify it with hf_janus.rectify (full fine-tuning) or hf_janus.JanusMerger (adapters) "
+                "afterwards, or train with DDP or FSDP2"
             )
         if is_peft_model(model):
+            if any(is_sharded(p) for p in model.parameters()):
+                raise JanusError(
+                    "JanusCallback does not support PEFT models sharded with FSDP: save the adapter and rectify it "
+                    "with hf_janus.JanusMerger afterwards, or train with DDP"
+                )
             layers = self._peft_layers(model)
             if self.peft_output == "adapter":
                 check_adapter_writable(layers)
@@ -181,7 +190,9 @@ class JanusCallback(TrainerCallback):
             theta0 = effective_weights(self._peft_layers(model))
         else:
             targets = resolve_target_modules(model, self.config.target_modules, self.config.exclude_modules)
-            theta0 = {f"{name}.weight": module.weight.detach().to("cpu", copy=True).contiguous()
+            check_sharding(model, {name: module.weight for name, module in targets.items()})
+            # Under FSDP2 every rank gathers every layer (a collective, same order on all ranks) and keeps θ0 whole.
+            theta0 = {f"{name}.weight": full_weight(module.weight).to("cpu", copy=True).contiguous()
                       for name, module in targets.items()}
         self.snapshot_bytes = sum(t.numel() * t.element_size() for t in theta0.values())
         if self.snapshot == "disk":
@@ -231,6 +242,7 @@ class JanusCallback(TrainerCallback):
     # ---- Trainer events -----------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        check_sharding(model)  # before unwrapping: an FSDP1 wrapper would be peeled off like DDP's
         model = _unwrap(model)
         self._check_supported(model, args)
         if state.global_step > 0:

@@ -4,6 +4,9 @@ Under DDP every rank holds a full model replica. Each captures the Jacobian fact
 the replay; the factors are then all-gathered (in rank order) so that every rank runs the same ghost math on
 all m samples. Decisions that compare floats against τ, and the final weights, come from rank 0, so the
 replicas end identical even if their arithmetic differed in the last bit.
+
+Under FSDP2 the process group is the same data-parallel group; each rank stores only a slice of every
+weight, but JANUS gathers and writes whole matrices (:mod:`.sharding`), so everything above holds as is.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ class World:
     def shard(self, items: list) -> list:
         """This rank's share: every ``size``-th item starting at ``rank``."""
         return items[self.rank::self.size] if self.active else items
+
+    def shortfall(self, items: list) -> int:
+        """How many items fewer than the largest share this rank's share holds (0 or 1)."""
+        if not self.active:
+            return 0
+        return -(-len(items) // self.size) - len(self.shard(items))
 
     def _all_gather_padded(self, tensor: Tensor) -> list[Tensor]:
         """All-gather tensors whose leading two dims may differ per rank (zero-padded on the wire)."""

@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
-import torch
 from torch import Tensor, nn
 
 from .errors import JanusError
+from .sharding import full_weight, write_full_
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,12 @@ class LayerRule:
     from_matrix: Callable[[Tensor], Tensor]  # (d_out, d_in) -> stored layout
 
     def weight(self, module: nn.Module) -> Tensor:
-        return self.to_matrix(module.weight)
+        """The whole weight, detached; gathered when FSDP shards it (a collective, see :mod:`.sharding`)."""
+        return self.to_matrix(full_weight(module.weight))
 
     def set_weight(self, module: nn.Module, matrix: Tensor) -> None:
-        with torch.no_grad():
-            module.weight.copy_(self.from_matrix(matrix).to(dtype=module.weight.dtype, device=module.weight.device))
+        """Write a whole ``(d_out, d_in)`` matrix; under FSDP every rank passes the same one."""
+        write_full_(module.weight, self.from_matrix(matrix))
 
 
 _RULES: dict[type, LayerRule] = {}

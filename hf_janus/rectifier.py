@@ -20,10 +20,11 @@ from .capture import CaptureResult, capture_factors, model_device, replay_losses
 from .config import JanusConfig
 from .distributed import World
 from .errors import JanusError, RectificationError
-from .ghost import GramEig, LayerJacobian, eig_psd, mean_cosine, principal_cosines, project
+from .ghost import GramEig, LayerJacobian, eig_psd, mean_cosine, principal_cosines, project_with_jvp
 from .layers import LayerRule, resolve_target_modules, rule_for
 from .replay import prepare_replay
 from .report import LayerStats, RectificationReport, StepRecord, TrialRecord
+from .sharding import check_sharding, full_weight, is_fsdp, reshard, write_full_
 from .store import FactorStore
 from .timing import PhaseTimer
 
@@ -39,14 +40,20 @@ class _Layer:
     name: str
     module: nn.Module
     rule: LayerRule
-    finetuned_backup: Tensor  # exact copy of the stored weight (native layout and dtype), for restoring
-    reference: Tensor  # θ0, float32
+    finetuned_backup: Tensor  # exact copy of the whole stored weight (native layout and dtype), for restoring
+    reference_matrix: Tensor  # θ0, (d_out, d_in), in its own dtype: exact, and bf16 takes half the bytes of fp32
     current: Tensor  # θ_t, float32
     proj: Optional[Tensor] = None  # Δθ_t,proj, float32
     eig: Optional[GramEig] = None  # eigendecomposition of J_t J_tᵀ
     trial_eig: Optional[GramEig] = None
     path: str = "ghost"
     gram_rank0: int = 0
+    jvp0: Optional[Tensor] = None  # J_0 (θ̂ - θ0), computed by the first projection, reused by the statistics
+
+    @property
+    def reference(self) -> Tensor:
+        """θ0 as float32 (d_out, d_in); no copy for float32 weights."""
+        return self.reference_matrix.float()
 
     @property
     def d_out(self) -> int:
@@ -63,8 +70,7 @@ class _Layer:
         self.rule.set_weight(self.module, matrix)
 
     def restore(self) -> None:
-        with torch.no_grad():
-            self.module.weight.copy_(self.finetuned_backup.to(self.module.weight.device))
+        write_full_(self.module.weight, self.finetuned_backup)
 
 
 def _reference_weight(reference: Reference, name: str, module: nn.Module, rule: LayerRule) -> Tensor:
@@ -98,7 +104,7 @@ def _reference_weight(reference: Reference, name: str, module: nn.Module, rule: 
             f"reference weight of {name!r} has shape {tuple(weight.shape)} but the model's is "
             f"{tuple(module.weight.shape)}: the reference does not match this model's architecture"
         )
-    return weight.detach()
+    return full_weight(weight)  # the reference model may be sharded too
 
 
 def _check_finite(tensor: Tensor, what: str) -> None:
@@ -110,7 +116,17 @@ class Rectifier:
     """Runs Algorithm 1 on one model. Use :func:`rectify` unless you need the pieces."""
 
     def __init__(self, model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None,
-                 progress: bool = True, keep_reference_factors: bool = False):
+                 progress: bool = True, keep_reference_factors: bool = False,
+                 factor_dtype: Optional[torch.dtype] = None, memory_budget_bytes: Optional[int] = None):
+        """See :func:`rectify` for the first four arguments.
+
+        Args:
+            keep_reference_factors: keep the θ0 Jacobians in :attr:`reference_jacobians` after :meth:`run`.
+            factor_dtype: storage dtype of the compressed factors (default: float32 as computed);
+                ``torch.bfloat16`` halves their memory, as the paper's float16 cache, at bf16 precision.
+            memory_budget_bytes: with ``config.cache`` a directory, how many bytes of factors to keep in
+                host memory before spilling to disk (default: half the available host memory).
+        """
         self.model = model
         self.keep_reference_factors = keep_reference_factors
         # Filled after run() when keep_reference_factors: {layer name: LayerJacobian at θ0}, for callers that
@@ -122,26 +138,33 @@ class Rectifier:
         self.progress = progress
         self.device = model_device(model)
         modules = resolve_target_modules(model, self.config.target_modules, self.config.exclude_modules)
+        check_sharding(model, {name: module.weight for name, module in modules.items()})
         self.batches = prepare_replay(replay, self.config.replay_batch_size)
         self.layers = self._build_layers(modules, reference)
         self.timer = PhaseTimer(self.device)
-        self.store = FactorStore(self.config.cache, self.device)
+        self.store = FactorStore(self.config.cache, self.device, factor_dtype=factor_dtype,
+                                 memory_budget_bytes=memory_budget_bytes)
         # Under data parallelism each rank captures its share of the replay; factors are then gathered.
         self.world = World.detect(self.device)
         self.local_batches = self.world.shard(self.batches)
+        # FSDP all-gathers weights inside every forward and backward, so all ranks must run as many passes:
+        # a rank with a shorter share repeats a batch and discards what it measured.
+        self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if is_fsdp(model) else []
 
     def _build_layers(self, modules: dict[str, nn.Module], reference: Reference) -> list[_Layer]:
+        reshard(self.model)
         layers = []
+        # Under FSDP each read below is a collective: every rank walks the same layers in the same order.
         for name, module in modules.items():
             rule = rule_for(module)
-            stored = module.weight.detach()
+            stored = full_weight(module.weight)
             _check_finite(stored, f"fine-tuned weight of {name!r}")
             ref = _reference_weight(reference, name, module, rule)
             _check_finite(ref, f"reference weight of {name!r}")
-            ref_matrix = rule.to_matrix(ref).to(stored.device, torch.float32).clone()
+            ref_matrix = rule.to_matrix(ref).to(stored.device).clone()
             layers.append(_Layer(
                 name=name, module=module, rule=rule, finetuned_backup=stored.clone().cpu(),
-                reference=ref_matrix, current=ref_matrix.clone(),
+                reference_matrix=ref_matrix, current=ref_matrix.to(torch.float32, copy=True),
             ))
         return layers
 
@@ -149,6 +172,9 @@ class Rectifier:
     def _capture(self, tag: str) -> CaptureResult:
         targets = {layer.name: (layer.module, layer.d_in, layer.d_out) for layer in self.layers}
         result = capture_factors(self.model, targets, self.local_batches, self.store, tag, self.config.rank, self.timer)
+        if self.idle_batches:
+            capture_factors(self.model, targets, self.idle_batches, self.store, "_idle", self.config.rank, self.timer)
+            self.store.drop("_idle")
         return self._combine_ranks(result)
 
     def _combine_ranks(self, result: CaptureResult) -> CaptureResult:
@@ -171,6 +197,7 @@ class Rectifier:
                              path=None, max_bytes=self.config.materialize_max_bytes)
 
     def _write_all(self, alpha: Optional[float] = None) -> None:
+        reshard(self.model)
         for layer in self.layers:
             layer.write(layer.current if alpha is None else layer.current + alpha * layer.proj)
 
@@ -183,7 +210,11 @@ class Rectifier:
                 if layer.eig is None:
                     layer.eig = eig_psd(jac.gram(), self.config.gram_rcond)
                 delta = layer.finetuned() - layer.current
-                layer.proj = project(jac, delta, layer.eig).to(torch.float32)
+                proj, jvp = project_with_jvp(jac, delta, layer.eig)
+                layer.proj = proj.to(torch.float32)
+                if tag == "c0" and layer.jvp0 is None:
+                    # θ_t = θ0 here, so this JVP is J_0 (θ̂ - θ0), the statistics' denominator.
+                    layer.jvp0 = jvp
                 jac.release()
 
     def _compare_all(self, current_tag: str, trial_tag: str) -> tuple[float, dict[str, Optional[float]]]:
@@ -209,6 +240,8 @@ class Rectifier:
         try:
             with self.timer.phase("forward_backward"):
                 finetuned_loss = replay_losses(self.model, self.local_batches)
+                if self.idle_batches:
+                    replay_losses(self.model, self.idle_batches)
             if self.world.active:
                 finetuned_loss = self._combine_losses(finetuned_loss)
             phase = "capturing the Jacobian at the reference weights"
@@ -261,10 +294,11 @@ class Rectifier:
                     logger.warning("JANUS step %d: step size would fall below min_alpha=%g; took α=%.4g with "
                                    "mean cosine %.4f < τ=%.3g", step, cfg.min_alpha, alpha, cbar, cfg.tau)
             if self.world.active:
+                # θ_rect is rank 0's: whole matrices travel, since under FSDP each rank holds a different slice.
                 phase = "synchronizing the rectified weights across ranks"
                 for layer in self.layers:
-                    with torch.no_grad():
-                        self.world.broadcast_(layer.module.weight)
+                    self.world.broadcast_(layer.current)
+                self._write_all()
             phase = "computing per-layer statistics"
             report.layers = self._layer_stats()
             if self.keep_reference_factors:
@@ -303,9 +337,10 @@ class Rectifier:
         with self.timer.phase("ghost"):
             for layer in self.layers:
                 jac = self._jacobian(layer, "c0")
-                delta = layer.finetuned() - layer.reference
-                rect = layer.rule.weight(layer.module).detach().to(torch.float32) - layer.reference
-                before = float(jac.jvp(delta).norm())
+                reference = layer.reference
+                delta = layer.finetuned() - reference
+                rect = layer.rule.weight(layer.module).detach().to(torch.float32) - reference
+                before = float((layer.jvp0 if layer.jvp0 is not None else jac.jvp(delta)).norm())
                 after = float(jac.jvp(rect).norm())
                 jac.release()
                 stats.append(LayerStats(
@@ -316,6 +351,7 @@ class Rectifier:
         return stats
 
     def _restore(self) -> None:
+        reshard(self.model, after_error=True)
         for layer in self.layers:
             layer.restore()
 

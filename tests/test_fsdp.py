@@ -1,0 +1,305 @@
+"""FSDP2 (``fully_shard``, DTensor weights): 2 CPU processes (gloo) rectify a sharded model as one process
+rectifies the unsharded one, restore θ̂ exactly on failure, and JanusCallback snapshots θ0 whole."""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import build_tiny, fine_tune, random_replay
+
+from hf_janus import JanusConfig, rectify
+from hf_janus.rectifier import Rectifier
+
+pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
+
+CONFIG = dict(rank=4, replay_batch_size=2, tau=0.95)
+SAMPLE_COUNTS = (5, 2)  # 3 batches: rank 1 repeats one to match rank 0's passes; 1 batch: rank 1's share is empty
+
+
+def _setup():
+    model = build_tiny("llama")
+    reference = fine_tune(model)
+    return model, reference
+
+
+def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _full_state(model: torch.nn.Module) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _target_is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    return isinstance(weight, DTensor) and weight.to_local().shape[0] == weight.shape[0] // 2
+
+
+def _spawn(worker, tmp_path, *args):
+    mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path), *args), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _init(rank: int, world: int, init_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+
+# ---- rectify() on a sharded model ----------------------------------------------------------------------
+
+def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    _init(rank, world, init_file)
+    try:
+        results = {}
+        for n_samples in SAMPLE_COUNTS:
+            model, reference = _setup()
+            _shard(model)
+            rectifier = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False)
+            report = rectifier.run()
+            results[n_samples] = {
+                "state": _full_state(model), "report": report.to_dict(), "still_sharded": _target_is_sharded(model),
+                "passes": (len(rectifier.local_batches), len(rectifier.idle_batches)),
+            }
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_rectify_matches_unsharded(tmp_path):
+    ranks = _spawn(_rectify_worker, tmp_path)
+    torch.set_num_threads(1)
+    for n_samples in SAMPLE_COUNTS:
+        sharded = [r[n_samples] for r in ranks]
+        batches = (n_samples + 1) // 2
+        # The replay is split as under DDP; the shorter share pads with a discarded pass so FSDP's collectives pair up.
+        local = [len(range(0, batches, 2)), len(range(1, batches, 2))]
+        assert [s["passes"] for s in sharded] == [(n, local[0] - n) for n in local]
+        assert all(s["still_sharded"] for s in sharded)
+        for key, value in sharded[0]["state"].items():
+            assert torch.equal(value, sharded[1]["state"][key]), f"{key} differs between ranks"
+
+        model, reference = _setup()
+        finetuned = copy.deepcopy(model.state_dict())
+        single = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False).run()
+        report = sharded[0]["report"]
+        assert report["num_samples"] == single.num_samples == n_samples
+        assert report["num_tokens"] == single.num_tokens
+        assert [s["alpha"] for s in report["steps"]] == single.alphas
+        assert [layer["name"] for layer in report["layers"]] == [layer.name for layer in single.layers]
+        assert report["replay_loss"]["finetuned"] == pytest.approx(single.replay_loss["finetuned"], rel=1e-6)
+        targets = {f"{layer.name}.weight" for layer in single.layers}
+        assert set(sharded[0]["state"]) == set(finetuned)
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(sharded[0]["state"][key], value, rtol=0, atol=1e-6)
+            if key not in targets:  # embeddings, norms, lm_head keep their fine-tuned values exactly
+                assert torch.equal(sharded[0]["state"][key], finetuned[key]), key
+            else:
+                assert not torch.equal(sharded[0]["state"][key], finetuned[key]), key
+
+
+# ---- failures leave θ̂ exactly ----------------------------------------------------------------------------
+
+def _fail_during_backward(patch):
+    """The first compression of a trial capture raises: the error leaves FSDP mid-backward."""
+    import hf_janus.capture as capture
+    import hf_janus.rectifier as rectifier
+
+    tag = {}
+    original_capture, original_compress = rectifier.capture_factors, capture.compress_sequence
+
+    def capture_factors(model, targets, batches, store, name, *args):
+        tag["now"] = name
+        return original_capture(model, targets, batches, store, name, *args)
+
+    def compress_sequence(*args, **kwargs):
+        if tag["now"].startswith("s"):  # a trial ("s<step>t<n>"), on every rank at the same pass
+            raise RuntimeError("injected failure in the trial's backward")
+        return original_compress(*args, **kwargs)
+
+    patch(rectifier, "capture_factors", capture_factors)
+    patch(capture, "compress_sequence", compress_sequence)
+
+
+def _fail_between_passes(patch):
+    """Comparing the first trial raises: the trial weights are already written into the shards."""
+    import hf_janus.rectifier as rectifier
+
+    def principal_cosines(*args, **kwargs):
+        raise RuntimeError("injected failure after the trial was written")
+
+    patch(rectifier, "principal_cosines", principal_cosines)
+
+
+FAILURES = {"backward": _fail_during_backward, "between_passes": _fail_between_passes}
+
+
+def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from hf_janus.capture import replay_losses
+    from hf_janus.errors import JanusError, RectificationError
+    from hf_janus.replay import prepare_replay
+
+    _init(rank, world, init_file)
+    try:
+        results = {}
+        for name, inject in FAILURES.items():
+            patches = []
+
+            def patch(owner, attr, value, patches=patches):
+                patches.append((owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, value)
+
+            model, reference = _setup()
+            _shard(model)
+            batches = prepare_replay(random_replay(5), 2)
+            before = _full_state(model)
+            loss_before = replay_losses(model, batches).loss
+            inject(patch)
+            try:
+                Rectifier(model, reference, random_replay(5), JanusConfig(**CONFIG), progress=False).run()
+                error = None
+            except RectificationError as err:
+                error = str(err)
+            finally:
+                for owner, attr, value in reversed(patches):
+                    setattr(owner, attr, value)
+            results[name] = {
+                "error": error, "before": before, "after": _full_state(model),
+                "still_sharded": _target_is_sharded(model),
+                "requires_grad": all(p.requires_grad for p in model.parameters()),
+                # FSDP's iteration state was reset: the model runs again, on the restored weights.
+                "losses": (loss_before, replay_losses(model, batches).loss),
+            }
+        # A DTensor outside FSDP (tensor parallelism) would get the wrong replay split: refused up front.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        model, reference = _setup()
+        q_proj = model.model.layers[0].self_attn.q_proj
+        q_proj.weight = torch.nn.Parameter(distribute_tensor(q_proj.weight.detach(), init_device_mesh("cpu", (2,)),
+                                                             [Shard(0)]))
+        try:
+            Rectifier(model, reference, random_replay(5), JanusConfig(**CONFIG), progress=False)
+            results["tensor_parallel"] = None
+        except JanusError as err:
+            results["tensor_parallel"] = str(err)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_failure_restores_sharded_weights_exactly(tmp_path):
+    ranks = _spawn(_failure_worker, tmp_path)
+    for result in ranks:
+        for name in FAILURES:
+            outcome = result[name]
+            assert outcome["error"] is not None and "restored" in outcome["error"] and "injected" in outcome["error"]
+            for key, value in outcome["before"].items():
+                assert torch.equal(outcome["after"][key], value), f"{name}: {key} is not θ̂"
+            assert outcome["still_sharded"] and outcome["requires_grad"]
+            assert outcome["losses"][1] == outcome["losses"][0]
+        assert "FSDP2" in result["tensor_parallel"] and "1-D mesh" in result["tensor_parallel"]
+
+
+# ---- JanusCallback on a sharded model --------------------------------------------------------------------
+
+def _callback_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """The Trainer's calls to the callback around an FSDP2 training loop (Trainer itself does not shard on CPU)."""
+    from transformers import TrainerControl, TrainerState
+
+    from hf_janus.callback import JanusCallback
+
+    _init(rank, world, init_file)
+    try:
+        model = _shard(build_tiny("llama"))
+        args = SimpleNamespace(output_dir=out_dir, process_index=rank, fsdp="full_shard", deepspeed=None,
+                               disable_tqdm=True)
+        state = TrainerState(is_world_process_zero=rank == 0, is_local_process_zero=rank == 0)
+        janus = JanusCallback(random_replay(6), JanusConfig(**CONFIG))
+        janus.on_train_begin(args, state, TrainerControl(), model=model)
+        theta0 = janus.theta0()
+
+        data = torch.randint(0, 48, (8, 10), generator=torch.Generator().manual_seed(2))[rank::world]
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+        model.train()
+        for _ in range(8):
+            model(input_ids=data, labels=data).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        finetuned = _full_state(model)
+        janus.on_train_end(args, state, TrainerControl(), model=model)
+        torch.save({"theta0": theta0, "finetuned": finetuned, "state": _full_state(model),
+                    "report": janus.report.to_dict(), "snapshot_bytes": janus.snapshot_bytes,
+                    "refused": _refusals(args, state)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _refusals(args, state) -> dict:
+    """What on_train_begin says about the sharded layouts it does not handle."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from transformers import TrainerControl
+
+    from hf_janus.callback import JanusCallback
+    from hf_janus.errors import JanusError
+
+    peft = get_peft_model(build_tiny("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    models = {"peft": fully_shard(peft, mesh=init_device_mesh("cpu", (dist.get_world_size(),))),
+              "fsdp1": FullyShardedDataParallel(build_tiny("llama"), device_id=torch.device("cpu"))}
+    messages = {}
+    for name, model in models.items():
+        try:
+            JanusCallback(random_replay(2)).on_train_begin(args, state, TrainerControl(), model=model)
+            messages[name] = None
+        except JanusError as err:
+            messages[name] = str(err)
+    return messages
+
+
+def test_callback_on_sharded_model(tmp_path):
+    from hf_janus.callback import REPORT_NAME
+
+    ranks = _spawn(_callback_worker, tmp_path)
+    initial = build_tiny("llama").state_dict()
+    for result in ranks:
+        theta0 = result["theta0"]
+        assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in theta0.values())
+        for key, value in theta0.items():  # whole weights, taken before training
+            assert torch.equal(value, initial[key]), key
+        assert result["snapshot_bytes"] == sum(t.numel() * 4 for t in theta0.values())
+    for key, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
+    assert os.path.isfile(tmp_path / REPORT_NAME)
+    refused = ranks[0]["refused"]
+    assert "PEFT models sharded with FSDP" in refused["peft"]
+    assert "FullyShardedDataParallel (FSDP1)" in refused["fsdp1"]
+
+    torch.set_num_threads(1)
+    twin = build_tiny("llama")
+    twin.load_state_dict(ranks[0]["finetuned"])
+    single = rectify(twin, ranks[0]["theta0"], random_replay(6), JanusConfig(**CONFIG), progress=False)
+    assert [s["alpha"] for s in ranks[0]["report"]["steps"]] == single.alphas
+    for key, value in twin.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-6)
