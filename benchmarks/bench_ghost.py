@@ -772,9 +772,9 @@ def part_a_tables(part: dict[str, Any]) -> str:
                   "explicit / ghost r", "explicit / (compress + ghost r)", "engine auto path at r",
                   "max cores busy with other processes"], time_rows)
     mm = md_table(["d_in x d_out", "size of J MiB", "explicit MiB", f"ghost T={st['T']} MiB",
-                   f"compress MiB", f"ghost r={st['r']} MiB", f"materialized r={st['r']} MiB",
+                   "compress MiB", f"ghost r={st['r']} MiB", f"materialized r={st['r']} MiB",
                    "explicit / ghost T", "explicit / ghost r"], mem_rows)
-    ee = md_table(["d_in x d_out", "residual explicit", f"residual ghost T", f"residual ghost r",
+    ee = md_table(["d_in x d_out", "residual explicit", "residual ghost T", "residual ghost r",
                    "residual materialized r", "ghost T vs explicit: ΔW_proj rel diff",
                    "ghost T vs explicit: correction rel diff", "ghost r vs explicit: ΔW_proj rel diff",
                    "ghost r vs explicit: correction rel diff", "energy kept by rank r"], err_rows)

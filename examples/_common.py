@@ -82,6 +82,37 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+@dataclass
+class Run:
+    """What every example starts from: its arguments, the loaded model and data, and the θ0 row of the table."""
+
+    args: argparse.Namespace
+    started: float
+    model: nn.Module
+    tokenizer: Any
+    data: "Data"
+    rows: dict[str, dict[str, float]]
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+
+def start(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> Run:
+    """Parse the command line, create ``--output-dir``, load model + data and measure θ0."""
+    args = finish_args(parser.parse_args(argv))
+    started = time.perf_counter()
+    os.makedirs(args.output_dir, exist_ok=True)
+    model, tokenizer, data = load_model_and_tokenizer(args)
+    rows = {"before fine-tuning (θ0)": measure(model, data, tokenizer.pad_token_id)}
+    return Run(args, started, model, tokenizer, data, rows)
+
+
+def lora_targets(args: argparse.Namespace) -> Any:
+    """``--target-modules`` as ``LoraConfig`` takes it: the string ``"all-linear"`` or a list of names."""
+    return args.target_modules[0] if args.target_modules == ["all-linear"] else args.target_modules
+
+
 def janus_config(args: argparse.Namespace):
     """The :class:`hf_janus.JanusConfig` the command line describes."""
     from hf_janus import JanusConfig

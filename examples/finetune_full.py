@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,13 +35,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = common.build_parser(__doc__.splitlines()[1], lr=1e-5, tiny_lr=1e-3)
     parser.add_argument("--snapshot", choices=["cpu", "disk"], default="cpu",
                         help="keep θ0 in host memory or in a safetensors file in --output-dir (large models)")
-    args = common.finish_args(parser.parse_args(argv))
-    started = time.perf_counter()
-    os.makedirs(args.output_dir, exist_ok=True)
-
-    model, tokenizer, data = common.load_model_and_tokenizer(args)
-    pad_id = tokenizer.pad_token_id
-    rows = {"before fine-tuning (θ0)": common.measure(model, data, pad_id)}
+    run = common.start(parser, argv)
+    args, started, model, tokenizer, data, rows = run.args, run.started, run.model, run.tokenizer, run.data, run.rows
+    pad_id = run.pad_id
 
     janus = JanusCallback(data.replay, common.janus_config(args), snapshot=args.snapshot)
     probe = common.measure_at_train_end(data, pad_id, rows, "fine-tuned (θ̂)")  # runs before janus

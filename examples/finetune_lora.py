@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,14 +50,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--peft-output", choices=["adapter", "merged"], default="adapter",
                         help="what JanusCallback leaves: a rectified adapter or the merged full model")
     parser.add_argument("--skip-merger", action="store_true", help="do not also rectify with JanusMerger")
-    args = common.finish_args(parser.parse_args(argv))
-    started = time.perf_counter()
-    os.makedirs(args.output_dir, exist_ok=True)
-
-    model, tokenizer, data = common.load_model_and_tokenizer(args)
-    pad_id = tokenizer.pad_token_id
-    rows = {"before fine-tuning (θ0)": common.measure(model, data, pad_id)}
-    targets = args.target_modules[0] if args.target_modules == ["all-linear"] else args.target_modules
+    run = common.start(parser, argv)
+    args, started, model, tokenizer, data, rows = run.args, run.started, run.model, run.tokenizer, run.data, run.rows
+    pad_id = run.pad_id
+    targets = common.lora_targets(args)
     lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0,
                       task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)

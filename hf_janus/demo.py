@@ -17,6 +17,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Callable, Optional
@@ -230,7 +231,9 @@ def run_demo(seed: int = 0, quick: bool = False, progress: bool = True, config: 
 
 
 def _silence_library_progress() -> None:
-    """transformers' own bars (loading/saving weights) would interleave with the demo's."""
+    """transformers' own bars (loading/saving weights) would interleave with the demo's, and peft's
+    ``get_peft_model`` reads a property transformers 5 deprecated: a warning the demo's reader can do nothing about."""
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
         from transformers.utils import logging as hf_logging
 

@@ -47,7 +47,7 @@ from .io_utils import atomic_write_text
 from .report import RectificationReport
 
 if TYPE_CHECKING:  # pragma: no cover
-    from huggingface_hub import CommitInfo, ModelCard
+    from huggingface_hub import CommitInfo
 
 logger = logging.getLogger(__name__)
 

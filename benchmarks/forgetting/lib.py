@@ -9,7 +9,7 @@ import re
 import string
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
