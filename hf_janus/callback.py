@@ -5,8 +5,9 @@ are covered, in one process or under DDP (each rank captures its share of the re
 identical weights), including ``resume_from_checkpoint`` (the θ0 snapshot travels with every checkpoint).
 For a PEFT model θ0 is the *effective* weight of each adapted layer at train begin (base + the adapter's
 initial delta, which is non-zero for PiSSA-like inits). Full fine-tuning of a model sharded with FSDP2
-(``fully_shard``, DTensor weights) works as under DDP: θ0 is gathered whole to the host. DeepSpeed, FSDP1
-and PEFT models sharded with FSDP2 are refused with a clear error.
+(``fully_shard``, DTensor weights) or with DeepSpeed ZeRO-3 (partitioned parameters) works as under DDP: θ0
+is gathered whole to the host. DeepSpeed ZeRO stages 0-2, FSDP1 and PEFT models sharded with FSDP2 or trained
+with DeepSpeed are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .peft_layers import (
 )
 from .rectifier import Rectifier
 from .report import RectificationReport
-from .sharding import check_sharding, full_weight, is_sharded
+from .sharding import check_sharding, full_weight, is_sharded, is_zero3, is_zero3_param
 
 logger = logging.getLogger(__name__)
 
@@ -155,16 +156,22 @@ class JanusCallback(TrainerCallback):
     def _check_supported(self, model: nn.Module, args: TrainingArguments) -> None:
         # args.fsdp alone is no reason to refuse: FSDP2 weights are handled, FSDP1 is caught by check_sharding.
         if getattr(args, "deepspeed", None):
-            raise JanusError(
-                "JanusCallback does not support DeepSpeed (ZeRO-3 partitions the weights; no stage is tested); save "
-                "the model and rectify it with hf_janus.rectify (full fine-tuning) or hf_janus.JanusMerger (adapters) "
-                "afterwards, or train with DDP or FSDP2"
-            )
-        if is_peft_model(model):
-            if any(is_sharded(p) for p in model.parameters()):
+            if is_peft_model(model):
                 raise JanusError(
-                    "JanusCallback does not support PEFT models sharded with FSDP: save the adapter and rectify it "
-                    "with hf_janus.JanusMerger afterwards, or train with DDP"
+                    "JanusCallback does not support PEFT models trained with DeepSpeed: save the adapter and rectify "
+                    "it with hf_janus.JanusMerger afterwards, or train with DDP"
+                )
+            if not is_zero3(model):
+                raise JanusError(
+                    "JanusCallback supports DeepSpeed with ZeRO stage 3 only (partitioned weights, gathered whole); "
+                    "ZeRO stages 0-2 are not tested: use stage 3, or save the model and rectify it with "
+                    "hf_janus.rectify afterwards, or train with DDP or FSDP2"
+                )
+        if is_peft_model(model):
+            if any(is_sharded(p) or is_zero3_param(p) for p in model.parameters()):
+                raise JanusError(
+                    "JanusCallback does not support PEFT models sharded with FSDP or DeepSpeed ZeRO-3: save the "
+                    "adapter and rectify it with hf_janus.JanusMerger afterwards, or train with DDP"
                 )
             layers = self._peft_layers(model)
             if self.peft_output == "adapter":
@@ -191,7 +198,8 @@ class JanusCallback(TrainerCallback):
         else:
             targets = resolve_target_modules(model, self.config.target_modules, self.config.exclude_modules)
             check_sharding(model, {name: module.weight for name, module in targets.items()})
-            # Under FSDP2 every rank gathers every layer (a collective, same order on all ranks) and keeps θ0 whole.
+            # Under FSDP2 and ZeRO-3 every rank gathers every layer (a collective, same order on all ranks) and
+            # keeps θ0 whole.
             theta0 = {f"{name}.weight": full_weight(module.weight).to("cpu", copy=True).contiguous()
                       for name, module in targets.items()}
         self.snapshot_bytes = sum(t.numel() * t.element_size() for t in theta0.values())

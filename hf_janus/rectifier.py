@@ -24,7 +24,15 @@ from .ghost import GramEig, LayerJacobian, eig_psd, mean_cosine, principal_cosin
 from .layers import LayerRule, resolve_target_modules, rule_for
 from .replay import prepare_replay
 from .report import LayerStats, RectificationReport, StepRecord, TrialRecord
-from .sharding import check_sharding, full_weight, is_fsdp, reshard, write_full_
+from .sharding import (
+    check_sharding,
+    full_master_weight,
+    full_shape,
+    full_weight,
+    passes_are_collective,
+    reshard,
+    write_full_,
+)
 from .store import FactorStore
 from .timing import PhaseTimer
 
@@ -49,6 +57,7 @@ class _Layer:
     path: str = "ghost"
     gram_rank0: int = 0
     jvp0: Optional[Tensor] = None  # J_0 (θ̂ - θ0), computed by the first projection, reused by the statistics
+    master_backup: Optional[Tensor] = None  # a ZeRO-3 optimizer's fp32 master copy of a low-precision weight
 
     @property
     def reference(self) -> Tensor:
@@ -70,7 +79,7 @@ class _Layer:
         self.rule.set_weight(self.module, matrix)
 
     def restore(self) -> None:
-        write_full_(self.module.weight, self.finetuned_backup)
+        write_full_(self.module.weight, self.finetuned_backup, master=self.master_backup)
 
 
 def _reference_weight(reference: Reference, name: str, module: nn.Module, rule: LayerRule) -> Tensor:
@@ -99,10 +108,10 @@ def _reference_weight(reference: Reference, name: str, module: nn.Module, rule: 
         raise JanusError(
             f"reference must be a model with the same architecture or a state dict, got {type(reference).__name__}"
         )
-    if tuple(weight.shape) != tuple(module.weight.shape):
+    if full_shape(weight) != full_shape(module.weight):
         raise JanusError(
-            f"reference weight of {name!r} has shape {tuple(weight.shape)} but the model's is "
-            f"{tuple(module.weight.shape)}: the reference does not match this model's architecture"
+            f"reference weight of {name!r} has shape {full_shape(weight)} but the model's is "
+            f"{full_shape(module.weight)}: the reference does not match this model's architecture"
         )
     return full_weight(weight)  # the reference model may be sharded too
 
@@ -147,14 +156,15 @@ class Rectifier:
         # Under data parallelism each rank captures its share of the replay; factors are then gathered.
         self.world = World.detect(self.device)
         self.local_batches = self.world.shard(self.batches)
-        # FSDP all-gathers weights inside every forward and backward, so all ranks must run as many passes:
-        # a rank with a shorter share repeats a batch and discards what it measured.
-        self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if is_fsdp(model) else []
+        # FSDP and ZeRO-3 all-gather weights inside every forward and backward, so all ranks must run as many
+        # passes: a rank with a shorter share repeats a batch and discards what it measured.
+        collective = passes_are_collective(model)
+        self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if collective else []
 
     def _build_layers(self, modules: dict[str, nn.Module], reference: Reference) -> list[_Layer]:
         reshard(self.model)
         layers = []
-        # Under FSDP each read below is a collective: every rank walks the same layers in the same order.
+        # Under FSDP and ZeRO-3 each read below is a collective: every rank walks the same layers in the same order.
         for name, module in modules.items():
             rule = rule_for(module)
             stored = full_weight(module.weight)
@@ -165,6 +175,7 @@ class Rectifier:
             layers.append(_Layer(
                 name=name, module=module, rule=rule, finetuned_backup=stored.clone().cpu(),
                 reference_matrix=ref_matrix, current=ref_matrix.to(torch.float32, copy=True),
+                master_backup=full_master_weight(module.weight),
             ))
         return layers
 

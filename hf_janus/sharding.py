@@ -1,4 +1,5 @@
-"""Reading and writing whole weights of a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""Reading and writing whole weights of a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``)
+or partitioned by DeepSpeed ZeRO-3.
 
 Under FSDP2 a parameter is a DTensor: each rank stores one slice and the forward all-gathers it. JANUS
 works on whole ``(d_out, d_in)`` matrices, so a read gathers the full weight (a collective: every rank
@@ -9,16 +10,28 @@ are broadcast from rank 0 first). Writes are local, so restoring θ̂ after a fa
 Between passes the weights must be the sharded parameters: FSDP2 leaves the root module unsharded after
 a forward (it expects the backward next), and a write into that temporary full copy would be dropped at
 the next reshard. :func:`reshard` puts every FSDP2 module back to its sharded state first.
+
+Under ZeRO-3 a parameter is an empty tensor with a ``ds_id`` and this rank's flat partition in ``ds_tensor``;
+the engine's hooks gather it around each submodule's forward and backward. A read gathers it with
+``deepspeed.zero.GatheredParameters`` (a collective) and a write goes through the same context with
+``modifier_rank=0``: rank 0 copies the whole matrix, which is broadcast and partitioned again on exit. Writes
+are therefore collectives too, restoring θ̂ after a failure included: every rank writes the same layers in the
+same order, which the rectifier does (it restores on every rank, and deterministic failures hit every rank at
+the same point). When a ZeRO-3 optimizer holds fp32 master weights, a write updates this rank's partition of
+them too (local), so that a later ``engine.step()`` or a checkpoint's fp32 weights do not undo the write.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from .errors import JanusError
+
+logger = logging.getLogger(__name__)
 
 
 def _dtensor_type() -> Optional[type]:
@@ -42,18 +55,65 @@ def is_sharded(tensor: Tensor) -> bool:
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
+def is_zero3_param(tensor: Tensor) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions ``tensor`` (it then carries a ``ds_id``)."""
+    return hasattr(tensor, "ds_id") and hasattr(tensor, "ds_tensor")
+
+
+def full_shape(weight: Tensor) -> tuple[int, ...]:
+    """The shape of the whole tensor (a ZeRO-3 parameter itself is empty between passes)."""
+    return tuple(weight.ds_shape) if is_zero3_param(weight) else tuple(weight.shape)
+
+
+def _gathered(params: list, modifier_rank: Optional[int] = None):
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+
 def full_weight(weight: Tensor) -> Tensor:
-    """The whole tensor, detached; for a DTensor this is a collective every rank must join."""
+    """The whole tensor, detached; for a DTensor or a ZeRO-3 parameter this is a collective every rank must join."""
     if is_sharded(weight):
         with torch.no_grad():
             return weight.full_tensor()
+    if is_zero3_param(weight):
+        with torch.no_grad(), _gathered([weight]):
+            return weight.detach().clone()  # the gathered storage is freed on exit
     return weight.detach()
 
 
-def write_full_(weight: Tensor, full: Tensor) -> None:
-    """Copy ``full`` (same shape as the whole weight, identical on every rank) into ``weight`` in place."""
+def full_master_weight(weight: Tensor) -> Optional[Tensor]:
+    """The whole fp32 master copy that a DeepSpeed ZeRO-3 optimizer keeps of ``weight``, when it differs from it.
+
+    None unless a ZeRO-3 optimizer holds ``weight`` in a lower precision (a float32 parameter's master copy
+    equals it). A collective (an all-gather of the partitions), like :func:`full_weight`.
+    """
+    if not is_zero3_param(weight) or weight.dtype == torch.float32 or not weight.requires_grad:
+        return None
+    if getattr(weight, "_z3_optimizer", None) is None:
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    master = safe_get_full_fp32_param(weight)
+    return None if master is None else master.detach().to("cpu", copy=True)
+
+
+def write_full_(weight: Tensor, full: Tensor, master: Optional[Tensor] = None) -> None:
+    """Copy ``full`` (same shape as the whole weight, identical on every rank) into ``weight`` in place.
+
+    ``master``: under ZeRO-3 with an optimizer, the value for the optimizer's fp32 master copy (default
+    ``full``); restoring passes the master copy read by :func:`full_master_weight` so it comes back exactly.
+    """
     with torch.no_grad():
-        if is_sharded(weight):
+        if is_zero3_param(weight):
+            import torch.distributed as dist
+
+            # A collective: rank 0's copy is broadcast, then every rank keeps its partition.
+            with _gathered([weight], modifier_rank=0):
+                if dist.get_rank() == 0:
+                    weight.data.copy_(full.to(weight.data.device, weight.dtype).reshape(weight.ds_shape))
+            _write_master(weight, full if master is None else master)
+        elif is_sharded(weight):
             from torch.distributed.tensor import distribute_tensor
 
             # src_data_rank=None: split locally, no communication (every rank already holds ``full``).
@@ -62,6 +122,17 @@ def write_full_(weight: Tensor, full: Tensor) -> None:
             weight.to_local().copy_(local)
         else:
             weight.copy_(full.to(dtype=weight.dtype, device=weight.device))
+
+
+def _write_master(weight: Tensor, full: Tensor) -> None:
+    """This rank's partition of a ZeRO-3 optimizer's fp32 master copy of ``weight`` (local, no communication)."""
+    optimizer = getattr(weight, "_z3_optimizer", None)
+    if optimizer is None:  # no optimizer: the engine runs forward and backward only
+        return
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    # ZeRO-3 skips parameters that do not require grad; frozen layers have no master copy.
+    safe_set_full_fp32_param(weight, full.detach().to(torch.float32).reshape(weight.ds_shape))
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -74,12 +145,26 @@ def is_fsdp(model: nn.Module) -> bool:
     return bool(_fsdp_modules(model))
 
 
+def is_zero3(model: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions any parameter of ``model``."""
+    return any(is_zero3_param(p) for p in model.parameters())
+
+
+def passes_are_collective(model: nn.Module) -> bool:
+    """Whether every forward and backward of ``model`` gathers weights (FSDP2, ZeRO-3): then every rank must
+    run as many passes as the others."""
+    return is_fsdp(model) or is_zero3(model)
+
+
 def reshard(model: nn.Module, after_error: bool = False) -> None:
     """Make every FSDP2 module of ``model`` hold its sharded parameters again (no communication).
 
     ``after_error``: a forward or backward was interrupted; FSDP2's iteration state is reset first
-    (``reset_iter_state`` on the root), otherwise the interrupted modules refuse to reshard.
+    (``reset_iter_state`` on the root), otherwise the interrupted modules refuse to reshard. Under ZeRO-3 the
+    parameter coordinator is reset instead (:func:`_reset_zero3`); between passes ZeRO-3 needs nothing.
     """
+    if after_error:
+        _reset_zero3(model)
     modules = _fsdp_modules(model)
     if after_error and modules and hasattr(modules[0], "reset_iter_state"):  # recent torch only
         try:
@@ -90,10 +175,59 @@ def reshard(model: nn.Module, after_error: bool = False) -> None:
         module.reshard()
 
 
+def _zero3_offload(model: nn.Module):
+    """The DeepSpeed object whose hooks gather ``model``'s ZeRO-3 parameters (its parameter coordinator), or None."""
+    for param in model.parameters():
+        offload = getattr(getattr(param, "_z3_optimizer", None), "parameter_offload", None)
+        if offload is not None:
+            return offload
+    # An engine without optimizer: found through the forward pre-hook it registers on its module.
+    for hook in getattr(model, "_forward_pre_hooks", {}).values():
+        for cell in getattr(hook, "__closure__", None) or ():
+            offload = getattr(cell.cell_contents, "optimizer", None)
+            if hasattr(offload, "get_param_coordinator"):
+                return offload
+    return None
+
+
+def _reset_zero3(model: nn.Module) -> None:
+    """Put DeepSpeed's ZeRO-3 bookkeeping back to its state between passes after an interrupted forward or
+    backward (no communication). DeepSpeed has no API for this; without it the engine stays "in a forward":
+    reading ``module.weight`` gathers the weight, and the next forward stops with a "tracing error"
+    (the module trace recorded up to the failure is taken for a complete one)."""
+    if not any(is_zero3_param(p) for p in model.parameters()):
+        return
+    offload = _zero3_offload(model)
+    coordinator = offload.get_param_coordinator() if offload is not None else None
+    try:
+        from deepspeed.runtime.zero import parameter_offload
+        from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+
+        root = offload.module
+        modules = list(root.modules())
+        # What the engine's forward epilogue does: parameters read from now on are not a forward's.
+        for module in modules:
+            if isinstance(module._parameters, ZeROOrderedDict):
+                module._parameters._in_forward = False
+        # The submodules whose forward began and never ended stay on DeepSpeed's module stack; the engine's
+        # root sits at its bottom from the start.
+        stack, ours = parameter_offload.FWD_MODULE_STACK, {id(m) for m in modules}
+        while stack and id(stack[-1]) in ours:
+            stack.pop()
+        stack.append(root)
+        if not coordinator.is_invalid_trace():
+            coordinator._invalidate_trace()  # the next forward records a new trace
+        coordinator.release_and_reset_all(root)  # release what the interrupted pass left gathered
+    except (AttributeError, ImportError, RuntimeError) as err:  # pragma: no cover - other DeepSpeed versions
+        logger.warning("JANUS could not reset DeepSpeed's ZeRO-3 state after the error (%s: %s): the next forward "
+                       "may fail", type(err).__name__, err)
+
+
 def check_sharding(model: nn.Module, weights: Optional[dict[str, Tensor]] = None) -> None:
     """Refuse, before anything runs, sharded layouts whose whole matrices JANUS cannot read and write.
 
-    Supported: plain weights (one process or DDP) and FSDP2 DTensors on a 1-D mesh over all ranks. The
+    Supported: plain weights (one process or DDP), FSDP2 DTensors on a 1-D mesh over all ranks and DeepSpeed
+    ZeRO-3 parameters partitioned over all ranks (the module the engine wraps, whose hooks gather them). The
     replay is split across every rank of the default process group, which is right for data parallelism
     only: under tensor parallelism the ranks of one group must see the same inputs.
     """
@@ -110,12 +244,24 @@ def check_sharding(model: nn.Module, weights: Optional[dict[str, Tensor]] = None
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    for name, weight in (weights or {}).items():
-        if hasattr(weight, "ds_id"):
-            raise JanusError(
-                f"the weight of {name!r} is partitioned by DeepSpeed ZeRO-3, which JANUS does not support: save the "
-                "model and rectify it afterwards (hf_janus.rectify, or hf_janus.JanusMerger for adapters)"
-            )
+    weights = weights or {}
+    modules = dict(model.named_modules()) if any(is_zero3_param(w) for w in weights.values()) else None
+    for name, weight in weights.items():
+        if is_zero3_param(weight):
+            group = dist.get_world_size(group=weight.ds_process_group) if world > 1 else 1
+            if group != world:
+                raise JanusError(
+                    f"the weight of {name!r} is partitioned by DeepSpeed ZeRO-3 over {group} of the {world} ranks "
+                    "(MiCS or a custom partition group): JANUS supports ZeRO-3 partitions over all ranks. Save the "
+                    "model and rectify the full weights afterwards"
+                )
+            owner = modules.get(name) if modules is not None else None
+            if owner is not None and not hasattr(owner, "ds_id"):
+                raise JanusError(
+                    f"the weight of {name!r} is partitioned by DeepSpeed ZeRO-3 but the model runs without the "
+                    "engine's hooks that gather it: pass the module deepspeed.initialize wrapped (engine.module)"
+                )
+            continue
         if not is_sharded(weight):
             continue
         mesh = weight.device_mesh

@@ -176,9 +176,16 @@ def test_bad_arguments_and_unsupported_models(tmp_path):
     trainer.args.fsdp = "full_shard"
     janus.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)
     assert janus.snapshot_bytes > 0
-    trainer.args.fsdp, trainer.args.deepspeed = "", {"zero_optimization": {"stage": 3}}
-    with pytest.raises(JanusError, match="does not support DeepSpeed"):
+    # DeepSpeed: ZeRO-3 runs are handled (tests/test_deepspeed.py); weights that DeepSpeed left whole mean a ZeRO
+    # stage 0-2 run, which is not tested, and PEFT models are refused whatever the stage.
+    trainer.args.fsdp, trainer.args.deepspeed = "", {"zero_optimization": {"stage": 2}}
+    with pytest.raises(JanusError, match="ZeRO stage 3 only"):
         janus.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(build_tiny("llama", vocab=VOCAB), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(JanusError, match="PEFT models trained with DeepSpeed"):
+        janus.on_train_begin(trainer.args, trainer.state, trainer.control, model=peft)
 
 
 def test_gradient_checkpointing_run(tmp_path):
