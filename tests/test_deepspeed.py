@@ -3,7 +3,6 @@ process rectifies the unpartitioned model, restore θ̂ exactly on failure, and 
 
 from __future__ import annotations
 
-import copy
 import os
 import traceback
 
@@ -11,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import build_tiny, fine_tune, random_replay
+from conftest import build_tiny, random_replay
+from sharded_checks import check_matches_single_process, setup_model
 
 from hf_janus import JanusConfig, rectify
 from hf_janus.rectifier import Rectifier
@@ -80,10 +80,7 @@ def _init(rank: int, world: int, init_file: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")  # reuses the process group above
 
 
-def _setup():
-    model = build_tiny("llama")
-    reference = fine_tune(model)
-    return model, reference
+_setup = setup_model
 
 
 # ---- rectify() on a partitioned model ---------------------------------------------------------------------
@@ -116,31 +113,7 @@ def test_zero3_rectify_matches_unpartitioned(tmp_path):
     torch.set_num_threads(1)
     for n_samples in SAMPLE_COUNTS:
         partitioned = [r[n_samples] for r in ranks]
-        batches = (n_samples + 1) // 2
-        # The replay is split as under DDP; the shorter share pads with a discarded pass so ZeRO-3's gathers pair up.
-        local = [len(range(0, batches, 2)), len(range(1, batches, 2))]
-        assert [s["passes"] for s in partitioned] == [(n, local[0] - n) for n in local]
-        assert all(s["still_partitioned"] for s in partitioned)
-        for key, value in partitioned[0]["state"].items():
-            assert torch.equal(value, partitioned[1]["state"][key]), f"{key} differs between ranks"
-
-        model, reference = _setup()
-        finetuned = copy.deepcopy(model.state_dict())
-        single = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False).run()
-        report = partitioned[0]["report"]
-        assert report["num_samples"] == single.num_samples == n_samples
-        assert report["num_tokens"] == single.num_tokens
-        assert [s["alpha"] for s in report["steps"]] == single.alphas
-        assert [layer["name"] for layer in report["layers"]] == [layer.name for layer in single.layers]
-        assert report["replay_loss"]["finetuned"] == pytest.approx(single.replay_loss["finetuned"], rel=1e-6)
-        targets = {f"{layer.name}.weight" for layer in single.layers}
-        assert set(partitioned[0]["state"]) == set(finetuned)
-        for key, value in model.state_dict().items():
-            torch.testing.assert_close(partitioned[0]["state"][key], value, rtol=0, atol=1e-6)
-            if key not in targets:  # embeddings, norms, lm_head keep their fine-tuned values exactly
-                assert torch.equal(partitioned[0]["state"][key], finetuned[key]), key
-            else:
-                assert not torch.equal(partitioned[0]["state"][key], finetuned[key]), key
+        targets = check_matches_single_process(partitioned, n_samples, CONFIG, "still_partitioned")
         for result in partitioned:  # the optimizer's fp32 master copy follows: a later step starts from θ_rect
             assert set(result["master"]) == targets
             for key, value in result["master"].items():

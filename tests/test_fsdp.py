@@ -3,7 +3,6 @@ rectifies the unsharded one, restore θ̂ exactly on failure, and JanusCallback 
 
 from __future__ import annotations
 
-import copy
 import os
 import traceback
 from types import SimpleNamespace
@@ -12,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import build_tiny, fine_tune, random_replay
+from conftest import build_tiny, random_replay
+from sharded_checks import check_matches_single_process, setup_model
 
 from hf_janus import JanusConfig, rectify
 from hf_janus.rectifier import Rectifier
@@ -23,10 +23,7 @@ CONFIG = dict(rank=4, replay_batch_size=2, tau=0.95)
 SAMPLE_COUNTS = (5, 2)  # 3 batches: rank 1 repeats one to match rank 0's passes; 1 batch: rank 1's share is empty
 
 
-def _setup():
-    model = build_tiny("llama")
-    reference = fine_tune(model)
-    return model, reference
+_setup = setup_model
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -87,31 +84,7 @@ def test_sharded_rectify_matches_unsharded(tmp_path):
     torch.set_num_threads(1)
     for n_samples in SAMPLE_COUNTS:
         sharded = [r[n_samples] for r in ranks]
-        batches = (n_samples + 1) // 2
-        # The replay is split as under DDP; the shorter share pads with a discarded pass so FSDP's collectives pair up.
-        local = [len(range(0, batches, 2)), len(range(1, batches, 2))]
-        assert [s["passes"] for s in sharded] == [(n, local[0] - n) for n in local]
-        assert all(s["still_sharded"] for s in sharded)
-        for key, value in sharded[0]["state"].items():
-            assert torch.equal(value, sharded[1]["state"][key]), f"{key} differs between ranks"
-
-        model, reference = _setup()
-        finetuned = copy.deepcopy(model.state_dict())
-        single = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False).run()
-        report = sharded[0]["report"]
-        assert report["num_samples"] == single.num_samples == n_samples
-        assert report["num_tokens"] == single.num_tokens
-        assert [s["alpha"] for s in report["steps"]] == single.alphas
-        assert [layer["name"] for layer in report["layers"]] == [layer.name for layer in single.layers]
-        assert report["replay_loss"]["finetuned"] == pytest.approx(single.replay_loss["finetuned"], rel=1e-6)
-        targets = {f"{layer.name}.weight" for layer in single.layers}
-        assert set(sharded[0]["state"]) == set(finetuned)
-        for key, value in model.state_dict().items():
-            torch.testing.assert_close(sharded[0]["state"][key], value, rtol=0, atol=1e-6)
-            if key not in targets:  # embeddings, norms, lm_head keep their fine-tuned values exactly
-                assert torch.equal(sharded[0]["state"][key], finetuned[key]), key
-            else:
-                assert not torch.equal(sharded[0]["state"][key], finetuned[key]), key
+        check_matches_single_process(sharded, n_samples, CONFIG, "still_sharded")
 
 
 # ---- failures leave θ̂ exactly ----------------------------------------------------------------------------
