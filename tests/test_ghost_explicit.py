@@ -211,6 +211,14 @@ def test_ghost_gram_row_chunking(monkeypatch, block_elems):
     torch.testing.assert_close(ghost_gram(p.x, p.a), p.jac @ p.jac.T, **TOL)
 
 
+@pytest.mark.parametrize("block_rows", [1, 2, 3, 7, 64])
+def test_materialized_symmetric_gram_blocks(block_rows):
+    # Row blocks of 1..m over m=7 rows, including ragged last blocks and a single block.
+    p = make_problem("linear", m=7, T=5)
+    gram = ghost.symmetric_gram(per_sample_gradients(p.x, p.a).reshape(7, -1), block_rows=block_rows)
+    torch.testing.assert_close(gram, p.jac @ p.jac.T, **TOL)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("path1", PATHS)
 @pytest.mark.parametrize("path2", PATHS)

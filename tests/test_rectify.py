@@ -381,6 +381,25 @@ def test_replay_without_counted_tokens(tuned_llama):
     assert model.training is False
 
 
+def test_replay_samples_are_grouped_by_length():
+    from hf_janus.replay import prepare_replay
+
+    lengths = [9, 2, 7, 2, 5, 3, 8]
+    replay = [{"input_ids": list(range(1, n + 1))} for n in lengths]
+    batches = prepare_replay(replay, 3)
+    widths = [int(b["input_ids"].shape[1]) for b in batches]
+    counted = [int(n) for b in batches for n in b["attention_mask"].sum(dim=1)]
+    assert counted == sorted(lengths)  # stable sort: every sample once, shortest first
+    assert widths == [max(counted[i:i + 3]) for i in range(0, len(counted), 3)]
+
+
+def test_replay_error_names_the_users_sample_index(tuned_llama):
+    model, reference = tuned_llama
+    replay = [{"input_ids": [1, 2, 3, 4]}, {"input_ids": [1, 2], "attention_mask": [1]}, {"input_ids": [5]}]
+    with pytest.raises(JanusError, match="replay sample 1: attention_mask has length 1"):
+        rectify(model, reference, replay, progress=False)
+
+
 def test_replay_length_mismatch(tuned_llama):
     model, reference = tuned_llama
     with pytest.raises(JanusError, match="attention_mask has length 2"):
