@@ -231,6 +231,12 @@ class LayerJacobian:
         return self.x.shape[0]
 
     @property
+    def materialized_bytes(self) -> int:
+        """Size of the explicit per-sample gradients ``(m, d_out * d_in)`` in ``dtype``."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_samples * self.x.shape[-1] * self.a.shape[-1] * itemsize
+
+    @property
     def flat(self) -> Tensor:
         """Explicit Jacobian rows ``(m, d_out * d_in)`` (materialized path only)."""
         if self._flat is None:

@@ -57,6 +57,7 @@ class _Layer:
     path: str = "ghost"
     gram_rank0: int = 0
     jvp0: Optional[Tensor] = None  # J_0 (θ̂ - θ0), computed by the first projection, reused by the statistics
+    current_jac: Optional[LayerJacobian] = None  # J_t with its materialized rows, kept for the trials of a step
     master_backup: Optional[Tensor] = None  # a ZeRO-3 optimizer's fp32 master copy of a low-precision weight
 
     @property
@@ -214,6 +215,10 @@ class Rectifier:
 
     # ---- the algorithm ------------------------------------------------------------------------------
     def _project_all(self, tag: str) -> None:
+        # Every trial of this step compares against J_t: layers on the materialized path keep their per-sample
+        # gradients until the step ends (as many as fit in materialize_max_bytes, in total) instead of
+        # rebuilding them for each trial.
+        budget = self.config.materialize_max_bytes
         with self.timer.phase("ghost"):
             for layer in self.layers:
                 jac = self._jacobian(layer, tag)
@@ -226,18 +231,29 @@ class Rectifier:
                 if tag == "c0" and layer.jvp0 is None:
                     # θ_t = θ0 here, so this JVP is J_0 (θ̂ - θ0), the statistics' denominator.
                     layer.jvp0 = jvp
-                jac.release()
+                if jac.path == "materialized" and jac.materialized_bytes <= budget:
+                    budget -= jac.materialized_bytes
+                    layer.current_jac = jac
+                else:
+                    jac.release()
+
+    def _release_current(self) -> None:
+        for layer in self.layers:
+            if layer.current_jac is not None:
+                layer.current_jac.release()
+                layer.current_jac = None
 
     def _compare_all(self, current_tag: str, trial_tag: str) -> tuple[float, dict[str, Optional[float]]]:
         per_layer: dict[str, Optional[float]] = {}
         with self.timer.phase("ghost"):
             for layer in self.layers:
-                cur = self._jacobian(layer, current_tag)
+                cur = layer.current_jac or self._jacobian(layer, current_tag)
                 trial = self._jacobian(layer, trial_tag)
                 layer.trial_eig = eig_psd(trial.gram(), self.config.gram_rcond)
                 cosines = principal_cosines(layer.eig, layer.trial_eig, cur.cross_gram(trial))
                 per_layer[layer.name] = mean_cosine(cosines)
-                cur.release()
+                if cur is not layer.current_jac:
+                    cur.release()
                 trial.release()
         known = [c for c in per_layer.values() if c is not None]
         return (sum(known) / len(known) if known else 1.0), per_layer
@@ -291,6 +307,7 @@ class Rectifier:
                     alpha *= cfg.beta
                 record.alpha, record.forced = alpha, cbar < cfg.tau
                 report.steps.append(record)
+                self._release_current()
                 for layer in self.layers:
                     layer.current = layer.current + alpha * layer.proj
                     layer.proj, layer.eig, layer.trial_eig = None, layer.trial_eig, None
@@ -329,6 +346,7 @@ class Rectifier:
                 f"to its fine-tuned weights.{hint}"
             ) from err
         finally:
+            self._release_current()
             bar.close()
             self.store.close()
         self.timer.add("io", self.store.io_seconds)

@@ -297,6 +297,35 @@ def test_tau_zero_is_single_step(monkeypatch, tuned_llama):
     assert report.alphas == [1.0] and report.num_jacobian_evals == 2 and report.converged
 
 
+def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_llama):
+    """J_t's materialized rows, kept for the trials of a step, give the same run as rebuilding them per trial."""
+    from hf_janus import ghost
+
+    model, reference = tuned_llama
+    monkeypatch.setattr(ghost, "MATERIALIZED_COST_FACTOR", 0)  # every layer on the materialized path
+    built = []
+    original = ghost.per_sample_gradients
+    monkeypatch.setattr(ghost, "per_sample_gradients", lambda *a, **k: built.append(1) or original(*a, **k))
+    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4)
+    runs = []
+    for keep in (True, False):
+        if not keep:
+            monkeypatch.setattr(ghost.LayerJacobian, "materialized_bytes", property(lambda self: 1 << 62))
+        built.clear()
+        m = copy.deepcopy(model)
+        rectifier = Rectifier(m, reference, random_replay(4), cfg, progress=False)
+        report = rectifier.run()
+        assert all(layer.current_jac is None for layer in rectifier.layers)  # released when the run ends
+        assert {layer.path for layer in report.layers} == {"materialized"}
+        runs.append((m.state_dict(), [t.mean_cosine for s in report.steps for t in s.trials], len(built)))
+    (kept, cos_kept, n_kept), (rebuilt, cos_rebuilt, n_rebuilt) = runs
+    assert len(cos_kept) >= 3 and cos_kept == cos_rebuilt
+    for key in kept:
+        assert torch.equal(kept[key], rebuilt[key])
+    layers = len(rectifier.layers)
+    assert n_rebuilt - n_kept == layers * len(cos_kept)  # J_t is built once per step, not again for each trial
+
+
 def test_min_alpha_forces_step_and_says_so(monkeypatch, tuned_llama):
     model, reference = tuned_llama
     scripted(monkeypatch, [0.1, 0.1, 0.99])

@@ -258,10 +258,11 @@ class EvalSet:
     nq_samples: list[dict]
     wq_samples: list[dict]
     gsm_samples: list[dict]
+    replay: list[QA] = field(default_factory=list)  # the replayed pairs: a diagnostic, never in AP1
     max_new_tokens: int = 16
     seconds: list[float] = field(default_factory=list)
 
-    def __call__(self, model) -> dict[str, float]:
+    def __call__(self, model, with_replay: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
         pad = self.tok.pad_id
         nq_pred = greedy_answers(model, self.tok, [q.prompt for q in self.nq], self.max_new_tokens)
@@ -271,6 +272,9 @@ class EvalSet:
             "nq_nll": answer_nll(model, self.nq_samples, pad), "wq_nll": answer_nll(model, self.wq_samples, pad),
             "gsm_nll": answer_nll(model, self.gsm_samples, pad, batch_size=32),
         }
+        if with_replay and self.replay:
+            preds = greedy_answers(model, self.tok, [q.prompt for q in self.replay], self.max_new_tokens)
+            out["replay_em"] = exact_match(preds, self.replay)
         self.seconds.append(time.perf_counter() - t0)
         return out
 

@@ -286,7 +286,8 @@ def main(argv=None) -> int:
 
     qa_eval = lambda qs: [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, label_prompt=False) for q in qs]  # noqa: E731
     evaluate = lib.EvalSet(tok, splits.nq_eval, splits.wq_eval, qa_eval(splits.nq_eval), qa_eval(splits.wq_eval),
-                           [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, False) for m in splits.gsm_test])
+                           [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, False) for m in splits.gsm_test],
+                           replay=splits.replay)
     # The replay: memorized NQ-open pairs disjoint from the evaluation pairs, with the pretraining loss (full text).
     replay = [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, label_prompt=True) for q in splits.replay]
     train = [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, label_prompt=False) for m in splits.gsm_train]
@@ -299,9 +300,16 @@ def main(argv=None) -> int:
     curves: dict[str, dict[str, list]] = {}
     records: dict[str, dict] = {}
 
+    # Set per fine-tuning method: (θ̂, θ0 of the rectified layers, their names), for the "ΔW kept" diagnostic.
+    context: dict[str, object] = {}
+
     def add(name: str, method: str, kind: str, model, extra=None) -> dict:
         t0 = time.perf_counter()
-        m = evaluate(model)
+        # EM on the replayed pairs separates "the constraints do not hold" from "they do not transfer to the
+        # pairs that were not replayed"; the sweeps skip it to keep the run short.
+        m = evaluate(model, with_replay=kind not in ("wise", "spectral"))
+        if context:
+            m["update_kept"] = variants.update_kept(model, context["finetuned"], context["theta0"], context["names"])
         rows[name] = {"method": method, "kind": kind, **m, **(extra or {}), "eval_seconds": time.perf_counter() - t0}
         log(f"  {name:<34} NQ EM {m['nq_em']:5.1f}  WQ EM {m['wq_em']:5.1f}  NQ NLL {m['nq_nll']:.3f}  "
             f"WQ NLL {m['wq_nll']:.3f}  GSM8K NLL {m['gsm_nll']:.3f}")
@@ -309,7 +317,7 @@ def main(argv=None) -> int:
 
     log("[eval] pretrained θ0")
     add("pretrained θ0", "-", "reference", pre_model,
-        {"replay_em": pre_meta.get("memorized_em_replay"), "memorized_em_all": pre_meta.get("memorized_em_all")})
+        {"memorized_em_all": pre_meta.get("memorized_em_all")})
 
     with tempfile.TemporaryDirectory(prefix="janus-forgetting-") as tmp:
         for method in methods:
@@ -330,6 +338,7 @@ def main(argv=None) -> int:
             rec["target_layers"] = len(names)
             theta0 = {n + ".weight": theta0_full[n + ".weight"] for n in names}
             janus = METHODS[method]
+            context.update(finetuned=finetuned, theta0=theta0, names=names)
             add(f"{label}", method, "finetuned", finetuned)
             add(f"{janus} (τ={s.tau}, callback)", method, "janus", rectified, {"report": rec["janus_report"]})
             for tau, kind in ((0.9, "janus_tau0.9"), (0.0, "janus_single_step")):
@@ -360,6 +369,7 @@ def main(argv=None) -> int:
                 r = add(f"{label} spectral top-{k}", method, "spectral",
                         variants.spectral_truncate(finetuned, theta0, names, k), {"rank": k})
                 curves[method]["spectral"].append(r)
+            context.clear()
             del finetuned, rectified, peft_model
 
     # ---- metrics ------------------------------------------------------------------------------------------
@@ -409,14 +419,13 @@ def _f(v, fmt="{:.1f}") -> str:
 
 def render_markdown(result: dict, methods: list[str]) -> str:
     rows, s = result["rows"], result["settings"]
-    lines = ["| model | NQ EM | WQ EM | NQ NLL | WQ NLL | GSM8K NLL | AP1 (%) | AP2 (%) | AP (%) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | NQ EM | WQ EM | NQ NLL | WQ NLL | GSM8K NLL | AP1 (%) | AP2 (%) | AP (%) | replay EM | ΔW kept |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sweep_lines = list(lines)
     for name, r in rows.items():
         line = (f"| {name} | {r['nq_em']:.1f} | {r['wq_em']:.1f} | {r['nq_nll']:.3f} | {r['wq_nll']:.3f} | "
-                f"{r['gsm_nll']:.3f} | {_f(r.get('ap1'))} | {_f(r.get('ap2'))} | {_f(r.get('ap'))} |")
-        if name.startswith("JANUS") or r["kind"] in ("wise", "spectral"):
-            pass
+                f"{r['gsm_nll']:.3f} | {_f(r.get('ap1'))} | {_f(r.get('ap2'))} | {_f(r.get('ap'))} | "
+                f"{_f(r.get('replay_em'))} | {_f(r.get('update_kept'), '{:.2f}')} |")
         (sweep_lines if r["kind"] in ("wise", "spectral") else lines).append(line)
     out = ["## Main results", "", *lines, "", "## Sweeps (WiSE-FT, spectral truncation)", "", *sweep_lines, ""]
     out += ["## Goals (JANUS at τ=%g through JanusCallback)" % s["tau"], "",

@@ -124,6 +124,19 @@ def intruder_reduced(peft_model: nn.Module, mitigation_lambda: float, top_k: int
     return merged, lines
 
 
+def update_kept(model: nn.Module, finetuned: nn.Module, theta0: dict[str, torch.Tensor], names: list[str]) -> float:
+    """How much of the fine-tuning update a variant keeps in the rectified layers:
+    ||W − W0||_F / ||Ŵ − W0||_F over all of them (1 for θ̂ itself, a for WiSE-FT, 0 for the reset)."""
+    kept = total = 0.0
+    mods, ref = dict(model.named_modules()), dict(finetuned.named_modules())
+    with torch.no_grad():
+        for n in names:
+            w0 = theta0[n + ".weight"].double()
+            kept += float((mods[n].weight.double() - w0).pow(2).sum())
+            total += float((ref[n].weight.double() - w0).pow(2).sum())
+    return (kept / total) ** 0.5 if total > 0 else 0.0
+
+
 def merged_copy(peft_model: nn.Module) -> nn.Module:
     """A plain model holding the effective weights of a PEFT model (PEFT's own merge), the PEFT model untouched."""
     return copy.deepcopy(peft_model).merge_and_unload()
