@@ -300,7 +300,7 @@ def main(argv=None) -> int:
     curves: dict[str, dict[str, list]] = {}
     records: dict[str, dict] = {}
 
-    # Set per fine-tuning method: (θ̂, θ0 of the rectified layers, their names), for the "ΔW kept" diagnostic.
+    # Set per fine-tuning method: (θ̂, θ0 of the rectified layers, their names), for the ΔW kept/changed diagnostic.
     context: dict[str, object] = {}
 
     def add(name: str, method: str, kind: str, model, extra=None) -> dict:
@@ -309,7 +309,8 @@ def main(argv=None) -> int:
         # pairs that were not replayed"; the sweeps skip it to keep the run short.
         m = evaluate(model, with_replay=kind not in ("wise", "spectral"))
         if context:
-            m["update_kept"] = variants.update_kept(model, context["finetuned"], context["theta0"], context["names"])
+            m["update_kept"], m["update_changed"] = variants.update_change(model, context["finetuned"], context["theta0"],
+                                                                           context["names"])
         rows[name] = {"method": method, "kind": kind, **m, **(extra or {}), "eval_seconds": time.perf_counter() - t0}
         log(f"  {name:<34} NQ EM {m['nq_em']:5.1f}  WQ EM {m['wq_em']:5.1f}  NQ NLL {m['nq_nll']:.3f}  "
             f"WQ NLL {m['wq_nll']:.3f}  GSM8K NLL {m['gsm_nll']:.3f}")
@@ -419,13 +420,13 @@ def _f(v, fmt="{:.1f}") -> str:
 
 def render_markdown(result: dict, methods: list[str]) -> str:
     rows, s = result["rows"], result["settings"]
-    lines = ["| model | NQ EM | WQ EM | NQ NLL | WQ NLL | GSM8K NLL | AP1 (%) | AP2 (%) | AP (%) | replay EM | ΔW kept |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | NQ EM | WQ EM | NQ NLL | WQ NLL | GSM8K NLL | AP1 (%) | AP2 (%) | AP (%) | replay EM | ΔW kept | ΔW changed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sweep_lines = list(lines)
     for name, r in rows.items():
         line = (f"| {name} | {r['nq_em']:.1f} | {r['wq_em']:.1f} | {r['nq_nll']:.3f} | {r['wq_nll']:.3f} | "
                 f"{r['gsm_nll']:.3f} | {_f(r.get('ap1'))} | {_f(r.get('ap2'))} | {_f(r.get('ap'))} | "
-                f"{_f(r.get('replay_em'))} | {_f(r.get('update_kept'), '{:.2f}')} |")
+                f"{_f(r.get('replay_em'))} | {_f(r.get('update_kept'), '{:.2f}')} | {_f(r.get('update_changed'), '{:.2f}')} |")
         (sweep_lines if r["kind"] in ("wise", "spectral") else lines).append(line)
     out = ["## Main results", "", *lines, "", "## Sweeps (WiSE-FT, spectral truncation)", "", *sweep_lines, ""]
     out += ["## Goals (JANUS at τ=%g through JanusCallback)" % s["tau"], "",

@@ -124,17 +124,22 @@ def intruder_reduced(peft_model: nn.Module, mitigation_lambda: float, top_k: int
     return merged, lines
 
 
-def update_kept(model: nn.Module, finetuned: nn.Module, theta0: dict[str, torch.Tensor], names: list[str]) -> float:
-    """How much of the fine-tuning update a variant keeps in the rectified layers:
-    ||W − W0||_F / ||Ŵ − W0||_F over all of them (1 for θ̂ itself, a for WiSE-FT, 0 for the reset)."""
-    kept = total = 0.0
+def update_change(model: nn.Module, finetuned: nn.Module, theta0: dict[str, torch.Tensor],
+                  names: list[str]) -> tuple[float, float]:
+    """How a variant treats the fine-tuning update ΔW = Ŵ − W0 in the rectified layers, over all of them:
+    (kept, changed) = (||W − W0||_F, ||W − Ŵ||_F) / ||ΔW||_F. θ̂ itself is (1, 0), WiSE-FT (a, 1 − a), the reset
+    (0, 1); an orthogonal projection that removes a component P of ΔW has kept² + changed² = 1."""
+    kept = changed = total = 0.0
     mods, ref = dict(model.named_modules()), dict(finetuned.named_modules())
     with torch.no_grad():
         for n in names:
-            w0 = theta0[n + ".weight"].double()
-            kept += float((mods[n].weight.double() - w0).pow(2).sum())
-            total += float((ref[n].weight.double() - w0).pow(2).sum())
-    return (kept / total) ** 0.5 if total > 0 else 0.0
+            w0, w_hat, w = theta0[n + ".weight"].double(), ref[n].weight.double(), mods[n].weight.double()
+            kept += float((w - w0).pow(2).sum())
+            changed += float((w - w_hat).pow(2).sum())
+            total += float((w_hat - w0).pow(2).sum())
+    if total == 0:
+        return 0.0, 0.0
+    return (kept / total) ** 0.5, (changed / total) ** 0.5
 
 
 def merged_copy(peft_model: nn.Module) -> nn.Module:
