@@ -39,7 +39,7 @@ class JanusConfig:
             when that path is cheaper than the ghost path; also the most bytes of materialized gradients
             of the current point kept, over all layers, for the trials of a step.
         cache: ``"memory"`` or a directory where compressed captures are stored between passes.
-        seed: seed for anything random (replay order is never shuffled).
+        seed: seed for anything random (replay order is never shuffled; samples are grouped by length).
     """
 
     tau: float = 0.95

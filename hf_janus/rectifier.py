@@ -247,12 +247,13 @@ class Rectifier:
         per_layer: dict[str, Optional[float]] = {}
         with self.timer.phase("ghost"):
             for layer in self.layers:
-                cur = layer.current_jac or self._jacobian(layer, current_tag)
+                cached = layer.current_jac is not None
+                cur = layer.current_jac if cached else self._jacobian(layer, current_tag)
                 trial = self._jacobian(layer, trial_tag)
                 layer.trial_eig = eig_psd(trial.gram(), self.config.gram_rcond)
                 cosines = principal_cosines(layer.eig, layer.trial_eig, cur.cross_gram(trial))
                 per_layer[layer.name] = mean_cosine(cosines)
-                if cur is not layer.current_jac:
+                if not cached:
                     cur.release()
                 trial.release()
         known = [c for c in per_layer.values() if c is not None]

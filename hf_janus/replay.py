@@ -93,10 +93,9 @@ def _normalize_batch(batch: Any, index: int) -> dict[str, Tensor]:
 def prepare_replay(replay: Any, batch_size: int) -> list[dict[str, Tensor]]:
     """Normalize ``replay`` into a list of batches ``{input_ids, attention_mask[, labels]}`` on the CPU.
 
-    ``replay`` may be a ``datasets.Dataset``, a list of dicts (one sample each, grouped by
-    length and padded here), a list of
-    pre-collated batch dicts (2-D ``input_ids``), or a ``torch.utils.data.DataLoader`` (or any iterable of
-    batch dicts), used as given.
+    ``replay`` may be a ``datasets.Dataset`` or a list of dicts (one sample each, grouped by length and
+    padded here), a list of pre-collated batch dicts (2-D ``input_ids``), or a
+    ``torch.utils.data.DataLoader`` (or any iterable of batch dicts), used as given.
     """
     if replay is None:
         raise JanusError("replay is None: pass the past-task samples to replay (a Dataset, list of dicts or DataLoader)")
