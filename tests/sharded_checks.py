@@ -1,16 +1,84 @@
-"""Checks shared by the FSDP2 and DeepSpeed ZeRO-3 tests: a 2-process sharded rectification must give what one
-process gives on the unsharded model."""
+"""Pieces shared by the FSDP2 and DeepSpeed ZeRO-3 tests: spawning the two ranks, the failure injections, and
+the check that a 2-process sharded rectification gives what one process gives on the unsharded model."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from conftest import build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig
 from hf_janus.rectifier import Rectifier
+
+
+def spawn_two(worker, tmp_path, *args) -> list:
+    """Run ``worker(rank, 2, init_file, out_dir, *args)`` on two processes; each saves ``rank<r>.pt`` in out_dir."""
+    mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path), *args), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+# ---- failure injections: ``inject(patch)`` replaces engine functions through ``patch(owner, attr, value)`` ----
+
+@contextmanager
+def injected(inject: Callable) -> Iterator[None]:
+    """Apply one failure injection for the duration of the block, then undo every patch it made."""
+    patches = []
+
+    def patch(owner, attr, value):
+        patches.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    inject(patch)
+    try:
+        yield
+    finally:
+        for owner, attr, value in reversed(patches):
+            setattr(owner, attr, value)
+
+
+def track_capture_tag(patch) -> dict:
+    """Record the tag of the capture in progress in ``tag["now"]``; trials are tagged ``s<step>t<n>``."""
+    import hf_janus.rectifier as rectifier
+
+    tag = {}
+    original = rectifier.capture_factors
+
+    def capture_factors(model, targets, batches, store, name, *args):
+        tag["now"] = name
+        return original(model, targets, batches, store, name, *args)
+
+    patch(rectifier, "capture_factors", capture_factors)
+    return tag
+
+
+def fail_during_backward(patch) -> None:
+    """The first compression of a trial capture raises: the error leaves the sharded model mid-backward."""
+    import hf_janus.capture as capture
+
+    tag = track_capture_tag(patch)
+    original = capture.compress_sequence
+
+    def compress_sequence(*args, **kwargs):
+        if tag["now"].startswith("s"):  # a trial, on every rank at the same pass
+            raise RuntimeError("injected failure in the trial's backward")
+        return original(*args, **kwargs)
+
+    patch(capture, "compress_sequence", compress_sequence)
+
+
+def fail_between_passes(patch) -> None:
+    """Comparing the first trial raises: the trial weights are already written into the shards."""
+    import hf_janus.rectifier as rectifier
+
+    def principal_cosines(*args, **kwargs):
+        raise RuntimeError("injected failure after the trial was written")
+
+    patch(rectifier, "principal_cosines", principal_cosines)
 
 
 def setup_model():

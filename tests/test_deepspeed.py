@@ -9,9 +9,16 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import build_tiny, random_replay
-from sharded_checks import check_matches_single_process, setup_model
+from sharded_checks import (
+    check_matches_single_process,
+    fail_between_passes,
+    fail_during_backward,
+    injected,
+    setup_model,
+    spawn_two,
+    track_capture_tag,
+)
 
 from hf_janus import JanusConfig, rectify
 from hf_janus.rectifier import Rectifier
@@ -66,11 +73,6 @@ def _target_is_partitioned(model: torch.nn.Module) -> bool:
     return weight.numel() == 0 and weight.ds_tensor.numel() == weight.ds_numel // 2
 
 
-def _spawn(worker, tmp_path, *args):
-    mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path), *args), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-
-
 def _init(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
@@ -109,7 +111,7 @@ def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
 
 
 def test_zero3_rectify_matches_unpartitioned(tmp_path):
-    ranks = _spawn(_rectify_worker, tmp_path)
+    ranks = spawn_two(_rectify_worker, tmp_path)
     torch.set_num_threads(1)
     for n_samples in SAMPLE_COUNTS:
         partitioned = [r[n_samples] for r in ranks]
@@ -126,58 +128,21 @@ def _fail_during_forward(patch):
     """The second-to-last target layer's forward hook raises in the first trial: the pass stops half-way, some
     weights gathered and DeepSpeed's module trace half-recorded."""
     import hf_janus.capture as capture
-    import hf_janus.rectifier as rectifier
 
-    armed = {}
-    original_capture, original_hook = rectifier.capture_factors, capture._LayerRecorder.forward_hook
-
-    def capture_factors(model, targets, batches, store, name, *args):
-        armed["now"] = name.startswith("s")
-        return original_capture(model, targets, batches, store, name, *args)
+    tag = track_capture_tag(patch)
+    original_hook = capture._LayerRecorder.forward_hook
 
     def forward_hook(self, module, inputs, output):
-        if armed["now"] and self.name == "model.layers.1.mlp.up_proj":
+        if tag["now"].startswith("s") and self.name == "model.layers.1.mlp.up_proj":
             raise RuntimeError("injected failure in the trial's forward")
         return original_hook(self, module, inputs, output)
 
-    patch(rectifier, "capture_factors", capture_factors)
     patch(capture._LayerRecorder, "forward_hook", forward_hook)
 
 
-def _fail_during_backward(patch):
-    """The first compression of a trial capture raises: the error leaves ZeRO-3 mid-backward, weights gathered."""
-    import hf_janus.capture as capture
-    import hf_janus.rectifier as rectifier
-
-    tag = {}
-    original_capture, original_compress = rectifier.capture_factors, capture.compress_sequence
-
-    def capture_factors(model, targets, batches, store, name, *args):
-        tag["now"] = name
-        return original_capture(model, targets, batches, store, name, *args)
-
-    def compress_sequence(*args, **kwargs):
-        if tag["now"].startswith("s"):  # a trial ("s<step>t<n>"), on every rank at the same pass
-            raise RuntimeError("injected failure in the trial's backward")
-        return original_compress(*args, **kwargs)
-
-    patch(rectifier, "capture_factors", capture_factors)
-    patch(capture, "compress_sequence", compress_sequence)
-
-
-def _fail_between_passes(patch):
-    """Comparing the first trial raises: the trial weights are already written into the partitions."""
-    import hf_janus.rectifier as rectifier
-
-    def principal_cosines(*args, **kwargs):
-        raise RuntimeError("injected failure after the trial was written")
-
-    patch(rectifier, "principal_cosines", principal_cosines)
-
-
 # name -> (injection, bf16): under bf16 the optimizer's fp32 master copy differs from the weights after training.
-FAILURES = {"forward": (_fail_during_forward, False), "backward": (_fail_during_backward, False),
-            "between_passes": (_fail_between_passes, False), "between_passes_bf16": (_fail_between_passes, True)}
+FAILURES = {"forward": (_fail_during_forward, False), "backward": (fail_during_backward, False),
+            "between_passes": (fail_between_passes, False), "between_passes_bf16": (fail_between_passes, True)}
 
 
 def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -189,12 +154,6 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
     try:
         results = {}
         for name, (inject, bf16) in FAILURES.items():
-            patches = []
-
-            def patch(owner, attr, value, patches=patches):
-                patches.append((owner, attr, getattr(owner, attr)))
-                setattr(owner, attr, value)
-
             model, reference = _setup()
             engine = _engine(model, bf16=bf16)
             if bf16:
@@ -204,15 +163,12 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
             batches = prepare_replay(random_replay(5), 2)
             before, master_before = _full_state(module), _master_state(module, targets)
             loss_before = replay_losses(module, batches).loss
-            inject(patch)
-            try:
-                Rectifier(module, reference, random_replay(5), JanusConfig(**CONFIG), progress=False).run()
-                error = None
-            except RectificationError as err:
-                error = str(err)
-            finally:
-                for owner, attr, value in reversed(patches):
-                    setattr(owner, attr, value)
+            with injected(inject):
+                try:
+                    Rectifier(module, reference, random_replay(5), JanusConfig(**CONFIG), progress=False).run()
+                    error = None
+                except RectificationError as err:
+                    error = str(err)
             results[name] = {
                 "error": error, "before": before, "after": _full_state(module),
                 "master": (master_before, _master_state(module, targets)),
@@ -241,7 +197,7 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
 
 
 def test_failure_restores_partitioned_weights_exactly(tmp_path):
-    ranks = _spawn(_failure_worker, tmp_path)
+    ranks = spawn_two(_failure_worker, tmp_path)
     for result in ranks:
         for name in FAILURES:
             outcome = result[name]
@@ -324,7 +280,7 @@ def test_callback_in_deepspeed_trainer(tmp_path):
 
     from hf_janus.callback import REPORT_NAME
 
-    ranks = _spawn(_trainer_worker, tmp_path, _free_port())
+    ranks = spawn_two(_trainer_worker, tmp_path, _free_port())
     initial = build_tiny("llama").state_dict()
     for result in ranks:
         assert result["engine"] == "DeepSpeedEngine" and result["still_partitioned"]

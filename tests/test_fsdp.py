@@ -10,9 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import build_tiny, random_replay
-from sharded_checks import check_matches_single_process, setup_model
+from sharded_checks import (
+    check_matches_single_process,
+    fail_between_passes,
+    fail_during_backward,
+    injected,
+    setup_model,
+    spawn_two,
+)
 
 from hf_janus import JanusConfig, rectify
 from hf_janus.rectifier import Rectifier
@@ -49,11 +55,6 @@ def _target_is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(weight, DTensor) and weight.to_local().shape[0] == weight.shape[0] // 2
 
 
-def _spawn(worker, tmp_path, *args):
-    mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path), *args), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-
-
 def _init(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -80,7 +81,7 @@ def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
 
 
 def test_sharded_rectify_matches_unsharded(tmp_path):
-    ranks = _spawn(_rectify_worker, tmp_path)
+    ranks = spawn_two(_rectify_worker, tmp_path)
     torch.set_num_threads(1)
     for n_samples in SAMPLE_COUNTS:
         sharded = [r[n_samples] for r in ranks]
@@ -89,38 +90,7 @@ def test_sharded_rectify_matches_unsharded(tmp_path):
 
 # ---- failures leave θ̂ exactly ----------------------------------------------------------------------------
 
-def _fail_during_backward(patch):
-    """The first compression of a trial capture raises: the error leaves FSDP mid-backward."""
-    import hf_janus.capture as capture
-    import hf_janus.rectifier as rectifier
-
-    tag = {}
-    original_capture, original_compress = rectifier.capture_factors, capture.compress_sequence
-
-    def capture_factors(model, targets, batches, store, name, *args):
-        tag["now"] = name
-        return original_capture(model, targets, batches, store, name, *args)
-
-    def compress_sequence(*args, **kwargs):
-        if tag["now"].startswith("s"):  # a trial ("s<step>t<n>"), on every rank at the same pass
-            raise RuntimeError("injected failure in the trial's backward")
-        return original_compress(*args, **kwargs)
-
-    patch(rectifier, "capture_factors", capture_factors)
-    patch(capture, "compress_sequence", compress_sequence)
-
-
-def _fail_between_passes(patch):
-    """Comparing the first trial raises: the trial weights are already written into the shards."""
-    import hf_janus.rectifier as rectifier
-
-    def principal_cosines(*args, **kwargs):
-        raise RuntimeError("injected failure after the trial was written")
-
-    patch(rectifier, "principal_cosines", principal_cosines)
-
-
-FAILURES = {"backward": _fail_during_backward, "between_passes": _fail_between_passes}
+FAILURES = {"backward": fail_during_backward, "between_passes": fail_between_passes}
 
 
 def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -132,26 +102,17 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
     try:
         results = {}
         for name, inject in FAILURES.items():
-            patches = []
-
-            def patch(owner, attr, value, patches=patches):
-                patches.append((owner, attr, getattr(owner, attr)))
-                setattr(owner, attr, value)
-
             model, reference = _setup()
             _shard(model)
             batches = prepare_replay(random_replay(5), 2)
             before = _full_state(model)
             loss_before = replay_losses(model, batches).loss
-            inject(patch)
-            try:
-                Rectifier(model, reference, random_replay(5), JanusConfig(**CONFIG), progress=False).run()
-                error = None
-            except RectificationError as err:
-                error = str(err)
-            finally:
-                for owner, attr, value in reversed(patches):
-                    setattr(owner, attr, value)
+            with injected(inject):
+                try:
+                    Rectifier(model, reference, random_replay(5), JanusConfig(**CONFIG), progress=False).run()
+                    error = None
+                except RectificationError as err:
+                    error = str(err)
             results[name] = {
                 "error": error, "before": before, "after": _full_state(model),
                 "still_sharded": _target_is_sharded(model),
@@ -181,7 +142,7 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
 
 
 def test_failure_restores_sharded_weights_exactly(tmp_path):
-    ranks = _spawn(_failure_worker, tmp_path)
+    ranks = spawn_two(_failure_worker, tmp_path)
     for result in ranks:
         for name in FAILURES:
             outcome = result[name]
@@ -254,7 +215,7 @@ def _refusals(args, state) -> dict:
 def test_callback_on_sharded_model(tmp_path):
     from hf_janus.callback import REPORT_NAME
 
-    ranks = _spawn(_callback_worker, tmp_path)
+    ranks = spawn_two(_callback_worker, tmp_path)
     initial = build_tiny("llama").state_dict()
     for result in ranks:
         theta0 = result["theta0"]
