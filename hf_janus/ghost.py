@@ -221,8 +221,8 @@ class LayerJacobian:
         self.x, self.a, self.dtype = x, a, dtype
         m, r, d_in = x.shape
         d_out = a.shape[-1]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.path: Path = path or choose_path(m, r, d_in, d_out, itemsize, max_bytes)
+        self._itemsize = torch.empty((), dtype=dtype).element_size()
+        self.path: Path = path or choose_path(m, r, d_in, d_out, self._itemsize, max_bytes)
         self._flat: Optional[Tensor] = None
         self._gram: Optional[Tensor] = None
 
@@ -233,8 +233,7 @@ class LayerJacobian:
     @property
     def materialized_bytes(self) -> int:
         """Size of the explicit per-sample gradients ``(m, d_out * d_in)`` in ``dtype``."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_samples * self.x.shape[-1] * self.a.shape[-1] * itemsize
+        return self.num_samples * self.x.shape[-1] * self.a.shape[-1] * self._itemsize
 
     @property
     def flat(self) -> Tensor:

@@ -195,7 +195,7 @@ def _reset_zero3(model: nn.Module) -> None:
     backward (no communication). DeepSpeed has no API for this; without it the engine stays "in a forward":
     reading ``module.weight`` gathers the weight, and the next forward stops with a "tracing error"
     (the module trace recorded up to the failure is taken for a complete one)."""
-    if not any(is_zero3_param(p) for p in model.parameters()):
+    if not is_zero3(model):
         return
     offload = _zero3_offload(model)
     coordinator = offload.get_param_coordinator() if offload is not None else None
