@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .compression import SequenceBasis, apply_token_mask, compress_sequence, merge_calls, sequence_basis, trim_rank
+from .compression import (
+    SequenceBasis,
+    apply_token_mask,
+    compress_sequence,
+    merge_calls,
+    resolve_method,
+    sequence_basis,
+    trim_rank,
+)
 from .errors import JanusError
 from .replay import IGNORE_INDEX, loss_targets
 from .store import FactorStore
@@ -174,8 +182,8 @@ class _LayerRecorder:
     """Hooks of one target layer for one batch: pairs each call's input with its output gradient."""
 
     def __init__(self, name: str, rank: Optional[int], timer: PhaseTimer, device: torch.device,
-                 shared: Optional[_SharedInputs] = None):
-        self.name, self.rank, self.timer, self.device = name, rank, timer, device
+                 shared: Optional[_SharedInputs] = None, method: str = "exact"):
+        self.name, self.rank, self.timer, self.device, self.method = name, rank, timer, device, method
         self.shared = shared if shared is not None else _SharedInputs()
         self.mask: Optional[Tensor] = None
         self.calls: list = []
@@ -204,9 +212,9 @@ class _LayerRecorder:
         start = time.perf_counter()
         x3, a3 = apply_token_mask(x3, a3, mask)
         basis = None
-        if self.rank is not None and x3.shape[1] > self.rank:
+        if self.method == "exact" and self.rank is not None and x3.shape[1] > self.rank:
             basis = self.shared.basis(pending.key, x3)
-        factors = compress_sequence(x3, a3, self.rank, x_basis=basis)
+        factors = compress_sequence(x3, a3, self.rank, x_basis=basis, method=self.method)
         synchronize(self.device)
         self.timer.add("compression", time.perf_counter() - start)
         if not (torch.isfinite(factors[0]).all() and torch.isfinite(factors[1]).all()):
@@ -223,7 +231,7 @@ class _LayerRecorder:
             zeros = torch.zeros(batch, 1, d_in, device=self.device), torch.zeros(batch, 1, d_out, device=self.device)
             return zeros
         # Zero slots (short samples padded up to r, masked tokens at the end) would cost (slots)² later.
-        return trim_rank(*merge_calls(done, self.rank))
+        return trim_rank(*merge_calls(done, self.rank, self.method))
 
 
 def capture_factors(
@@ -234,14 +242,17 @@ def capture_factors(
     tag: str,
     rank: Optional[int],
     timer: PhaseTimer,
+    compression: str = "auto",
 ) -> CaptureResult:
     """Capture the compressed Jacobian factors of every target layer at the model's current weights.
 
     ``targets`` maps a layer name to ``(module, d_in, d_out)``. Factors go to ``store`` under ``tag``.
+    ``compression`` is :class:`~hf_janus.JanusConfig`'s field of that name.
     """
     device = model_device(model)
+    method = resolve_method(compression, device)
     shared = _SharedInputs()
-    recorders = {name: _LayerRecorder(name, rank, timer, device, shared) for name in targets}
+    recorders = {name: _LayerRecorder(name, rank, timer, device, shared, method) for name in targets}
     handles = [module.register_forward_hook(recorders[name].forward_hook) for name, (module, _, _) in targets.items()]
     losses, counts, offset = [], [], 0
     try:

@@ -98,6 +98,8 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
     jan.add_argument("--beta", type=float, help="step-size decay β (default: 0.7)")
     jan.add_argument("--compression-rank", type=int, metavar="R",
                      help="sequence compression rank r of the Jacobian factors (default: 32; 0 = no compression)")
+    jan.add_argument("--compression", choices=["auto", "exact", "randomized"],
+                     help="how the rank-r compression is computed (default: auto = exact on CPU, randomized on GPU)")
     jan.add_argument("--max-steps", type=int, help="maximum rectification steps (default: 50)")
     jan.add_argument("--replay-batch-size", type=int, help="replay samples per forward/backward (default: 8)")
     jan.add_argument("--target-modules", nargs="+", metavar="NAME",
@@ -130,7 +132,8 @@ def _merge_config(args: argparse.Namespace):
 
     base = JanusConfig.load(args.config) if args.config else JanusConfig()
     overrides = {
-        "tau": args.tau, "beta": args.beta, "rank": args.compression_rank, "max_steps": args.max_steps,
+        "tau": args.tau, "beta": args.beta, "rank": args.compression_rank, "compression": args.compression,
+        "max_steps": args.max_steps,
         "replay_batch_size": args.replay_batch_size, "target_modules": args.target_modules,
         "exclude_modules": args.exclude_modules,
     }

@@ -183,9 +183,10 @@ class Rectifier:
     # ---- capture -------------------------------------------------------------------------------------
     def _capture(self, tag: str) -> CaptureResult:
         targets = {layer.name: (layer.module, layer.d_in, layer.d_out) for layer in self.layers}
-        result = capture_factors(self.model, targets, self.local_batches, self.store, tag, self.config.rank, self.timer)
+        rank, method = self.config.rank, self.config.compression
+        result = capture_factors(self.model, targets, self.local_batches, self.store, tag, rank, self.timer, method)
         if self.idle_batches:
-            capture_factors(self.model, targets, self.idle_batches, self.store, "_idle", self.config.rank, self.timer)
+            capture_factors(self.model, targets, self.idle_batches, self.store, "_idle", rank, self.timer, method)
             self.store.drop("_idle")
         return self._combine_ranks(result)
 

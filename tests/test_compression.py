@@ -285,3 +285,96 @@ def test_bad_factor_shapes_raise(x, a):
 def test_bad_mask_shape_raises(mask):
     with pytest.raises(ValueError, match=r"mask must have shape \(3, 5\)"):
         compress_sequence(_X, _A, 2, mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Randomized compression (the accelerator path)
+# --------------------------------------------------------------------------------------------------
+
+
+def relative_excess_error(x: Tensor, a: Tensor, x_hat: Tensor, a_hat: Tensor, r: int) -> Tensor:
+    """Per sample, ‖G − Ĝ‖_F / ‖G − G_r‖_F with G_r the optimal rank-r approximation (1 = optimal)."""
+    full = products(x, a)
+    _, discarded = truncated_svd(full, r)
+    return (full - products(x_hat, a_hat)).norm(dim=(1, 2)) / discarded.norm(dim=-1)
+
+
+@pytest.mark.parametrize("T, d_in, d_out, r", [(20, 30, 25, 8), (12, 6, 40, 3), (30, 50, 9, 4)])
+def test_randomized_is_optimal_when_the_rank_fits_its_sample(T, d_in, d_out, r):
+    """rank(AᵢᵀXᵢ) <= min(T, d_in, d_out) <= p = r + 16: the sketch sees the whole range, so the result is exact."""
+    x, a = random_factors(5, T, d_in, d_out, seed=20)
+    x_hat, a_hat = compress_sequence(x, a, r, method="randomized")
+    assert x_hat.shape == (5, r, d_in) and a_hat.shape == (5, r, d_out)
+    torch.testing.assert_close(products(x_hat, a_hat), truncated_svd(products(x, a), r)[0], rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("B, T, d_in, d_out, r", [(6, 96, 64, 80, 8), (6, 200, 48, 40, 8), (4, 64, 100, 120, 4)])
+def test_randomized_error_is_within_one_percent_of_optimal(B, T, d_in, d_out, r):
+    """Gaussian factors (flat spectra, the hard case for a sketch) with rank far above r + 16."""
+    x, a = random_factors(B, T, d_in, d_out, seed=21)
+    excess = relative_excess_error(x, a, *compress_sequence(x, a, r, method="randomized"), r)
+    assert bool((excess >= 1 - 1e-12).all()), "no rank-r matrix beats the truncated SVD"
+    assert float(excess.max()) <= 1.01, excess
+
+
+def test_randomized_error_on_a_transformer_layer():
+    """Inputs and output gradients of a real (random-init) LLaMA MLP layer at T=128, in float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(22)
+    config = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=500)
+    model = LlamaForCausalLM(config)
+    seen = {}
+    layer = model.model.layers[0].mlp.down_proj
+
+    def hook(module, inputs, output):
+        x = inputs[0].detach()
+        output.register_hook(lambda g: seen.update(x=x, a=g.detach()))
+
+    layer.register_forward_hook(hook)
+    ids = torch.randint(0, 500, (3, 128))
+    out = model(input_ids=ids, labels=ids)
+    (out.loss * ids.numel()).backward()
+    x, a = seen["x"], seen["a"]
+    x_hat, a_hat = compress_sequence(x, a, 16, method="randomized")
+    assert x_hat.dtype == torch.float32
+    excess = relative_excess_error(x.double(), a.double(), x_hat.double(), a_hat.double(), 16)
+    assert float(excess.max()) <= 1.01, excess
+
+
+def test_randomized_masking_short_and_empty_samples():
+    """Padding is ignored; a sample of 3 valid tokens is exact; a fully masked sample gives zero factors."""
+    samples = variable_length_samples([40, 3, 25], d_in=30, d_out=20, seed=23)
+    x, a, mask = pad_batch(samples, T=40, side="right", seed=24)
+    x[mask == 0] = float("nan")
+    x = torch.cat([x, torch.randn(1, 40, 30, dtype=DT)])
+    a = torch.cat([a, torch.randn(1, 40, 20, dtype=DT)])
+    mask = torch.cat([mask, torch.zeros(1, 40, dtype=mask.dtype)])
+    x_hat, a_hat = compress_sequence(x, a, 4, mask, method="randomized")
+    assert torch.isfinite(x_hat).all() and torch.isfinite(a_hat).all()
+    got = products(x_hat, a_hat)
+    torch.testing.assert_close(got[1], truncated_svd(samples[1][1].T @ samples[1][0], 4)[0], rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(got[2], truncated_svd(samples[2][1].T @ samples[2][0], 4)[0], rtol=1e-8, atol=1e-8)
+    assert float(got[3].abs().max()) == 0.0
+
+
+def test_randomized_is_deterministic_and_leaves_the_global_rng_alone():
+    x, a = random_factors(3, 60, 20, 24, seed=25)
+    state = torch.get_rng_state()
+    first = compress_sequence(x, a, 4, method="randomized")
+    second = compress_sequence(x, a, 4, method="randomized")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(p, q) for p, q in zip(first, second))
+
+
+def test_compression_method_names():
+    from hf_janus.compression import resolve_method
+
+    assert resolve_method("auto", torch.device("cpu")) == "exact"
+    assert resolve_method("auto", torch.device("cuda")) == "randomized"
+    assert resolve_method("randomized", torch.device("cpu")) == "randomized"
+    with pytest.raises(ValueError, match="compression must be 'auto' or one of"):
+        resolve_method("svd", torch.device("cpu"))
+    with pytest.raises(ValueError, match="method must be one of"):
+        compress_sequence(_X, _A, 2, method="svd")

@@ -242,6 +242,23 @@ def test_bf16_model():
     assert changed and all(k.endswith("proj.weight") for k in changed)
 
 
+def test_randomized_compression_matches_exact_when_samples_fit(tuned_llama):
+    """Replay samples of <= 12 tokens: the randomized sketch (r + 16 columns) sees each gradient's whole range,
+    so the GPU path's compression must give the exact path's rectification, on any device."""
+    model, reference = tuned_llama
+    replay = random_replay(8)
+    exact, randomized = copy.deepcopy(model), copy.deepcopy(model)
+    re = rectify(exact, reference, replay, JanusConfig(rank=3, compression="exact", replay_batch_size=4),
+                 progress=False)
+    rr = rectify(randomized, reference, replay, JanusConfig(rank=3, compression="randomized", replay_batch_size=4),
+                 progress=False)
+    assert re.alphas == rr.alphas
+    for key, value in exact.state_dict().items():
+        torch.testing.assert_close(randomized.state_dict()[key], value, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="JanusConfig.compression='svd' is invalid"):
+        JanusConfig(compression="svd")
+
+
 def test_target_modules_list_and_regex(tuned_llama):
     model, reference = tuned_llama
     rep = rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(target_modules=["q_proj", "v_proj"]),

@@ -137,8 +137,8 @@ class Instrument:
     figures add up. Accelerator work is synchronized at every boundary (as the engine's own timer does).
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, verbose: bool = False):
+        self.device, self.verbose = device, verbose
         self.seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.cpu: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -177,9 +177,12 @@ class Instrument:
                 return fn(*args, **kwargs)
             finally:
                 self._sync()
-                self.section_seconds[label] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                self.section_seconds[label] += elapsed
                 self.section_cpu[label] += time.process_time() - cpu0
                 self._section = outer
+                if self.verbose:  # long runs (the 7B one) show where they are, and a killed run says how far it got
+                    print(f"[{time.strftime('%H:%M:%S')}] {label}: {elapsed:.1f} s", file=sys.stderr, flush=True)
         return inner
 
     def _op_wrapper(self, fn: Callable, label: str) -> Callable:
@@ -284,16 +287,22 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     dtype = getattr(torch, spec.get("dtype", "float32"))
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    t0 = time.perf_counter()
+    say = (lambda what: print(f"[{time.strftime('%H:%M:%S')}] {what}: {time.perf_counter() - t0:.1f} s",
+                              file=sys.stderr, flush=True)) if spec.get("verbose") else (lambda what: None)
     model = build_llama(spec["size"], spec["seed"], device, dtype)
+    say("model built")
     n_params = sum(p.numel() for p in model.parameters())
     targets = hf_janus.resolve_target_modules(model)
     reference = fake_finetune(model, spec["delta_scale"], spec["seed"] + 1,
                               torch.device(spec.get("reference_device", device.type)))
+    say("fake fine-tune done")
     replay = random_replay(spec["m"], spec["T"], spec["seed"] + 2)
     cache_dir = None
     if spec["cache"] != "memory":
         cache_dir = tempfile.mkdtemp(prefix="janus-profile-", dir=spec.get("cache_root") or None)
     cfg = dict(rank=spec["r"], replay_batch_size=spec["batch_size"], seed=spec["seed"],
+               compression=spec.get("compression", "auto"),
                cache=cache_dir or "memory", **schedule(spec["evals"]))
     config = hf_janus.JanusConfig(**cfg)
     store_options = spec.get("store_options") or {}
@@ -304,9 +313,10 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             start = time.perf_counter()
             rect = Rectifier(model, reference, replay, config, progress=False, **store_options)
             setup = time.perf_counter() - start
+            say("Rectifier set up")
             if spec.get("free_reference"):
                 reference.clear()  # the Rectifier holds its own copy; free the caller's (7B: 13 GB)
-            with Instrument(device) as inst:
+            with Instrument(device, verbose=spec.get("verbose", False)) as inst:
                 report = rect.run()
             wall = time.perf_counter() - start
     finally:
@@ -519,6 +529,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                          "two 41 GB bf16 captures in RAM on a 128 GiB host; a third one alive at once (from step 1 on: θ0's, "
                          "the current and the trial point's) goes to disk (default: %(default)s)")
     ap.add_argument("--cache", default=None, help="--gpu-7b: spill directory (default: a temporary directory)")
+    ap.add_argument("--compression", default="auto", choices=["auto", "exact", "randomized"],
+                    help="--gpu-7b: JanusConfig.compression (default: %(default)s, i.e. randomized on a GPU)")
+    ap.add_argument("--size", default="7B", choices=["7B", *SIZES],
+                    help="--gpu-7b: model shape; a small one with --device cpu smoke-tests the path (default: %(default)s)")
+    ap.add_argument("--device", default="cuda", help="--gpu-7b: device (default: %(default)s)")
     ap.add_argument("--_run", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -578,14 +593,15 @@ def run_cpu(args: argparse.Namespace) -> None:
 
 
 def run_gpu_7b(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--gpu-7b needs a CUDA device; none is visible")
     from hf_janus.store import FactorStore
 
     cache_root = args.cache or tempfile.gettempdir()
-    spec = dict(group="gpu-7b", size="7B", m=args.m, T=args.T, r=args.r, evals=args.evals,
-                batch_size=args.batch_size, delta_scale=args.delta_scale, seed=args.seed, device="cuda",
-                dtype="bfloat16", reference_device="cpu", free_reference=True,
+    spec = dict(group="gpu-7b", size=args.size, m=args.m, T=args.T, r=args.r, evals=args.evals,
+                batch_size=args.batch_size, delta_scale=args.delta_scale, seed=args.seed, device=args.device,
+                compression=args.compression,
+                dtype="bfloat16", reference_device="cpu", free_reference=True, verbose=True,
                 # Compressed factors: m x r x Σ(d_in + d_out) = 41 GB per capture in bf16 (82 GB in fp32),
                 # and up to three captures live at once (θ0's for the statistics, the current and the trial
                 # point's): they cannot stay on the GPU next to the model and the rectifier's float32 state,
@@ -600,12 +616,14 @@ def run_gpu_7b(args: argparse.Namespace) -> None:
     row["end_to_end_seconds_incl_model_build"] = time.perf_counter() - start
     t = row["timings"]
     lines = [
-        f"### LLaMA-2-7B-shaped, random init, bf16, m={args.m}, T={args.T}, r={args.r}, {row['gpu']}\n",
+        f"### LLaMA-2-{args.size}-shaped, random init, bf16, m={args.m}, T={args.T}, r={args.r}, "
+        f"compression {args.compression}, "
+        f"{row.get('gpu', args.device)}\n",
         md_table(["wall s (rectify incl. setup)", "Jacobian evals", "fwd+bwd s", "compression s", "ghost s", "io s",
                   "other s", "setup s", "GPU max allocated GiB", "host peak RSS GiB"],
                  [[f"{row['wall_seconds']:.1f}", str(row["num_jacobian_evals"]), f"{t.get('forward_backward', 0):.1f}",
                    f"{t.get('compression', 0):.1f}", f"{t.get('ghost', 0):.1f}", f"{t.get('io', 0):.1f}",
-                   f"{t['other']:.1f}", f"{t['setup']:.1f}", f"{row['cuda_max_allocated_bytes'] / (1 << 30):.1f}",
+                   f"{t['other']:.1f}", f"{t['setup']:.1f}", f"{row.get('cuda_max_allocated_bytes', 0) / (1 << 30):.1f}",
                    f"{row['rss_peak_bytes'] / (1 << 30):.1f}"]]),
         "", "Split by operation and step\n", ghost_table([row]), "",
         f"Command: python benchmarks/perf/profile_rectify.py --gpu-7b --evals {args.evals} --batch-size "
