@@ -43,6 +43,19 @@ def available_host_memory() -> Optional[int]:
 DEFAULT_MEMORY_FRACTION = 0.5
 
 
+def host_footprint(nbytes: int, pinned: bool) -> int:
+    """Host memory a tensor of ``nbytes`` really takes.
+
+    torch's caching host allocator rounds every pinned allocation up to the next power of two and keeps
+    freed blocks for reuse rather than returning them: 4.2 MB of factors pin 8 MB. A budget counted in
+    ``nbytes`` let a 7B run's two captures of 41 GB pin over 120 GB of a 128 GiB host, and the kernel
+    killed it (H200, benchmarks/perf/RESULTS.md).
+    """
+    if not pinned or nbytes <= 0:
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
+
+
 class _Held(NamedTuple):
     """A piece kept in host memory by a directory-backed store."""
 
@@ -51,7 +64,12 @@ class _Held(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return self.x.nbytes + self.a.nbytes
+        """Host bytes held, as allocated (see :func:`host_footprint`)."""
+        return sum(host_footprint(t.nbytes, t.is_pinned()) for t in (self.x, self.a))
+
+    @property
+    def pinned(self) -> bool:
+        return self.x.is_pinned()
 
 
 class FactorStore:
@@ -112,9 +130,11 @@ class FactorStore:
             self._pieces[key].append((x, a))
             return
         nbytes = x.nbytes + a.nbytes
-        if self.held_bytes + nbytes <= self.memory_budget_bytes:
-            self._pieces[key].append(_Held(self._to_host(x), self._to_host(a)))
-            self.held_bytes += nbytes
+        expected = host_footprint(x.nbytes, x.is_cuda) + host_footprint(a.nbytes, a.is_cuda)
+        if self.held_bytes + expected <= self.memory_budget_bytes:
+            held = _Held(self._to_host(x), self._to_host(a))
+            self._pieces[key].append(held)
+            self.held_bytes += held.nbytes
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             return
         from safetensors.torch import save_file
@@ -148,8 +168,12 @@ class FactorStore:
             merged = concat_pieces(pieces)
             self._pieces[key] = [merged]  # concatenate once, reuse afterwards
             return merged
-        if len(pieces) > 1 and all(isinstance(p, _Held) for p in pieces):
-            merged = _Held(*concat_pieces([(p.x, p.a) for p in pieces]))  # same bytes, one piece
+        if len(pieces) > 1 and all(isinstance(p, _Held) and not p.pinned for p in pieces):
+            # Same bytes, one piece. Not for pinned pieces: the allocator would keep their blocks cached
+            # next to a pageable copy of the same size; those are concatenated on the device instead.
+            merged = _Held(*concat_pieces([(p.x, p.a) for p in pieces]))
+            self.held_bytes += merged.nbytes - sum(p.nbytes for p in pieces)  # ranks padded to the largest
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             self._pieces[key] = pieces = [merged]
         device = str(self.device) if self.device is not None else "cpu"
         loaded = []

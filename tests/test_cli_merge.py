@@ -51,8 +51,21 @@ def test_help_lists_merge_and_documents_every_option(capsys):
     for option in ("--base", "--adapter", "--replay", "DATASET[:SPLIT]", "--text-field", "--prompt-field",
                    "--response-field", "--replay-format", "--output", "--format", "{adapter,full}", "--rank",
                    "same|auto|INT|FLOAT", "--energy", "--refine", "--overwrite", "--push-to-hub", "--revision",
-                   "--initial-adapter", "--allow-base-mismatch", "--tau", "--compression-rank", "examples:"):
+                   "--initial-adapter", "--allow-base-mismatch", "--tau", "--compression-rank", "--compression",
+                   "examples:"):
         assert option in text, option
+
+
+def test_janus_options_reach_the_config(capsys):
+    from hf_janus.cli import _merge_config, build_parser
+
+    base = ["merge", "--base", "b", "--adapter", "a", "--replay", "r", "--output", "o"]
+    config = _merge_config(build_parser().parse_args(base + ["--compression", "randomized", "--compression-rank", "0"]))
+    assert config.compression == "randomized" and config.rank is None
+    assert _merge_config(build_parser().parse_args(base)).compression == "auto"
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(base + ["--compression", "svd"])
+    assert exit_info.value.code == 2 and "invalid choice: 'svd'" in capsys.readouterr().err
 
 
 def test_missing_required_arguments_exit_with_usage(capsys):

@@ -1,0 +1,59 @@
+"""FactorStore: where compressed factors live between passes (memory, host memory up to a budget, disk)."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_janus.store import FactorStore, host_footprint
+
+
+def piece(batch: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, rank, 6, generator=gen), torch.randn(batch, rank, 4, generator=gen)
+
+
+def test_host_footprint_counts_the_pinned_allocators_power_of_two_rounding():
+    assert host_footprint(4_200_000, pinned=True) == 1 << 23
+    assert host_footprint(1 << 20, pinned=True) == 1 << 20
+    assert host_footprint((1 << 20) + 1, pinned=True) == 1 << 21
+    assert host_footprint(4_200_000, pinned=False) == 4_200_000
+    assert host_footprint(0, pinned=True) == 0
+
+
+def test_budget_keeps_what_fits_in_memory_and_spills_the_rest(tmp_path):
+    pieces = [piece(2, 3, seed) for seed in range(3)]
+    one = sum(t.nbytes for t in pieces[0])
+    store = FactorStore(str(tmp_path), torch.device("cpu"), memory_budget_bytes=2 * one)
+    for x, a in pieces:
+        store.append("t0", "layer", x, a)
+    assert store.held_bytes == 2 * one and store.spilled_bytes == one
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 1
+    x, a = store.get("t0", "layer")
+    torch.testing.assert_close(x, torch.cat([p[0] for p in pieces]), rtol=0, atol=0)
+    torch.testing.assert_close(a, torch.cat([p[1] for p in pieces]), rtol=0, atol=0)
+    store.drop("t0")
+    assert store.held_bytes == 0 and not list(tmp_path.rglob("*.safetensors"))
+
+
+def test_merging_pieces_of_different_ranks_keeps_the_account(tmp_path):
+    """Held pieces are merged on first use, ranks zero-padded to the largest: the account follows the padding."""
+    small, large = piece(2, 2, 0), piece(3, 5, 1)
+    store = FactorStore(str(tmp_path), torch.device("cpu"), memory_budget_bytes=1 << 30)
+    store.append("t0", "layer", *small)
+    store.append("t0", "layer", *large)
+    x, a = store.get("t0", "layer")
+    assert x.shape == (5, 5, 6) and a.shape == (5, 5, 4)
+    assert torch.equal(x[:2, 2:], torch.zeros(2, 3, 6)) and torch.equal(x[2:], large[0])
+    assert store.held_bytes == x.nbytes + a.nbytes == store.peak_held_bytes
+    store.drop("t0")
+    assert store.held_bytes == 0
+
+
+def test_factor_dtype_and_memory_store():
+    store = FactorStore("memory", torch.device("cpu"), factor_dtype="bfloat16")
+    x, a = piece(2, 3, 2)
+    store.append("t0", "layer", x, a)
+    got_x, got_a = store.get("t0", "layer")
+    assert got_x.dtype == got_a.dtype == torch.bfloat16
+    torch.testing.assert_close(got_x, x.bfloat16(), rtol=0, atol=0)
+    assert store.has("t0", "layer") and not store.has("t1", "layer")
