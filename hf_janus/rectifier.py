@@ -364,21 +364,35 @@ class Rectifier:
         return CaptureResult(result.tag, losses, tokens.round().long())
 
     def _layer_stats(self) -> list[LayerStats]:
-        stats = []
+        stats, rounded = [], []
         with self.timer.phase("ghost"):
             for layer in self.layers:
                 jac = self._jacobian(layer, "c0")
                 reference = layer.reference
                 delta = layer.finetuned() - reference
-                rect = layer.rule.weight(layer.module).detach().to(torch.float32) - reference
+                written = layer.rule.weight(layer.module).detach()
+                rect = written.to(torch.float32) - reference
                 before = float((layer.jvp0 if layer.jvp0 is not None else jac.jvp(delta)).norm())
                 after = float(jac.jvp(rect).norm())
+                if (written.dtype in (torch.bfloat16, torch.float16) and layer.master_backup is None
+                        and before > 0 and after > 0.05 * before):
+                    unrounded = float(jac.jvp(layer.current - reference).norm())
+                    if unrounded < 0.5 * after:
+                        rounded.append((layer.name, after / before, unrounded / before, written.dtype))
                 jac.release()
                 stats.append(LayerStats(
                     name=layer.name, shape=[layer.d_out, layer.d_in], path=layer.path,
                     delta_norm=float(delta.norm()), rect_delta_norm=float(rect.norm()),
                     residual=(after / before) if before > 0 else None, gram_rank=layer.gram_rank0,
                 ))
+        if rounded:
+            name, as_written, unrounded, dtype = max(rounded, key=lambda r: r[1])
+            logger.warning(
+                "%d of %d rectified layers lost much of the rectification to %s rounding of the written weights "
+                "(worst: %s, residual ||J0 ΔW_rect|| / ||J0 ΔW|| = %.3g as written, %.3g before rounding): the "
+                "correction is smaller than the weights' resolution. Rectify a float32 copy (model.float()) and "
+                "save that, or keep the update as an adapter.",
+                len(rounded), len(self.layers), str(dtype).replace("torch.", ""), name, as_written, unrounded)
         return stats
 
     def _restore(self) -> None:

@@ -259,6 +259,27 @@ def test_randomized_compression_matches_exact_when_samples_fit(tuned_llama):
         JanusConfig(compression="svd")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rounding_of_low_precision_weights_is_reported(caplog, dtype):
+    """An update of 5% of the weights' spread: in bf16 the projection's correction is below the weights'
+    resolution, the written weights keep much of J0 ΔW, and the log says so and what to do; float32 holds it."""
+    model = build_tiny("llama").to(dtype)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name in resolve_target_modules(model):
+            w = model.get_submodule(name).weight
+            w.add_((0.05 * w.float().std() * torch.randn(w.shape, generator=gen)).to(dtype))
+    with caplog.at_level("WARNING", logger="hf_janus.rectifier"):
+        report = rectify(model, reference, random_replay(8), JanusConfig(tau=0.0, rank=None), progress=False)
+    warned = [r.getMessage() for r in caplog.records if "rounding of the written weights" in r.getMessage()]
+    worst = max(layer.residual for layer in report.layers if layer.residual is not None)
+    if dtype == torch.bfloat16:
+        assert worst > 0.05 and len(warned) == 1 and "model.float()" in warned[0], (worst, warned)
+    else:
+        assert worst < 1e-3 and not warned
+
+
 def test_target_modules_list_and_regex(tuned_llama):
     model, reference = tuned_llama
     rep = rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(target_modules=["q_proj", "v_proj"]),
