@@ -229,7 +229,7 @@ def _omega(d: int, p: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 
 def _orthonormalize(y: Tensor) -> Tensor:
-    """Shifted Cholesky QR of a batch of tall matrices ``(B, n, p)``, in float64, returned as float32.
+    """Shifted Cholesky QR of a batch of tall matrices ``(B, n, p)``, computed in float64, returned in ``y``'s dtype.
 
     Only the power iterations use it, where a slightly non-orthogonal basis merely slows convergence; unlike
     Householder QR it is three batched matrix operations, and the shift (Fukaya et al., 2020) keeps the

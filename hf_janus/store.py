@@ -47,9 +47,9 @@ def host_footprint(nbytes: int, pinned: bool) -> int:
     """Host memory a tensor of ``nbytes`` really takes.
 
     torch's caching host allocator rounds every pinned allocation up to the next power of two and keeps
-    freed blocks for reuse rather than returning them: 4.2 MB of factors pin 8 MB. A budget counted in
-    ``nbytes`` let a 7B run's two captures of 41 GB pin over 120 GB of a 128 GiB host, and the kernel
-    killed it (H200, benchmarks/perf/RESULTS.md).
+    freed blocks for reuse rather than returning them: 5.6 MB of factors pin 8 MB. A budget counted in
+    ``nbytes`` (with pageable merged copies of pinned pieces, see :meth:`FactorStore.get`) is the most
+    likely reason a 7B run on a 128 GiB host was killed for memory (benchmarks/perf/RESULTS.md).
     """
     if not pinned or nbytes <= 0:
         return max(nbytes, 0)

@@ -525,9 +525,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--factor-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="--gpu-7b: storage dtype of the compressed factors (default: %(default)s)")
     ap.add_argument("--host-budget-gib", type=float, default=90.0,
-                    help="--gpu-7b: host memory the factor store may hold before spilling to --cache; 90 GiB keeps "
-                         "two 41 GB bf16 captures in RAM on a 128 GiB host; a third one alive at once (from step 1 on: θ0's, "
-                         "the current and the trial point's) goes to disk (default: %(default)s)")
+                    help="--gpu-7b: host memory the factor store may hold before spilling to --cache, counting pinned "
+                         "pieces at their power-of-two allocated size (a 41 GB bf16 capture pins 46 GiB): 90 GiB on a "
+                         "128 GiB host holds one capture and most of a second; the rest, and a third capture alive at "
+                         "once (θ0's, the current and the trial point's), go to disk (default: %(default)s)")
     ap.add_argument("--cache", default=None, help="--gpu-7b: spill directory (default: a temporary directory)")
     ap.add_argument("--compression", default="auto", choices=["auto", "exact", "randomized"],
                     help="--gpu-7b: JanusConfig.compression (default: %(default)s, i.e. randomized on a GPU)")
