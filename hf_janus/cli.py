@@ -8,6 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import __version__
+from .compression import COMPRESSION_CHOICES
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -98,7 +99,7 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
     jan.add_argument("--beta", type=float, help="step-size decay β (default: 0.7)")
     jan.add_argument("--compression-rank", type=int, metavar="R",
                      help="sequence compression rank r of the Jacobian factors (default: 32; 0 = no compression)")
-    jan.add_argument("--compression", choices=["auto", "exact", "randomized"],
+    jan.add_argument("--compression", choices=COMPRESSION_CHOICES,
                      help="how the rank-r compression is computed (default: auto = exact on CPU, randomized on GPU)")
     jan.add_argument("--max-steps", type=int, help="maximum rectification steps (default: 50)")
     jan.add_argument("--replay-batch-size", type=int, help="replay samples per forward/backward (default: 8)")

@@ -44,6 +44,7 @@ def pad_rank(t: Tensor, rank: int) -> Tensor:
 
 
 COMPRESSION_METHODS = ("exact", "randomized")
+COMPRESSION_CHOICES = ("auto", *COMPRESSION_METHODS)  # JanusConfig.compression
 _SMALL_MATRIX_ELEMS = 1 << 20
 
 

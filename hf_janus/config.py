@@ -10,6 +10,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from .compression import COMPRESSION_CHOICES
+
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
@@ -80,7 +82,7 @@ class JanusConfig:
             self.rank is None or (isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1),
             "rank", self.rank, "None or an int >= 1",
         )
-        _check(self.compression in ("auto", "exact", "randomized"), "compression", self.compression,
+        _check(self.compression in COMPRESSION_CHOICES, "compression", self.compression,
                "'auto', 'exact' or 'randomized'")
         _check(
             isinstance(self.target_modules, str)

@@ -23,6 +23,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
+sys.path.insert(0, str(HERE.parent))  # bench_ghost's md_table
+
+from bench_ghost import md_table  # noqa: E402
+
 from hf_janus.compression import compress_sequence  # noqa: E402
 
 SHAPES = {"q/k/v/o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096)}
@@ -88,13 +92,11 @@ def main() -> None:
             rows.append(dict(layer=name, d_in=d_in, d_out=d_out, spectrum="decaying" if decay else "flat",
                              exact_s=exact, randomized_s=randomized, speedup=exact / randomized,
                              max_excess_error=max(ratios)))
-    header = "| layer (d_in x d_out) | spectrum | exact s | randomized s | speed-up | randomized error / optimal |"
-    lines = [f"B={args.B} samples, T={args.T}, r={args.r}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-             f"torch {torch.__version__}\n", header, "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['layer']} ({r['d_in']} x {r['d_out']}) | {r['spectrum']} | {r['exact_s']:.3f} | "
-                     f"{r['randomized_s']:.4f} | {r['speedup']:.0f}x | {r['max_excess_error']:.4f} |")
-    print("\n".join(lines))
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"B={args.B} samples, T={args.T}, r={args.r}, {gpu}, torch {torch.__version__}\n")
+    print(md_table(["layer (d_in x d_out)", "spectrum", "exact s", "randomized s", "speed-up", "randomized error / optimal"],
+                   [[f"{r['layer']} ({r['d_in']} x {r['d_out']})", r["spectrum"], f"{r['exact_s']:.3f}",
+                     f"{r['randomized_s']:.4f}", f"{r['speedup']:.0f}x", f"{r['max_excess_error']:.4f}"] for r in rows]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2) + "\n")
 

@@ -130,6 +130,11 @@ OPS = [  # leaf operations; a missing attribute (older/newer engine) is skipped
 ]
 
 
+def progress(what: str, seconds: float) -> None:
+    """A timestamped line on stderr: long runs (the 7B one) show where they are, and a killed one how far it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}: {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
 class Instrument:
     """Wraps engine functions to accumulate exclusive seconds per (section, op) and call counts.
 
@@ -181,8 +186,8 @@ class Instrument:
                 self.section_seconds[label] += elapsed
                 self.section_cpu[label] += time.process_time() - cpu0
                 self._section = outer
-                if self.verbose:  # long runs (the 7B one) show where they are, and a killed run says how far it got
-                    print(f"[{time.strftime('%H:%M:%S')}] {label}: {elapsed:.1f} s", file=sys.stderr, flush=True)
+                if self.verbose:
+                    progress(label, elapsed)
         return inner
 
     def _op_wrapper(self, fn: Callable, label: str) -> Callable:
@@ -288,8 +293,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     t0 = time.perf_counter()
-    say = (lambda what: print(f"[{time.strftime('%H:%M:%S')}] {what}: {time.perf_counter() - t0:.1f} s",
-                              file=sys.stderr, flush=True)) if spec.get("verbose") else (lambda what: None)
+    say = (lambda what: progress(what, time.perf_counter() - t0)) if spec.get("verbose") else (lambda what: None)
     model = build_llama(spec["size"], spec["seed"], device, dtype)
     say("model built")
     n_params = sum(p.numel() for p in model.parameters())
