@@ -21,6 +21,7 @@ from .compression import (
     apply_token_mask,
     compress_sequence,
     merge_calls,
+    needs_compression,
     resolve_method,
     sequence_basis,
     trim_rank,
@@ -151,7 +152,7 @@ class _SharedInputs:
         self._entries.setdefault(key, [0, None])[0] += 1
         return key
 
-    def basis(self, key: tuple, masked: Tensor) -> Optional[SequenceBasis]:
+    def basis(self, key: tuple, masked: Tensor, rank: int) -> Optional[SequenceBasis]:
         """The basis for one reader; ``None`` when no other reader shares the input (nothing to save)."""
         entry = self._entries.get(key)
         if entry is None:
@@ -160,7 +161,11 @@ class _SharedInputs:
             del self._entries[key]
             return None
         if entry[1] is None:
-            entry[1] = sequence_basis(masked)
+            long = masked[needs_compression(masked, rank)]
+            if long.shape[0] == 0:  # every sample fits in r: nothing to factorize
+                del self._entries[key]
+                return None
+            entry[1] = sequence_basis(long)
         entry[0] -= 1
         basis = entry[1]
         if entry[0] <= 0:
@@ -213,7 +218,7 @@ class _LayerRecorder:
         x3, a3 = apply_token_mask(x3, a3, mask)
         basis = None
         if self.method == "exact" and self.rank is not None and x3.shape[1] > self.rank:
-            basis = self.shared.basis(pending.key, x3)
+            basis = self.shared.basis(pending.key, x3, self.rank)
         factors = compress_sequence(x3, a3, self.rank, x_basis=basis, method=self.method)
         synchronize(self.device)
         self.timer.add("compression", time.perf_counter() - start)

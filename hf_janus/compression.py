@@ -116,6 +116,26 @@ def sequence_basis(t: Tensor) -> SequenceBasis:
     return SequenceBasis(reflectors, tau, t.shape[1])
 
 
+def needs_compression(x: Tensor, rank: int) -> Tensor:
+    """``(B,)`` bool: which samples of a masked batch ``x`` ``(B, T, d)`` have more than ``rank`` non-zero rows.
+
+    The others are represented exactly by their non-zero rows alone. A batch is padded to its longest
+    sample, so with replay samples of mixed lengths most of a batch can be in this case.
+    """
+    return (x != 0).any(dim=-1).sum(dim=1) > rank
+
+
+def _compact_rows(x: Tensor, a: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """The (at most ``rank``) non-zero rows of ``x`` and the matching rows of ``a``, moved to the front in order."""
+    live = (x != 0).any(dim=-1)
+    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :rank]
+    keep = live.gather(1, order).unsqueeze(-1)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    xs = torch.where(keep, x.gather(1, order.unsqueeze(-1).expand(-1, -1, x.shape[-1])), zero)
+    as_ = torch.where(keep, a.gather(1, order.unsqueeze(-1).expand(-1, -1, a.shape[-1])), zero)
+    return pad_rank(xs, rank), pad_rank(as_, rank)
+
+
 def compress_sequence(
     x: Tensor, a: Tensor, rank: Optional[int], mask: Optional[Tensor] = None,
     x_basis: Optional[SequenceBasis] = None, method: str = "exact",
@@ -127,8 +147,9 @@ def compress_sequence(
         a: gradients of the token-summed loss w.r.t. the layer outputs, shape ``(B, T, d_out)``.
         rank: target rank ``r``; ``None`` keeps all ``T`` rows (after masking).
         mask: optional ``(B, T)`` mask of valid tokens; padding rows are zeroed first.
-        x_basis: optional :func:`sequence_basis` of the masked ``x``, computed once for all layers that
-            read the same input; ``x`` itself is then not factorized again (``"exact"`` only).
+        x_basis: optional :func:`sequence_basis` of the masked ``x`` restricted to the samples that
+            :func:`needs_compression` selects, computed once for all layers that read the same input; ``x``
+            itself is then not factorized again (``"exact"`` only).
         method: ``"exact"`` (QR + SVD of the core: the rank-r optimum) or ``"randomized"``
             (:func:`randomized_compress`: near-optimal, batched matrix products, for accelerators).
 
@@ -153,9 +174,24 @@ def compress_sequence(
     if T <= rank:
         # A rank-r approximation of a matrix with at most r summands is the matrix itself.
         return pad_rank(x, rank), pad_rank(a, rank)
+    long = needs_compression(x, rank)
+    if x_basis is not None and x_basis.reflectors.shape[0] != int(long.sum()):
+        raise ValueError(f"x_basis covers {x_basis.reflectors.shape[0]} samples, but {int(long.sum())} of this "
+                         f"batch need compression: compute it as sequence_basis(x[needs_compression(x, rank)])")
+    if bool(long.all()):
+        return _compress_long(x, a, rank, x_basis, method)
+    # Samples with at most r non-zero rows are exact as their rows; only the others pay for QR + SVD.
+    x_hat, a_hat = _compact_rows(x, a, rank)
+    if bool(long.any()):
+        x_hat[long], a_hat[long] = _compress_long(x[long], a[long], rank, x_basis, method)
+    return x_hat, a_hat
+
+
+def _compress_long(x: Tensor, a: Tensor, rank: int, x_basis: Optional[SequenceBasis],
+                   method: str) -> tuple[Tensor, Tensor]:
+    T = x.shape[1]
     if method == "randomized":
         return randomized_compress(x, a, rank)
-
     if x_basis is None:
         x_basis = sequence_basis(x)
     elif x_basis.reflectors.shape != (x.shape[0], x.shape[2], T):

@@ -20,7 +20,7 @@ from .capture import CaptureResult, capture_factors, model_device, replay_losses
 from .config import JanusConfig
 from .distributed import World
 from .errors import JanusError, RectificationError
-from .ghost import GramEig, LayerJacobian, eig_psd, mean_cosine, principal_cosines, project_with_jvp
+from .ghost import GramEig, LayerJacobian, Workspace, eig_psd, mean_cosine, principal_cosines, project_with_jvp
 from .layers import LayerRule, resolve_target_modules, rule_for
 from .replay import prepare_replay
 from .report import LayerStats, RectificationReport, StepRecord, TrialRecord
@@ -152,6 +152,7 @@ class Rectifier:
         self.batches = prepare_replay(replay, self.config.replay_batch_size)
         self.layers = self._build_layers(modules, reference)
         self.timer = PhaseTimer(self.device)
+        self.workspace = Workspace()
         self.store = FactorStore(self.config.cache, self.device, factor_dtype=factor_dtype,
                                  memory_budget_bytes=memory_budget_bytes)
         # Under data parallelism each rank captures its share of the replay; factors are then gathered.
@@ -182,6 +183,7 @@ class Rectifier:
 
     # ---- capture -------------------------------------------------------------------------------------
     def _capture(self, tag: str) -> CaptureResult:
+        self.workspace.clear()  # held gradient buffers would add to the forward/backward's peak
         targets = {layer.name: (layer.module, layer.d_in, layer.d_out) for layer in self.layers}
         rank, method = self.config.rank, self.config.compression
         result = capture_factors(self.model, targets, self.local_batches, self.store, tag, rank, self.timer, method)
@@ -204,10 +206,11 @@ class Rectifier:
                 self.store.replace(result.tag, layer.name, *self.world.gather_factors(x, a))
             return self._combine_losses(result)
 
-    def _jacobian(self, layer: _Layer, tag: str) -> LayerJacobian:
+    def _jacobian(self, layer: _Layer, tag: str, pooled: bool = True) -> LayerJacobian:
         x, a = self.store.get(tag, layer.name)
         return LayerJacobian(x.to(layer.current.device), a.to(layer.current.device), dtype=self.config.gram_dtype,
-                             path=None, max_bytes=self.config.materialize_max_bytes)
+                             path=None, max_bytes=self.config.materialize_max_bytes,
+                             workspace=self.workspace if pooled else None)
 
     def _write_all(self, alpha: Optional[float] = None) -> None:
         reshard(self.model)
@@ -332,7 +335,8 @@ class Rectifier:
             phase = "computing per-layer statistics"
             report.layers = self._layer_stats()
             if self.keep_reference_factors:
-                self.reference_jacobians = {layer.name: self._jacobian(layer, "c0") for layer in self.layers}
+                self.reference_jacobians = {layer.name: self._jacobian(layer, "c0", pooled=False)
+                                            for layer in self.layers}
             report.replay_loss = {"reference": base.loss, "finetuned": finetuned_loss.loss, "rectified": last_capture.loss}
         except BaseException as err:
             self._restore()
@@ -349,6 +353,7 @@ class Rectifier:
             ) from err
         finally:
             self._release_current()
+            self.workspace.clear()
             bar.close()
             self.store.close()
         self.timer.add("io", self.store.io_seconds)

@@ -13,7 +13,15 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from hf_janus.compression import apply_token_mask, compress_sequence, merge_calls, pad_rank
+from hf_janus.compression import (
+    apply_token_mask,
+    compress_sequence,
+    merge_calls,
+    needs_compression,
+    pad_rank,
+    randomized_compress,
+    sequence_basis,
+)
 from hf_janus.ghost import LayerJacobian, per_sample_gradients
 
 DT = torch.float64
@@ -378,3 +386,65 @@ def test_compression_method_names():
         resolve_method("svd", torch.device("cpu"))
     with pytest.raises(ValueError, match="method must be one of"):
         compress_sequence(_X, _A, 2, method="svd")
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches mixing samples that fit in r with samples that do not
+# --------------------------------------------------------------------------------------------------
+
+
+def mixed_batch(seed: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    lengths = [2, 7, 3, 9, 1, 0, 8]  # r = 3 below: samples 1, 3 and 6 need compression
+    samples = variable_length_samples(lengths, d_in=6, d_out=5, seed=seed)
+    samples = [(xi, ai) if n else (torch.zeros(0, 6, dtype=DT), torch.zeros(0, 5, dtype=DT))
+               for (xi, ai), n in zip(samples, lengths)]
+    x, a, mask = pad_batch(samples, T=10, side="left", seed=seed + 1)
+    return x, a, mask, lengths
+
+
+def test_needs_compression_counts_non_zero_rows():
+    x, a, mask, lengths = mixed_batch(seed=20)
+    xm, _ = apply_token_mask(x, a, mask)
+    assert needs_compression(xm, 3).tolist() == [n > 3 for n in lengths]
+    assert not needs_compression(xm, 9).any()
+
+
+@pytest.mark.parametrize("method", ["exact", "randomized"])
+def test_mixed_batch_factorizes_only_the_long_samples(monkeypatch, method):
+    from hf_janus import compression
+
+    x, a, mask, lengths = mixed_batch(seed=21)
+    r = 3
+    sizes = []
+    monkeypatch.setattr(compression, "sequence_basis", lambda t: sizes.append(t.shape[0]) or sequence_basis(t))
+    monkeypatch.setattr(compression, "randomized_compress",
+                        lambda x, a, rank: sizes.append(x.shape[0]) or randomized_compress(x, a, rank))
+    x_hat, a_hat = compress_sequence(x, a, r, mask, method=method)
+    long = [n > r for n in lengths]
+    assert set(sizes) == {sum(long)}  # QR/SVD (or subspace iteration) ran on the 3 long samples only
+    xm, am = apply_token_mask(x, a, mask)
+    for i, n in enumerate(lengths):
+        if not long[i]:
+            # The sample's own rows, moved to the front in order, then zeros: exact, no rotation.
+            assert torch.equal(x_hat[i, :n], xm[i, 10 - n:]) and torch.equal(a_hat[i, :n], am[i, 10 - n:])
+            assert not x_hat[i, n:].any() and not a_hat[i, n:].any()
+    # The long samples come out as they do when compressed on their own.
+    alone = compress_sequence(xm[long], am[long], r, method=method)
+    assert torch.equal(x_hat[long], alone[0]) and torch.equal(a_hat[long], alone[1])
+    got, full = products(x_hat, a_hat), products(xm, am)
+    for i, n in enumerate(lengths):
+        expected = truncated_svd(full[i], r)[0] if long[i] else full[i]
+        torch.testing.assert_close(got[i], expected, **TOL)  # randomized: exact too, as p >= min(d_in, d_out)
+
+
+def test_shared_basis_covers_the_long_samples_only():
+    x, a, mask, lengths = mixed_batch(seed=22)
+    r = 3
+    xm, am = apply_token_mask(x, a, mask)
+    basis = sequence_basis(xm[needs_compression(xm, r)])
+    with_basis = compress_sequence(xm, am, r, x_basis=basis)
+    without = compress_sequence(xm, am, r)
+    torch.testing.assert_close(with_basis[0], without[0], **TOL)
+    torch.testing.assert_close(with_basis[1], without[1], **TOL)
+    with pytest.raises(ValueError, match="needs_compression"):
+        compress_sequence(xm, am, r, x_basis=sequence_basis(xm))  # a basis of the whole batch
