@@ -44,7 +44,8 @@ class JanusConfig:
         gram_rcond: relative cutoff below which Gram eigenvalues count as zero (pseudo-inverse).
         materialize_max_bytes: largest per-layer per-sample gradient tensor the engine may materialize
             when that path is cheaper than the ghost path; also the most bytes of materialized gradients
-            of the current point kept, over all layers, for the trials of a step.
+            of the current point kept, over all layers, for the trials of a step. On CPU up to 256 MiB of
+            released gradient buffers are also held for reuse between captures (``ghost.Workspace``).
         cache: ``"memory"`` or a directory where compressed captures are stored between passes.
         seed: seed for anything random (replay order is never shuffled; samples are grouped by length).
     """

@@ -187,7 +187,10 @@ def make_snapshot_callback():
 
 def finetune(method: str, s: Settings, tok: lib.Tok, base_dir: str, train: list[dict], replay: list[dict],
              janus_cfg, work_dir: str, force_merger: bool):
-    """One Trainer run; returns θ̂ (plain), the JANUS-rectified plain model, the PEFT model, and a record."""
+    """One Trainer run; returns θ̂ (plain), the JANUS-rectified plain model, the PEFT model, and a record.
+
+    ``janus_cfg=None`` fine-tunes only (no rectification: the second model and the record's JANUS entries are None).
+    """
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     from hf_janus import JanusCallback
@@ -209,7 +212,7 @@ def finetune(method: str, s: Settings, tok: lib.Tok, base_dir: str, train: list[
     )
     keep = make_snapshot_callback()(work_dir)
     has_peft_output = "peft_output" in inspect.signature(JanusCallback).parameters
-    use_callback = method == "full" or (has_peft_output and not force_merger)
+    use_callback = janus_cfg is not None and (method == "full" or (has_peft_output and not force_merger))
     callbacks = [keep]
     janus_cb = None
     if use_callback:
@@ -225,6 +228,8 @@ def finetune(method: str, s: Settings, tok: lib.Tok, base_dir: str, train: list[
     total = time.perf_counter() - t0
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     record = {"train_seconds": keep.train_seconds, "train_losses": losses}
+    if janus_cfg is None:
+        return keep.finetuned, None, keep.peft_model, record
     if use_callback:
         rectified = janus_cb.model
         report = janus_cb.report
