@@ -220,7 +220,7 @@ class Workspace:
     there (and on other non-CPU devices) this is a pass-through.
 
     :meth:`take` hands out the smallest held buffer that is large enough (a prefix view of it), :meth:`give`
-    takes one back; at most ``max_bytes`` are held, the largest buffers first. :meth:`clear` frees them, which
+    takes one back; at most ``max_bytes`` are held (the largest buffers go first). :meth:`clear` frees them, which
     the rectifier does before each capture so that the forward/backward's peak memory is unchanged.
     """
 

@@ -6,10 +6,16 @@ equal the same computation without one, including after a buffer went round the 
 
 from __future__ import annotations
 
-import torch
+import copy
 
-from hf_janus import ghost
+import torch
+from conftest import random_replay
+
+from hf_janus import JanusConfig, ghost
 from hf_janus.ghost import LayerJacobian, Workspace, eig_psd, principal_cosines, project
+from hf_janus.rectifier import Rectifier
+
+_ORIGINAL_INIT = Workspace.__init__
 
 
 def _factors(m: int, r: int, d_in: int, d_out: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,13 +124,6 @@ def test_released_buffer_is_not_shared_by_two_live_jacobians():
 def test_rectification_is_identical_with_and_without_buffer_reuse(monkeypatch, tuned_llama):
     """A whole multi-step run (several trials, materialized layers, kept J_t) gives the same weights and
     cosines whether the gradient buffers are reused or allocated afresh, and reuse does happen."""
-    import copy
-
-    from conftest import random_replay
-
-    from hf_janus import JanusConfig
-    from hf_janus.rectifier import Rectifier
-
     model, reference = tuned_llama
     monkeypatch.setattr(ghost, "MATERIALIZED_COST_FACTOR", 0)  # every layer on the materialized path
     allocated = []
@@ -140,7 +139,7 @@ def test_rectification_is_identical_with_and_without_buffer_reuse(monkeypatch, t
     cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4)
     runs = []
     for cap in (256 << 20, 0):
-        monkeypatch.setattr(Workspace, "__init__", lambda self, max_bytes=cap: original_init(self, max_bytes))
+        monkeypatch.setattr(Workspace, "__init__", lambda self, max_bytes=cap: _ORIGINAL_INIT(self, max_bytes))
         allocated.clear()
         m = copy.deepcopy(model)
         rectifier = Rectifier(m, reference, random_replay(4), cfg, progress=False)
@@ -154,5 +153,3 @@ def test_rectification_is_identical_with_and_without_buffer_reuse(monkeypatch, t
     assert all(alloc_fresh) and len(alloc_pooled) == len(alloc_fresh)
     assert sum(alloc_pooled) <= len(alloc_pooled) / 2  # most buffers came from the pool
 
-
-original_init = Workspace.__init__

@@ -1,6 +1,6 @@
 """Forgetting benchmark (GitHub issue 7): does JANUS give back memorized world knowledge after GSM8K fine-tuning?
 
-    python benchmarks/forgetting/run.py            # full run (~35 min on 2 idle cores once the checkpoint is cached)
+    python benchmarks/forgetting/run.py            # full run (~25 min on 2 idle cores; +6 min without the shipped checkpoint)
     python benchmarks/forgetting/run.py --quick    # smoke run (small everything, < 3 min)
 
 1. "Pretrain" a Llama-style model of a few M parameters (BPE tokenizer trained on the data) until it has

@@ -130,7 +130,7 @@ def summary(runs: list[dict[str, Any]]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", required=True, metavar="REV", help="git revision of the engine to compare against")
+    ap.add_argument("--baseline", metavar="REV", help="git revision of the engine to compare against (required)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per engine, alternating (default: %(default)s)")
     ap.add_argument("--tau", type=float, default=0.95)
     ap.add_argument("--threads", type=int, default=2)
@@ -143,6 +143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         spec = json.loads(Path(args._run).read_text(encoding="utf-8"))
         Path(args._result).write_text(json.dumps(child(spec), default=float), encoding="utf-8")
         return 0
+    if not args.baseline:
+        ap.error("--baseline REV is required")
 
     from profile_rectify import engine_at
 
