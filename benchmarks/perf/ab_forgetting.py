@@ -89,21 +89,6 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def launch(spec: dict[str, Any], engine_dir: Optional[str]) -> dict[str, Any]:
-    import subprocess
-
-    env = dict(os.environ)
-    if engine_dir:
-        env["PYTHONPATH"] = engine_dir + os.pathsep + env.get("PYTHONPATH", "")
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
-        Path(spec_path).write_text(json.dumps(spec), encoding="utf-8")
-        # From a neutral directory, so that the checkout does not shadow engine_dir.
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_run", spec_path, "--_result", result_path],
-                       check=True, env=env, cwd=tmp)
-        return json.loads(Path(result_path).read_text(encoding="utf-8"))
-
-
 def table(runs: list[dict[str, Any]]) -> str:
     from bench_ghost import md_table
 
@@ -146,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.baseline:
         ap.error("--baseline REV is required")
 
-    from profile_rectify import engine_at
+    from profile_rectify import engine_at, launch
 
     from bench_ghost import machine_info
 
@@ -157,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with engine_at(args.baseline) as baseline_dir:
         for i in range(args.repeats):
             for engine, engine_dir in ((args.baseline, baseline_dir), ("working tree", None)):
-                result = launch(spec, engine_dir)
+                result = launch(spec, engine_dir, script=__file__)
                 result["engine"] = engine
                 runs.append(result)
                 print(f"  [{i + 1}/{args.repeats}] {engine}: {result['wall_seconds']:.1f} s wall, "

@@ -372,8 +372,11 @@ def fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
-def launch(spec: dict[str, Any], engine_dir: Optional[str] = None) -> dict[str, Any]:
-    """Run ``spec`` in a fresh interpreter; ``engine_dir`` (holding an ``hf_janus`` package) goes first on the path."""
+def launch(spec: dict[str, Any], engine_dir: Optional[str] = None, script: Optional[str] = None) -> dict[str, Any]:
+    """Run ``spec`` in a fresh interpreter; ``engine_dir`` (holding an ``hf_janus`` package) goes first on the path.
+
+    ``script`` (default: this file) is run as ``script --_run SPEC --_result RESULT`` and must write the result JSON.
+    """
     env = dict(os.environ)
     if engine_dir:
         env["PYTHONPATH"] = engine_dir + os.pathsep + env.get("PYTHONPATH", "")
@@ -381,8 +384,8 @@ def launch(spec: dict[str, Any], engine_dir: Optional[str] = None) -> dict[str, 
         spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
         Path(spec_path).write_text(json.dumps(spec), encoding="utf-8")
         # Run from a neutral directory so the repository checkout does not shadow engine_dir.
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_run", spec_path, "--_result", result_path],
-                       check=True, env=env, cwd=tmp)
+        subprocess.run([sys.executable, str(Path(script or __file__).resolve()), "--_run", spec_path,
+                        "--_result", result_path], check=True, env=env, cwd=tmp)
         return json.loads(Path(result_path).read_text(encoding="utf-8"))
 
 
