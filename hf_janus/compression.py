@@ -123,12 +123,16 @@ def needs_compression(x: Tensor, rank: int) -> Tensor:
     The others are represented exactly by their non-zero rows alone. A batch is padded to its longest
     sample, so with replay samples of mixed lengths most of a batch can be in this case.
     """
-    return (x != 0).any(dim=-1).sum(dim=1) > rank
+    return _live_rows(x).sum(dim=1) > rank
 
 
-def _compact_rows(x: Tensor, a: Tensor, rank: int) -> tuple[Tensor, Tensor]:
-    """The (at most ``rank``) non-zero rows of ``x`` and the matching rows of ``a``, moved to the front in order."""
-    live = (x != 0).any(dim=-1)
+def _live_rows(x: Tensor) -> Tensor:
+    """``(B, T)`` bool: the non-zero rows of a masked batch ``x``."""
+    return (x != 0).any(dim=-1)
+
+
+def _compact_rows(x: Tensor, a: Tensor, live: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """The (at most ``rank``) ``live`` rows of ``x`` and the matching rows of ``a``, moved to the front in order."""
     order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :rank]
     keep = live.gather(1, order).unsqueeze(-1)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
@@ -175,14 +179,15 @@ def compress_sequence(
     if T <= rank:
         # A rank-r approximation of a matrix with at most r summands is the matrix itself.
         return pad_rank(x, rank), pad_rank(a, rank)
-    long = needs_compression(x, rank)
+    live = _live_rows(x)
+    long = live.sum(dim=1) > rank  # needs_compression(x, rank), with the rows reused below
     if x_basis is not None and x_basis.reflectors.shape[0] != int(long.sum()):
         raise ValueError(f"x_basis covers {x_basis.reflectors.shape[0]} samples, but {int(long.sum())} of this "
                          f"batch need compression: compute it as sequence_basis(x[needs_compression(x, rank)])")
     if bool(long.all()):
         return _compress_long(x, a, rank, x_basis, method)
     # Samples with at most r non-zero rows are exact as their rows; only the others pay for QR + SVD.
-    x_hat, a_hat = _compact_rows(x, a, rank)
+    x_hat, a_hat = _compact_rows(x, a, live, rank)
     if bool(long.any()):
         x_hat[long], a_hat[long] = _compress_long(x[long], a[long], rank, x_basis, method)
     return x_hat, a_hat
