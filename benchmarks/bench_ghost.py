@@ -59,9 +59,9 @@ from torch import Tensor
 from torch.func import grad, vmap
 
 import hf_janus
-from hf_janus.compression import compress_sequence
-from hf_janus.ghost import LayerJacobian, choose_path, eig_psd, project
-from hf_janus.layers import rule_for
+from hf_janus.engine.compression import compress_sequence
+from hf_janus.engine.ghost import LayerJacobian, choose_path, eig_psd, project
+from hf_janus.engine.layers import rule_for
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "bench_ghost.json"
@@ -513,7 +513,7 @@ def explicit_model_projection(model: torch.nn.Module, weights: dict[str, Tensor]
     preallocated (m, numel) tensor per layer; then per layer J -> float64, Gram J Jᵀ, pinv (relative cutoff
     RCOND, as the engine's eigen-cutoff) and ΔW - Jᵀ (J Jᵀ)⁺ J ΔW. Weights, ΔW and J rows are in the
     module's stored layout (Conv1D: (d_in, d_out)); the projection does not depend on the layout."""
-    from hf_janus.capture import token_summed_loss
+    from hf_janus.engine.capture import token_summed_loss
 
     names, params = list(weights), list(weights.values())
     m = len(batches)
@@ -548,7 +548,7 @@ def ghost_model_projection(model: torch.nn.Module, theta0: dict[str, Tensor], re
     fine-tuned replay loss, the trial capture at θ0 + ΔW_proj, the orientation comparison and the per-layer
     statistics that ``rectify`` adds. The float64 projections used for the error check are recomputed from
     the same factors and eigendecompositions after the timed block (the engine keeps them as float32)."""
-    from hf_janus.rectifier import Rectifier
+    from hf_janus.engine.rectifier import Rectifier
 
     rect = Rectifier(model, theta0, replay, config, progress=False)
     rect._write_all()
@@ -575,7 +575,7 @@ def ghost_model_projection(model: torch.nn.Module, theta0: dict[str, Tensor], re
 
 def run_part_c(args: argparse.Namespace) -> dict[str, Any]:
     """Part C worker (own process, see main): builds the model and runs every method once."""
-    from hf_janus.rectifier import Rectifier
+    from hf_janus.engine.rectifier import Rectifier
 
     model = build_part_c_model(args)
     n_params = sum(p.numel() for p in model.parameters())

@@ -7,8 +7,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from . import __version__
-from .compression import COMPRESSION_CHOICES
+from hf_janus import __version__
+from hf_janus.engine.compression import COMPRESSION_CHOICES
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +30,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .demo import run_cli
+    from hf_janus.demo import run_cli
 
     return run_cli(args)
 
@@ -129,7 +129,7 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
 
 
 def _merge_config(args: argparse.Namespace):
-    from .config import JanusConfig
+    from hf_janus.config import JanusConfig
 
     base = JanusConfig.load(args.config) if args.config else JanusConfig()
     overrides = {
@@ -147,9 +147,9 @@ def _merge_config(args: argparse.Namespace):
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from .io_utils import check_output_dir
-    from .merger import JanusMerger, push_folder_to_hub
-    from .refactor import parse_rank_spec, validate_rank_spec
+    from hf_janus.io_utils import check_output_dir
+    from hf_janus.adapters.merger import JanusMerger, push_folder_to_hub
+    from hf_janus.adapters.refactor import parse_rank_spec, validate_rank_spec
 
     rank = parse_rank_spec(args.rank) if args.output_format == "adapter" else "same"
     validate_rank_spec(rank, args.energy)

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .compression import COMPRESSION_CHOICES
+from hf_janus.engine.compression import COMPRESSION_CHOICES
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -132,7 +132,7 @@ class JanusConfig:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: Union[str, os.PathLike]) -> None:
-        from .io_utils import atomic_write_text
+        from hf_janus.io_utils import atomic_write_text
 
         atomic_write_text(path, self.to_json_string() + "\n")
 

@@ -25,9 +25,9 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from .config import JanusConfig
-from .rectifier import rectify
-from .report import RectificationReport
+from hf_janus.config import JanusConfig
+from hf_janus.engine.rectifier import rectify
+from hf_janus.engine.report import RectificationReport
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def tiny_llama(seed: int = 0):
 
 
 def _batch(samples: list[dict]) -> dict[str, torch.Tensor]:
-    from .replay import prepare_replay
+    from hf_janus.replay.prepare import prepare_replay
 
     return prepare_replay(samples, len(samples))[0]
 
@@ -88,8 +88,8 @@ def _batch(samples: list[dict]) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def answer_nll(model, samples: list[dict], batch_size: int = 32) -> float:
     """Mean per-token negative log-likelihood of the labelled (answer) tokens."""
-    from .capture import replay_losses
-    from .replay import prepare_replay
+    from hf_janus.engine.capture import replay_losses
+    from hf_janus.replay.prepare import prepare_replay
 
     return replay_losses(model, prepare_replay(samples, batch_size)).loss
 
@@ -152,7 +152,7 @@ def _lora_story(pretrained: dict, replay: list[dict], held_out: list[dict], math
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from .merger import JanusMerger
+    from hf_janus.adapters.merger import JanusMerger
 
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="hf-janus-demo-") as tmp:

@@ -33,7 +33,7 @@ def check_output_dir(path: Union[str, os.PathLike], overwrite: bool = False) -> 
     An absent path or an empty directory is fine; an existing non-empty directory needs ``overwrite``;
     an existing file is always refused. Returns the absolute path.
     """
-    from .errors import JanusError
+    from hf_janus.errors import JanusError
 
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(path) or (os.path.exists(path) and not os.path.isdir(path)):

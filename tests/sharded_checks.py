@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from conftest import build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig
-from hf_janus.rectifier import Rectifier
+from hf_janus.engine.rectifier import Rectifier
 
 
 def spawn_two(worker, tmp_path, *args) -> list:
@@ -43,7 +43,7 @@ def injected(inject: Callable) -> Iterator[None]:
 
 def track_capture_tag(patch) -> dict:
     """Record the tag of the capture in progress in ``tag["now"]``; trials are tagged ``s<step>t<n>``."""
-    import hf_janus.rectifier as rectifier
+    import hf_janus.engine.rectifier as rectifier
 
     tag = {}
     original = rectifier.capture_factors
@@ -58,7 +58,7 @@ def track_capture_tag(patch) -> dict:
 
 def fail_during_backward(patch) -> None:
     """The first compression of a trial capture raises: the error leaves the sharded model mid-backward."""
-    import hf_janus.capture as capture
+    import hf_janus.engine.capture as capture
 
     tag = track_capture_tag(patch)
     original = capture.compress_sequence
@@ -73,7 +73,7 @@ def fail_during_backward(patch) -> None:
 
 def fail_between_passes(patch) -> None:
     """Comparing the first trial raises: the trial weights are already written into the shards."""
-    import hf_janus.rectifier as rectifier
+    import hf_janus.engine.rectifier as rectifier
 
     def principal_cosines(*args, **kwargs):
         raise RuntimeError("injected failure after the trial was written")

@@ -11,9 +11,9 @@ from conftest import build_tiny
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_janus import JanusConfig, JanusError, rectify
-from hf_janus.callback import REPORT_NAME, SNAPSHOT_NAME, JanusCallback
+from hf_janus.integrations.trainer import REPORT_NAME, SNAPSHOT_NAME, JanusCallback
 from hf_janus.demo import VOCAB, full_text, math_samples, qa_samples
-from hf_janus.replay import prepare_replay
+from hf_janus.replay.prepare import prepare_replay
 
 CONFIG = JanusConfig(rank=8, replay_batch_size=8)
 FAST = JanusConfig(rank=8, replay_batch_size=8, tau=0.0)  # single step: where the loop itself is not under test

@@ -21,8 +21,8 @@ from merge_fixtures import (
 
 from hf_janus.cli import main
 from hf_janus.errors import JanusError
-from hf_janus.merger import REPORT_NAME, MergeReport
-from hf_janus.replay_data import load_replay, parse_replay_spec, tokenize_replay
+from hf_janus.adapters.merger import REPORT_NAME, MergeReport
+from hf_janus.replay.sources import load_replay, parse_replay_spec, tokenize_replay
 
 FAST = ["--tau", "0", "--compression-rank", "0", "--no-progress"]
 

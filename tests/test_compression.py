@@ -1,4 +1,4 @@
-"""Sequence-level SVD compression (``hf_janus.compression``, paper App. B.3) against explicit SVDs.
+"""Sequence-level SVD compression (``hf_janus.engine.compression``, paper App. B.3) against explicit SVDs.
 
 The object that matters is the per-sample gradient ``A_iᵀ X_i`` (d_out x d_in): compression must return
 factors whose product is its optimal rank-r approximation, computed here from a full SVD of the
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from hf_janus.compression import (
+from hf_janus.engine.compression import (
     apply_token_mask,
     compress_sequence,
     merge_calls,
@@ -22,7 +22,7 @@ from hf_janus.compression import (
     randomized_compress,
     sequence_basis,
 )
-from hf_janus.ghost import LayerJacobian, per_sample_gradients
+from hf_janus.engine.ghost import LayerJacobian, per_sample_gradients
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -377,7 +377,7 @@ def test_randomized_is_deterministic_and_leaves_the_global_rng_alone():
 
 
 def test_compression_method_names():
-    from hf_janus.compression import resolve_method
+    from hf_janus.engine.compression import resolve_method
 
     assert resolve_method("auto", torch.device("cpu")) == "exact"
     assert resolve_method("auto", torch.device("cuda")) == "randomized"
@@ -411,7 +411,7 @@ def test_needs_compression_counts_non_zero_rows():
 
 @pytest.mark.parametrize("method", ["exact", "randomized"])
 def test_mixed_batch_factorizes_only_the_long_samples(monkeypatch, method):
-    from hf_janus import compression
+    from hf_janus.engine import compression
 
     x, a, mask, lengths = mixed_batch(seed=21)
     r = 3

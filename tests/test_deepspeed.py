@@ -21,7 +21,7 @@ from sharded_checks import (
 )
 
 from hf_janus import JanusConfig, rectify
-from hf_janus.rectifier import Rectifier
+from hf_janus.engine.rectifier import Rectifier
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
 
@@ -56,7 +56,7 @@ def _train(engine, steps: int, rank: int, world: int) -> None:
 
 def _full_state(model: torch.nn.Module) -> dict:
     """Every parameter whole, in registration order (each gather is a collective)."""
-    from hf_janus.sharding import full_weight
+    from hf_janus.parallel.sharding import full_weight
 
     return {name: full_weight(p).clone() for name, p in model.named_parameters()}
 
@@ -127,7 +127,7 @@ def test_zero3_rectify_matches_unpartitioned(tmp_path):
 def _fail_during_forward(patch):
     """The second-to-last target layer's forward hook raises in the first trial: the pass stops half-way, some
     weights gathered and DeepSpeed's module trace half-recorded."""
-    import hf_janus.capture as capture
+    import hf_janus.engine.capture as capture
 
     tag = track_capture_tag(patch)
     original_hook = capture._LayerRecorder.forward_hook
@@ -146,9 +146,9 @@ FAILURES = {"forward": (_fail_during_forward, False), "backward": (fail_during_b
 
 
 def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    from hf_janus.capture import replay_losses
+    from hf_janus.engine.capture import replay_losses
     from hf_janus.errors import JanusError, RectificationError
-    from hf_janus.replay import prepare_replay
+    from hf_janus.replay.prepare import prepare_replay
 
     _init(rank, world, init_file)
     try:
@@ -219,7 +219,7 @@ def _trainer_worker(rank: int, world: int, init_file: str, out_dir: str, port: i
     """transformers' Trainer with ``deepspeed=`` (ZeRO-3 on the CPU accelerator) and JanusCallback, end to end."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from hf_janus.callback import JanusCallback
+    from hf_janus.integrations.trainer import JanusCallback
 
     torch.set_num_threads(1)
     # What a launcher (deepspeed, torchrun, accelerate) sets; Trainer initializes the process group itself.
@@ -278,7 +278,7 @@ def _free_port() -> int:
 def test_callback_in_deepspeed_trainer(tmp_path):
     from safetensors.torch import load_file
 
-    from hf_janus.callback import REPORT_NAME
+    from hf_janus.integrations.trainer import REPORT_NAME
 
     ranks = spawn_two(_trainer_worker, tmp_path, _free_port())
     initial = build_tiny("llama").state_dict()

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from conftest import build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig
-from hf_janus.rectifier import Rectifier
+from hf_janus.engine.rectifier import Rectifier
 
 CONFIG = dict(rank=4, replay_batch_size=2, tau=0.95)
 
@@ -72,7 +72,7 @@ def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bo
 
     import pathlib
 
-    from hf_janus.callback import JanusCallback
+    from hf_janus.integrations.trainer import JanusCallback
 
     model = pretrained_llama()
     theta0 = copy.deepcopy(model.state_dict())

@@ -21,7 +21,7 @@ from sharded_checks import (
 )
 
 from hf_janus import JanusConfig, rectify
-from hf_janus.rectifier import Rectifier
+from hf_janus.engine.rectifier import Rectifier
 
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
 
@@ -94,9 +94,9 @@ FAILURES = {"backward": fail_during_backward, "between_passes": fail_between_pas
 
 
 def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    from hf_janus.capture import replay_losses
+    from hf_janus.engine.capture import replay_losses
     from hf_janus.errors import JanusError, RectificationError
-    from hf_janus.replay import prepare_replay
+    from hf_janus.replay.prepare import prepare_replay
 
     _init(rank, world, init_file)
     try:
@@ -160,7 +160,7 @@ def _callback_worker(rank: int, world: int, init_file: str, out_dir: str) -> Non
     """The Trainer's calls to the callback around an FSDP2 training loop (Trainer itself does not shard on CPU)."""
     from transformers import TrainerControl, TrainerState
 
-    from hf_janus.callback import JanusCallback
+    from hf_janus.integrations.trainer import JanusCallback
 
     _init(rank, world, init_file)
     try:
@@ -196,7 +196,7 @@ def _refusals(args, state) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from transformers import TrainerControl
 
-    from hf_janus.callback import JanusCallback
+    from hf_janus.integrations.trainer import JanusCallback
     from hf_janus.errors import JanusError
 
     peft = get_peft_model(build_tiny("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
@@ -213,7 +213,7 @@ def _refusals(args, state) -> dict:
 
 
 def test_callback_on_sharded_model(tmp_path):
-    from hf_janus.callback import REPORT_NAME
+    from hf_janus.integrations.trainer import REPORT_NAME
 
     ranks = spawn_two(_callback_worker, tmp_path)
     initial = build_tiny("llama").state_dict()

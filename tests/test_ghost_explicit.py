@@ -1,4 +1,4 @@
-"""Ghost Jacobian quantities (``hf_janus.ghost``) checked against an explicit per-sample Jacobian.
+"""Ghost Jacobian quantities (``hf_janus.engine.ghost``) checked against an explicit per-sample Jacobian.
 
 Each expectation comes from ``J`` (m x d_out*d_in, rows = rvec of dL_i/dW in (d_out, d_in) layout) built
 with ``torch.func`` on a tiny float64 layer, never from the factor formulas under test. The factors the
@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from transformers.pytorch_utils import Conv1D
 
-from hf_janus import ghost
-from hf_janus.ghost import (
+from hf_janus.engine import ghost
+from hf_janus.engine.ghost import (
     LayerJacobian,
     MATERIALIZED_COST_FACTOR,
     choose_path,

@@ -23,9 +23,9 @@ from merge_fixtures import (
 )
 
 from hf_janus import JanusConfig, JanusError
-from hf_janus.adapters import load_effective_model
-from hf_janus.merger import REPORT_NAME, JanusMerger, MergeReport
-from hf_janus.replay_data import load_replay
+from hf_janus.adapters.loading import load_effective_model
+from hf_janus.adapters.merger import REPORT_NAME, JanusMerger, MergeReport
+from hf_janus.replay.sources import load_replay
 
 KINDS = ["lora", "rslora-patterns", "dora", "pissa", "pissa-niter", "loha", "embed-mts"]
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from conftest import build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig, JanusError, RectificationError, RectificationReport, rectify
-from hf_janus.layers import resolve_target_modules, rule_for
-from hf_janus.rectifier import Rectifier
+from hf_janus.engine.layers import resolve_target_modules, rule_for
+from hf_janus.engine.rectifier import Rectifier
 
 FAMILIES = ["llama", "gpt2", "mistral", "qwen2"]
 
@@ -139,7 +139,7 @@ def test_replay_input_forms_agree(tuned_llama):
     import datasets
     from torch.utils.data import DataLoader
 
-    from hf_janus.replay import prepare_replay
+    from hf_janus.replay.prepare import prepare_replay
 
     model, reference = tuned_llama
     replay = random_replay(6)
@@ -270,7 +270,7 @@ def test_rounding_of_low_precision_weights_is_reported(caplog, dtype):
         for name in resolve_target_modules(model):
             w = model.get_submodule(name).weight
             w.add_((0.05 * w.float().std() * torch.randn(w.shape, generator=gen)).to(dtype))
-    with caplog.at_level("WARNING", logger="hf_janus.rectifier"):
+    with caplog.at_level("WARNING", logger="hf_janus.engine.rectifier"):
         report = rectify(model, reference, random_replay(8), JanusConfig(tau=0.0, rank=None), progress=False)
     warned = [r.getMessage() for r in caplog.records if "rounding of the written weights" in r.getMessage()]
     worst = max(layer.residual for layer in report.layers if layer.residual is not None)
@@ -337,7 +337,7 @@ def test_tau_zero_is_single_step(monkeypatch, tuned_llama):
 
 def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_llama):
     """J_t's materialized rows, kept for the trials of a step, give the same run as rebuilding them per trial."""
-    from hf_janus import ghost
+    from hf_janus.engine import ghost
 
     model, reference = tuned_llama
     monkeypatch.setattr(ghost, "MATERIALIZED_COST_FACTOR", 0)  # every layer on the materialized path
@@ -449,7 +449,7 @@ def test_replay_without_counted_tokens(tuned_llama):
 
 
 def test_replay_samples_are_grouped_by_length():
-    from hf_janus.replay import prepare_replay
+    from hf_janus.replay.prepare import prepare_replay
 
     lengths = [9, 2, 7, 2, 5, 3, 8]
     replay = [{"input_ids": list(range(1, n + 1))} for n in lengths]

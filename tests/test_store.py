@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_janus.store import FactorStore, host_footprint
+from hf_janus.engine.store import FactorStore, host_footprint
 
 
 def piece(batch: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

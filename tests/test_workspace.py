@@ -11,9 +11,10 @@ import copy
 import torch
 from conftest import random_replay
 
-from hf_janus import JanusConfig, ghost
-from hf_janus.ghost import LayerJacobian, Workspace, eig_psd, principal_cosines, project
-from hf_janus.rectifier import Rectifier
+from hf_janus import JanusConfig
+from hf_janus.engine import ghost
+from hf_janus.engine.ghost import LayerJacobian, Workspace, eig_psd, principal_cosines, project
+from hf_janus.engine.rectifier import Rectifier
 
 _ORIGINAL_INIT = Workspace.__init__
 

@@ -69,8 +69,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import variants
 
     import hf_janus
-    from hf_janus import JanusConfig
-    from hf_janus.layers import resolve_target_modules
+    from hf_janus import JanusConfig, resolve_target_modules
 
     s, pre_model, finetuned, replay = _setup(spec["cache_dir"], spec["threads"])
     names = list(resolve_target_modules(finetuned, "all-linear"))

@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE.parent))  # bench_ghost's md_table
 
 from bench_ghost import md_table  # noqa: E402
 
-from hf_janus.compression import compress_sequence  # noqa: E402
+from hf_janus.engine.compression import compress_sequence  # noqa: E402
 
 SHAPES = {"q/k/v/o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096)}
 

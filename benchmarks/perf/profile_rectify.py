@@ -108,26 +108,35 @@ def schedule(evals: int) -> dict[str, Any]:
 # Instrumentation: exclusive wall time per engine operation, grouped by the Rectifier step it ran in
 # ------------------------------------------------------------------------------------------------------
 
+# Modules by their engine name: hf_janus.engine.<name> (hf_janus.<name> in engines before the package layout).
 SECTIONS = [  # (module, qualified attribute, label): the Rectifier's steps
-    ("hf_janus.rectifier", "replay_losses", "finetuned_loss"),
-    ("hf_janus.rectifier", "Rectifier._capture", "capture"),
-    ("hf_janus.rectifier", "Rectifier._project_all", "project"),
-    ("hf_janus.rectifier", "Rectifier._compare_all", "compare"),
-    ("hf_janus.rectifier", "Rectifier._layer_stats", "stats"),
+    ("rectifier", "replay_losses", "finetuned_loss"),
+    ("rectifier", "Rectifier._capture", "capture"),
+    ("rectifier", "Rectifier._project_all", "project"),
+    ("rectifier", "Rectifier._compare_all", "compare"),
+    ("rectifier", "Rectifier._layer_stats", "stats"),
 ]
 OPS = [  # leaf operations; a missing attribute (older/newer engine) is skipped
-    ("hf_janus.capture", "compress_sequence", "compress"),
-    ("hf_janus.capture", "sequence_basis", "compress"),
-    ("hf_janus.ghost", "per_sample_gradients", "materialize"),
-    ("hf_janus.ghost", "LayerJacobian.gram", "gram"),
-    ("hf_janus.ghost", "LayerJacobian.cross_gram", "cross_gram"),
-    ("hf_janus.ghost", "LayerJacobian.jvp", "jvp"),
-    ("hf_janus.ghost", "LayerJacobian.vjp", "vjp"),
-    ("hf_janus.rectifier", "eig_psd", "eig"),
-    ("hf_janus.rectifier", "principal_cosines", "cosines"),
-    ("hf_janus.store", "FactorStore.get", "store_get"),
-    ("hf_janus.store", "FactorStore.append", "store_put"),
+    ("capture", "compress_sequence", "compress"),
+    ("capture", "sequence_basis", "compress"),
+    ("ghost", "per_sample_gradients", "materialize"),
+    ("ghost", "LayerJacobian.gram", "gram"),
+    ("ghost", "LayerJacobian.cross_gram", "cross_gram"),
+    ("ghost", "LayerJacobian.jvp", "jvp"),
+    ("ghost", "LayerJacobian.vjp", "vjp"),
+    ("rectifier", "eig_psd", "eig"),
+    ("rectifier", "principal_cosines", "cosines"),
+    ("store", "FactorStore.get", "store_get"),
+    ("store", "FactorStore.append", "store_put"),
 ]
+
+
+def engine_module(name: str) -> Any:
+    """``hf_janus.engine.<name>``, or ``hf_janus.<name>`` for a baseline engine from before the package layout."""
+    try:
+        return importlib.import_module(f"hf_janus.engine.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"hf_janus.{name}")
 
 
 def progress(what: str, seconds: float) -> None:
@@ -158,7 +167,7 @@ class Instrument:
             torch.cuda.synchronize(self.device)
 
     def _wrap(self, module_name: str, attr: str, make: Callable[[Callable, str], Callable], label: str) -> None:
-        module = importlib.import_module(module_name)
+        module = engine_module(module_name)
         owner, name = module, attr
         if "." in attr:
             cls_name, name = attr.split(".")
@@ -286,7 +295,8 @@ def factor_bytes(targets: dict[str, torch.nn.Module], m: int, r: int, itemsize: 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """One rectification with instrumentation; meant to run in its own process (see ``launch``)."""
     import hf_janus
-    from hf_janus.rectifier import Rectifier
+
+    Rectifier = engine_module("rectifier").Rectifier
 
     device = torch.device(spec.get("device", "cpu"))
     dtype = getattr(torch, spec.get("dtype", "float32"))
@@ -603,8 +613,7 @@ def run_cpu(args: argparse.Namespace) -> None:
 def run_gpu_7b(args: argparse.Namespace) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--gpu-7b needs a CUDA device; none is visible")
-    from hf_janus.store import FactorStore
-
+    FactorStore = engine_module("store").FactorStore
     cache_root = args.cache or tempfile.gettempdir()
     spec = dict(group="gpu-7b", size=args.size, m=args.m, T=args.T, r=args.r, evals=args.evals,
                 batch_size=args.batch_size, delta_scale=args.delta_scale, seed=args.seed, device=args.device,

@@ -21,11 +21,11 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .adapters import _MUTATING_INITS
-from .config import JanusConfig
-from .errors import JanusError, RectificationError
-from .layers import resolve_target_modules, rule_for
-from .peft_layers import (
+from hf_janus.adapters.loading import _MUTATING_INITS
+from hf_janus.config import JanusConfig
+from hf_janus.errors import JanusError, RectificationError
+from hf_janus.engine.layers import resolve_target_modules, rule_for
+from hf_janus.adapters.live_peft import (
     adapted_linear_layers,
     check_adapter_writable,
     effective_weights,
@@ -37,9 +37,9 @@ from .peft_layers import (
     validate_peft_output,
     write_lora,
 )
-from .rectifier import Rectifier
-from .report import RectificationReport
-from .sharding import check_sharding, full_weight, is_sharded, is_zero3, is_zero3_param
+from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.report import RectificationReport
+from hf_janus.parallel.sharding import check_sharding, full_weight, is_sharded, is_zero3, is_zero3_param
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class JanusCallback(TrainerCallback):
             self.report.save(os.path.join(args.output_dir, REPORT_NAME))
         if self.trainer is not None:
             # trainer.save_model()/push_to_hub() then carry the record, the card and the safetensors metadata.
-            from .hub import install_trainer_hooks
+            from hf_janus.publish.hub import install_trainer_hooks
 
             install_trainer_hooks(self.trainer, lambda: self.report, replay=self.replay)
 

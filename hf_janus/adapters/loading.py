@@ -41,8 +41,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .errors import JanusError
-from .layers import rule_for
+from hf_janus.errors import JanusError
+from hf_janus.engine.layers import rule_for
 
 logger = logging.getLogger(__name__)
 

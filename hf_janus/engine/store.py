@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from .compression import pad_rank
+from hf_janus.engine.compression import pad_rank
 
 
 def concat_pieces(pieces: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

@@ -5,13 +5,13 @@
     delta.save_adapter("out-adapter", rank="same", refine=True)
     delta.save_full("out-full")
 
-:class:`JanusMerger` builds the effective model with :mod:`hf_janus.adapters` (base loaded once, the adapter
+:class:`JanusMerger` builds the effective model with :mod:`hf_janus.adapters.loading` (base loaded once, the adapter
 merged into it layer by layer by PEFT, ``θ0`` = the base weights of the adapted layers only), runs
 :class:`hf_janus.Rectifier` on exactly the adapted linear layers, and returns a :class:`RectifiedDelta`.
-:meth:`RectifiedDelta.save_adapter` re-factorizes each ``ΔW_rect`` with :mod:`hf_janus.refactor` into a
+:meth:`RectifiedDelta.save_adapter` re-factorizes each ``ΔW_rect`` with :mod:`hf_janus.adapters.refactor` into a
 standard LoRA adapter that stock ``PeftModel.from_pretrained`` loads; :meth:`RectifiedDelta.save_full`
 writes base + ``ΔW_rect`` with ``save_pretrained``. Every output is written atomically (temporary directory
-+ rename) and published with :mod:`hf_janus.hub`: ``janus_rectification.json`` (base model and adapter with
++ rename) and published with :mod:`hf_janus.publish.hub`: ``janus_rectification.json`` (base model and adapter with
 their Hub commits, the replay dataset's id/split/fingerprint/size, the rectification report and the
 :class:`MergeReport` extras under ``merge``), a model card ``README.md`` and a short form of the record in the
 safetensors ``__metadata__`` of the weight files. :meth:`RectifiedDelta.push_to_hub` uploads the same files.
@@ -37,12 +37,12 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .adapters import PEFT_PREFIX, DTypeLike, EffectiveModel, load_effective_model
-from .config import JanusConfig
-from .errors import JanusError
-from .ghost import LayerJacobian, eig_psd
-from .hub import REPORT_NAME  # noqa: F401 - re-exported: callers import it from here
-from .hub import (
+from hf_janus.adapters.loading import PEFT_PREFIX, DTypeLike, EffectiveModel, load_effective_model
+from hf_janus.config import JanusConfig
+from hf_janus.errors import JanusError
+from hf_janus.engine.ghost import LayerJacobian, eig_psd
+from hf_janus.publish.hub import REPORT_NAME  # noqa: F401 - re-exported: callers import it from here
+from hf_janus.publish.hub import (
     PublishedReport,
     ReplayInfo,
     RepoRef,
@@ -51,18 +51,18 @@ from .hub import (
     resolve_repo,
     write_publication_files,
 )
-from .io_utils import atomic_output_dir, atomic_write_text, check_output_dir
-from .layers import resolve_target_modules, rule_for
-from .rectifier import Rectifier
-from .refactor import DEFAULT_REFINE_ITERATIONS, RankSpec, RefactorStats, refactor_delta, validate_rank_spec
-from .replay_data import (
+from hf_janus.io_utils import atomic_output_dir, atomic_write_text, check_output_dir
+from hf_janus.engine.layers import resolve_target_modules, rule_for
+from hf_janus.engine.rectifier import Rectifier
+from hf_janus.adapters.refactor import DEFAULT_REFINE_ITERATIONS, RankSpec, RefactorStats, refactor_delta, validate_rank_spec
+from hf_janus.replay.sources import (
     DEFAULT_MAX_LENGTH,
     DEFAULT_NUM_SAMPLES,
     load_replay_dataset,
     parse_replay_spec,
     tokenize_replay,
 )
-from .report import RectificationReport
+from hf_janus.engine.report import RectificationReport
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class MergeReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MergeReport":
-        """Read :meth:`to_dict` output, or a published ``janus_rectification.json`` (see :mod:`hf_janus.hub`)."""
+        """Read :meth:`to_dict` output, or a published ``janus_rectification.json`` (see :mod:`hf_janus.publish.hub`)."""
         if "hf_janus_version" in data:
             return cls.from_published(PublishedReport.from_dict(data))
         data = dict(data)
@@ -114,7 +114,7 @@ class MergeReport:
 
     @classmethod
     def from_published(cls, published: PublishedReport) -> "MergeReport":
-        """The :class:`MergeReport` inside a :class:`~hf_janus.hub.PublishedReport` written by the merger."""
+        """The :class:`MergeReport` inside a :class:`~hf_janus.publish.hub.PublishedReport` written by the merger."""
         if published.merge is None or published.adapter is None or published.base_model is None:
             raise JanusError(
                 f"this janus_rectification.json{f' ({published.source})' if published.source else ''} was not "
@@ -317,7 +317,7 @@ class RectifiedDelta:
                 (an energy threshold, as ``convert_to_lora``).
             energy: the threshold for ``rank="auto"``.
             refine: alternate between the rank-k set and the null space of the past task's Jacobian
-                (:func:`hf_janus.refactor.refine_low_rank`) so that truncation gives back less of the repair.
+                (:func:`hf_janus.adapters.refactor.refine_low_rank`) so that truncation gives back less of the repair.
             refine_iterations: iterations of that loop.
             dtype: dtype of the saved factors (float32 by default, as PEFT keeps adapter weights).
 
@@ -385,7 +385,7 @@ class RectifiedDelta:
         The output is first written as by :meth:`save_adapter` (``format="adapter"``, with ``save_kwargs`` such
         as ``rank``/``energy``/``refine``) or :meth:`save_full` (``format="full"``) into a temporary directory,
         with ``janus_rectification.json``, the model card and the safetensors metadata, then uploaded with
-        :func:`hf_janus.hub.push_folder`. ``revision`` is a branch (created from ``main`` if missing).
+        :func:`hf_janus.publish.hub.push_folder`. ``revision`` is a branch (created from ``main`` if missing).
 
         Returns:
             The ``huggingface_hub.CommitInfo`` of the commit (a ``str``: its URL; ``.oid`` is the sha).
@@ -409,7 +409,7 @@ def push_folder_to_hub(folder: Union[str, os.PathLike], repo_id: str, *, private
                        token: Union[str, bool, None] = None, revision: Optional[str] = None,
                        commit_message: str = "Upload JANUS-rectified weights") -> str:
     """Create ``repo_id`` if needed and upload ``folder`` in one commit; returns the commit URL (a
-    ``CommitInfo``). Kept for the command line; see :func:`hf_janus.hub.push_folder`."""
+    ``CommitInfo``). Kept for the command line; see :func:`hf_janus.publish.hub.push_folder`."""
     return push_folder(folder, repo_id, private=private, token=token, revision=revision,
                        commit_message=commit_message)
 
@@ -478,7 +478,7 @@ class JanusMerger:
         replay: past-task samples: a list of dicts / ``datasets.Dataset`` / ``DataLoader`` as
             :func:`hf_janus.rectify` takes, or a string: a Hub dataset id, a jsonl/json/parquet/csv file or
             a ``datasets`` directory, optionally ``SOURCE:SPLIT`` (tokenized with the base model's
-            tokenizer, see :mod:`hf_janus.replay_data`).
+            tokenizer, see :mod:`hf_janus.replay.sources`).
         config: :class:`JanusConfig`. Its ``target_modules``/``exclude_modules`` can only narrow the set
             of adapted layers (see the module docstring).
         revision: revision of the adapter repo (``base_revision`` for the base model).
@@ -486,11 +486,11 @@ class JanusMerger:
             exact for rectification.
         device: device for the model and the Jacobian computations.
         initial_adapter: for an unconverted PiSSA-like adapter with a randomized/data-dependent init, the
-            adapter saved right after initialization (see :mod:`hf_janus.adapters`).
+            adapter saved right after initialization (see :mod:`hf_janus.adapters.loading`).
         allow_base_mismatch: warn instead of failing when the adapter names a different base model.
         tokenizer: tokenizer for string replay (default: the base model's).
         replay_format, text_field, prompt_field, response_field, max_length, num_samples, replay_split:
-            how string replay is read (:func:`hf_janus.replay_data.load_replay`).
+            how string replay is read (:func:`hf_janus.replay.sources.load_replay`).
         token: Hub token (default: the logged-in one).
         progress: show progress bars.
     """
@@ -544,7 +544,7 @@ class JanusMerger:
         """The replay samples and their description (id, split, fingerprint, size) for the published record."""
         if not isinstance(self.replay, (str, os.PathLike)):
             return self.replay, describe_replay(self.replay)
-        # hf_janus.replay_data.load_replay, unrolled to keep the dataset for its fingerprint and size.
+        # hf_janus.replay.sources.load_replay, unrolled to keep the dataset for its fingerprint and size.
         source = os.fspath(self.replay)
         kwargs = dict(self.replay_kwargs)
         split = kwargs.pop("split")

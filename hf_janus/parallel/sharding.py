@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .errors import JanusError
+from hf_janus.errors import JanusError
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from .errors import JanusError
-from .layers import _matches, rule_for
-from .refactor import RankSpec, RefactorStats, choose_rank, truncate, validate_rank_spec
+from hf_janus.errors import JanusError
+from hf_janus.engine.layers import _matches, rule_for
+from hf_janus.adapters.refactor import RankSpec, RefactorStats, choose_rank, truncate, validate_rank_spec
 
 logger = logging.getLogger(__name__)
 

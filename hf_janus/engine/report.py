@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Union
 
-from .io_utils import atomic_write_text
+from hf_janus.io_utils import atomic_write_text
 
 SCHEMA_VERSION = 1
 
@@ -78,7 +78,7 @@ class RectificationReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RectificationReport":
         """Rebuild a report; keys it does not know (e.g. the publication record that
-        :func:`hf_janus.hub.build_report` puts around it) are ignored."""
+        :func:`hf_janus.publish.hub.build_report` puts around it) are ignored."""
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}
         steps = []

@@ -16,15 +16,15 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .capture import CaptureResult, capture_factors, model_device, replay_losses
-from .config import JanusConfig
-from .distributed import World
-from .errors import JanusError, RectificationError
-from .ghost import GramEig, LayerJacobian, Workspace, eig_psd, mean_cosine, principal_cosines, project_with_jvp
-from .layers import LayerRule, resolve_target_modules, rule_for
-from .replay import prepare_replay
-from .report import LayerStats, RectificationReport, StepRecord, TrialRecord
-from .sharding import (
+from hf_janus.engine.capture import CaptureResult, capture_factors, model_device, replay_losses
+from hf_janus.config import JanusConfig
+from hf_janus.parallel.distributed import World
+from hf_janus.errors import JanusError, RectificationError
+from hf_janus.engine.ghost import GramEig, LayerJacobian, Workspace, eig_psd, mean_cosine, principal_cosines, project_with_jvp
+from hf_janus.engine.layers import LayerRule, resolve_target_modules, rule_for
+from hf_janus.replay.prepare import prepare_replay
+from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
+from hf_janus.parallel.sharding import (
     check_sharding,
     full_master_weight,
     full_shape,
@@ -33,8 +33,8 @@ from .sharding import (
     reshard,
     write_full_,
 )
-from .store import FactorStore
-from .timing import PhaseTimer
+from hf_janus.engine.store import FactorStore
+from hf_janus.engine.timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .compression import (
+from hf_janus.engine.compression import (
     SequenceBasis,
     apply_token_mask,
     compress_sequence,
@@ -26,10 +26,10 @@ from .compression import (
     sequence_basis,
     trim_rank,
 )
-from .errors import JanusError
-from .replay import IGNORE_INDEX, loss_targets
-from .store import FactorStore
-from .timing import PhaseTimer, synchronize
+from hf_janus.errors import JanusError
+from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
+from hf_janus.engine.store import FactorStore
+from hf_janus.engine.timing import PhaseTimer, synchronize
 
 
 @dataclass

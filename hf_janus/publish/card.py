@@ -19,12 +19,12 @@ import re
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Optional
 
-from .errors import JanusError
+from hf_janus.errors import JanusError
 
 if TYPE_CHECKING:  # pragma: no cover
     from huggingface_hub import ModelCard, ModelCardData
 
-    from .hub import PublishedReport, RepoRef
+    from hf_janus.publish.hub import PublishedReport, RepoRef
 
 TEMPLATE_NAME = "janus_modelcard.md"
 JANUS_TAGS = ("janus", "hf-janus", "janus-rectified")

@@ -12,8 +12,8 @@ from typing import Callable, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from .errors import JanusError
-from .sharding import full_weight, write_full_
+from hf_janus.errors import JanusError
+from hf_janus.parallel.sharding import full_weight, write_full_
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
-from .errors import JanusError
+from hf_janus.errors import JanusError
 
 IGNORE_INDEX = -100
 

@@ -18,7 +18,7 @@ directory rectified by :class:`~hf_janus.JanusCallback`) carries three things:
 * a short form of it in the ``__metadata__`` of every safetensors weight file (``janus.*`` string keys,
   :func:`safetensors_metadata`), so a weight file on its own still says where it came from;
 * ``README.md``: a model card rendered from ``model_card_templates/`` through huggingface_hub's
-  ``ModelCard``/``ModelCardData`` (:mod:`hf_janus.card`); an existing card (e.g. the one ``Trainer`` writes)
+  ``ModelCard``/``ModelCardData`` (:mod:`hf_janus.publish.card`); an existing card (e.g. the one ``Trainer`` writes)
   is merged, not replaced.
 
 :func:`write_publication_files` adds all three to a folder that already holds the weights;
@@ -42,9 +42,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
-from .errors import JanusError
-from .io_utils import atomic_write_text
-from .report import RectificationReport
+from hf_janus.errors import JanusError
+from hf_janus.io_utils import atomic_write_text
+from hf_janus.engine.report import RectificationReport
 
 if TYPE_CHECKING:  # pragma: no cover
     from huggingface_hub import CommitInfo
@@ -128,7 +128,7 @@ class ReplayInfo:
 
 
 def _looks_local(name: str) -> bool:
-    from .adapters import _looks_like_local_path
+    from hf_janus.adapters.loading import _looks_like_local_path
 
     return os.path.exists(os.path.expanduser(name)) or _looks_like_local_path(name)
 
@@ -209,7 +209,7 @@ def describe_replay(replay: Any, *, source: Optional[str] = None, split: Optiona
     was loaded from, optionally ``SOURCE:SPLIT``; a Hub dataset id also gets its commit."""
     info = ReplayInfo(source=source, split=split, revision=revision)
     if source is not None:
-        from .replay_data import parse_replay_spec
+        from hf_janus.replay.sources import parse_replay_spec
 
         name, spec_split = parse_replay_spec(source)
         info.split = split or spec_split or "train"
@@ -247,7 +247,7 @@ def describe_model(model: Any, *, token: Any = None, online: bool = True) -> Opt
 
 # ---- the record ------------------------------------------------------------------------------------------
 def _package_version() -> str:
-    from . import __version__
+    from hf_janus import __version__
 
     return __version__
 
@@ -583,7 +583,7 @@ def write_publication_files(
     Returns:
         The :class:`PublishedReport` written.
     """
-    from .card import render_card
+    from hf_janus.publish.card import render_card
 
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
@@ -691,7 +691,7 @@ def push_folder(folder: Union[str, os.PathLike], repo_id: str, *, private: Optio
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from .card import render_card
+    from hf_janus.publish.card import render_card
 
     folder = os.fspath(folder)
     if not os.path.isdir(folder):

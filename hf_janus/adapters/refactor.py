@@ -1,6 +1,6 @@
 """Re-factorize a dense weight update ``ΔW`` (``d_out x d_in``) into LoRA factors ``B @ A`` by truncated SVD.
 
-Pure functions on tensors, shared by :class:`~hf_janus.merger.JanusMerger` (saving a rectified adapter) and
+Pure functions on tensors, shared by :class:`~hf_janus.adapters.merger.JanusMerger` (saving a rectified adapter) and
 anything else that has to turn a rectified ``ΔW_rect`` back into a low-rank adapter.
 
 Conventions follow ``peft.convert_to_lora``: all singular values go into ``B`` (``B = U_k S_k``,
@@ -26,8 +26,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from .errors import JanusError
-from .ghost import GramEig, LayerJacobian, eig_psd, project
+from hf_janus.errors import JanusError
+from hf_janus.engine.ghost import GramEig, LayerJacobian, eig_psd, project
 
 RankSpec = Union[str, int, float]
 
@@ -208,7 +208,7 @@ def refactor_delta(
         rank: ``"same"`` (``same_rank``), ``"auto"`` (energy rule with ``energy``), an int, or a float
             energy threshold. Clipped to ``min(d_out, d_in)``; ``k = 0`` (only for ``ΔW_rect = 0`` with an
             energy rule) returns empty factors.
-        jacobian: ``J0`` of the layer (:class:`~hf_janus.ghost.LayerJacobian`), for residuals and refinement.
+        jacobian: ``J0`` of the layer (:class:`~hf_janus.engine.ghost.LayerJacobian`), for residuals and refinement.
         eig: eigendecomposition of ``J0 J0ᵀ`` if already known.
         reference_norm: ``||J0 ΔW||`` of the original fine-tuning update, the residuals' denominator.
         refine: alternate projections (:func:`refine_low_rank`) for ``refine_iterations`` iterations;

@@ -25,7 +25,7 @@ import os
 import re
 from typing import Any, Optional, Sequence
 
-from .errors import JanusError
+from hf_janus.errors import JanusError
 
 logger = logging.getLogger(__name__)
 
