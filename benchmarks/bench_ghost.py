@@ -407,8 +407,6 @@ def run_single_model(args: argparse.Namespace, size: str) -> dict[str, Any]:
     # run() starts its clock (replay collation, target resolution, θ0/backup copies).
     timings["other"] = timings.get("total", wall) - sum(timings.get(k, 0.0) for k in phases)
     timings["setup"] = wall - timings.get("total", wall)
-    paths = [layer.path for layer in report.layers]
-    residuals = [layer.residual for layer in report.layers if layer.residual is not None]
     return {
         "size": size,
         "arch": dict(zip(("n_embd", "n_layer", "n_head"), MODEL_SIZES[size])),
@@ -417,6 +415,18 @@ def run_single_model(args: argparse.Namespace, size: str) -> dict[str, Any]:
         "target_params": target_params,
         "m": args.b_m, "T": args.b_T, "r": args.b_r, "tau": args.tau, "max_steps": args.max_steps,
         "replay_batch_size": args.batch_size,
+        **run_figures(report, wall, cpu, mon),
+        "num_steps": len(report.steps),
+        "converged": report.converged,
+        "timings": timings,
+    }
+
+
+def run_figures(report: Any, wall: float, cpu: "OtherCpu", mon: "PeakRSS") -> dict[str, Any]:
+    """What every rectification benchmark row reports: time, CPU, memory, evaluations, paths, residual, losses."""
+    paths = [layer.path for layer in report.layers]
+    residuals = [layer.residual for layer in report.layers if layer.residual is not None]
+    return {
         "wall_seconds": wall,
         "cpu_seconds": cpu.own_cpu,
         "other_processes_cores": cpu.other_cores,
@@ -426,11 +436,8 @@ def run_single_model(args: argparse.Namespace, size: str) -> dict[str, Any]:
         # Kernel high-water mark of the whole process (model build included): catches spikes between samples.
         "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "num_jacobian_evals": report.num_jacobian_evals,
-        "num_steps": len(report.steps),
         "num_trials": report.num_trials,
         "alphas": report.alphas,
-        "converged": report.converged,
-        "timings": timings,
         "layer_paths": {p: paths.count(p) for p in sorted(set(paths))},
         "max_residual": max(residuals) if residuals else None,
         "replay_loss": report.replay_loss,

@@ -1,13 +1,18 @@
 """hf-janus: undo catastrophic forgetting after fine-tuning by JAcobian NUll Space projection."""
 
-from hf_janus.integrations.trainer import JanusCallback
+from hf_janus.adapters.delta import RectifiedDelta
+from hf_janus.adapters.merge_report import MergeReport
+from hf_janus.adapters.merger import JanusMerger
 from hf_janus.config import JanusConfig
-from hf_janus.errors import JanusError, RectificationError
-from hf_janus.publish.hub import PublishedReport, load_report
 from hf_janus.engine.layers import register_layer_rule, resolve_target_modules
-from hf_janus.adapters.merger import JanusMerger, MergeReport, RectifiedDelta
 from hf_janus.engine.rectifier import Rectifier, rectify
 from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
+from hf_janus.engine.result import LayerResult, RectificationResult
+from hf_janus.errors import JanusError, RectificationError
+from hf_janus.integrations.trainer import JanusCallback
+from hf_janus.publish.hub import load_report
+from hf_janus.publish.record import PublishedReport
+from hf_janus.replay.sources import ReplayOptions
 
 __version__ = "0.1.0"
 
@@ -16,12 +21,15 @@ __all__ = [
     "JanusConfig",
     "JanusError",
     "JanusMerger",
+    "LayerResult",
     "LayerStats",
     "MergeReport",
     "PublishedReport",
     "RectificationError",
     "RectificationReport",
+    "RectificationResult",
     "RectifiedDelta",
+    "ReplayOptions",
     "Rectifier",
     "StepRecord",
     "TrialRecord",

@@ -1,14 +1,17 @@
-"""The ``hf-janus`` command line: ``demo``, ``merge`` (and further subcommands registered in :func:`build_parser`)."""
+"""The ``hf-janus`` command line: ``demo`` and ``merge``; ``merge``'s JANUS and replay options come from the
+``JanusConfig`` and ``ReplayOptions`` fields."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from hf_janus import __version__
-from hf_janus.engine.compression import COMPRESSION_CHOICES
+from hf_janus.config import JanusConfig
+from hf_janus.replay.sources import ReplayOptions
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -80,32 +83,11 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
                      help="Hub dataset id, local .jsonl/.json/.parquet/.csv file, or datasets directory "
                           "(save_to_disk or data files); optional :SPLIT, e.g. data.jsonl:train[:256] (default "
                           "split: train)")
-    rep.add_argument("--replay-format", default="auto", choices=["auto", "text", "prompt-response", "tokens"],
-                     help="text: every token of --text-field counts; prompt-response: only --response-field tokens "
-                          "count; tokens: input_ids column; auto (default): tokens if input_ids exists, else "
-                          "prompt-response if both fields exist, else text")
-    rep.add_argument("--text-field", help="text column (default: text; giving it implies --replay-format text)")
-    rep.add_argument("--prompt-field", help="prompt column (default: prompt; giving it or --response-field implies "
-                                            "--replay-format prompt-response)")
-    rep.add_argument("--response-field", help="response column (default: response)")
-    rep.add_argument("--replay-samples", type=int, default=256, metavar="N",
-                     help="use the first N rows (default: 256, as the paper; 0 = all)")
-    rep.add_argument("--max-length", type=int, default=1024,
-                     help="cut replay sequences to this many tokens (default: 1024)")
+    add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
 
     jan = p.add_argument_group("JANUS")
     jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
-    jan.add_argument("--tau", type=float, help="acceptance threshold τ (default: 0.95; 0 = single step)")
-    jan.add_argument("--beta", type=float, help="step-size decay β (default: 0.7)")
-    jan.add_argument("--compression-rank", type=int, metavar="R",
-                     help="sequence compression rank r of the Jacobian factors (default: 32; 0 = no compression)")
-    jan.add_argument("--compression", choices=COMPRESSION_CHOICES,
-                     help="how the rank-r compression is computed (default: auto = exact on CPU, randomized on GPU)")
-    jan.add_argument("--max-steps", type=int, help="maximum rectification steps (default: 50)")
-    jan.add_argument("--replay-batch-size", type=int, help="replay samples per forward/backward (default: 8)")
-    jan.add_argument("--target-modules", nargs="+", metavar="NAME",
-                     help="only rectify adapted layers matching these names/suffixes (default: all adapted layers)")
-    jan.add_argument("--exclude-modules", nargs="+", metavar="NAME", help="never rectify these layers")
+    add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX)
 
     out = p.add_argument_group("output")
     out.add_argument("--output", required=True, metavar="DIR", help="output directory (written atomically)")
@@ -128,49 +110,76 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_merge)
 
 
-def _merge_config(args: argparse.Namespace):
-    from hf_janus.config import JanusConfig
+REPLAY_PREFIX, CONFIG_PREFIX = "replay.", "janus."
 
+
+def add_dataclass_options(group: argparse._ArgumentGroup, cls: type, prefix: str) -> None:
+    """One option per field of dataclass ``cls`` that has ``metadata["help"]`` (as PEFT's configs document
+    theirs): ``--field-name`` or ``metadata["cli"]``, typed by the default, with its ``choices``/``nargs``.
+    Every option defaults to None, so that only what the user gave overrides a config file."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        default = f.default
+        shown = str(default).replace("torch.", "") if default is not None else "none"
+        help_text = meta["help"] + f" (default: {shown})"
+        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": None, "help": help_text}
+        if "choices" in meta:
+            kwargs["choices"] = list(meta["choices"])
+        elif "nargs" in meta:
+            kwargs.update(nargs=meta["nargs"], metavar="NAME")
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            kwargs["type"] = type(default)
+        group.add_argument(meta.get("cli", "--" + f.name.replace("_", "-")), **kwargs)
+
+
+def dataclass_values(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
+    """The options of :func:`add_dataclass_options` that the user gave, as ``{field: value}``."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, prefix + f.name, None)
+        if value is None:
+            continue
+        if f.metadata.get("zero_is_none") and value == 0:
+            value = None
+        values[f.name] = value
+    return values
+
+
+def merge_config(args: argparse.Namespace) -> JanusConfig:
+    """The ``JanusConfig`` of ``hf-janus merge``: ``--config`` (or the defaults) overridden by the options given."""
     base = JanusConfig.load(args.config) if args.config else JanusConfig()
-    overrides = {
-        "tau": args.tau, "beta": args.beta, "rank": args.compression_rank, "compression": args.compression,
-        "max_steps": args.max_steps,
-        "replay_batch_size": args.replay_batch_size, "target_modules": args.target_modules,
-        "exclude_modules": args.exclude_modules,
-    }
-    import dataclasses
+    return dataclasses.replace(base, **dataclass_values(args, JanusConfig, CONFIG_PREFIX))
 
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if overrides.get("rank") == 0:
-        overrides["rank"] = None  # no sequence compression
-    return dataclasses.replace(base, **overrides)
+
+def replay_options(args: argparse.Namespace) -> ReplayOptions:
+    """The ``ReplayOptions`` of ``hf-janus merge``; naming columns without ``--replay-format`` picks the format."""
+    given = dataclass_values(args, ReplayOptions, REPLAY_PREFIX)
+    if "format" not in given:  # naming the columns says how to read them
+        if "prompt_field" in given or "response_field" in given:
+            given["format"] = "prompt-response"
+        elif "text_field" in given:
+            given["format"] = "text"
+    return ReplayOptions(**given)
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from hf_janus.io_utils import check_output_dir
-    from hf_janus.adapters.merger import JanusMerger, push_folder_to_hub
+    from hf_janus.adapters.merger import JanusMerger
     from hf_janus.adapters.refactor import parse_rank_spec, validate_rank_spec
+    from hf_janus.io_utils import check_output_dir
+    from hf_janus.publish.hub import push_folder
 
     rank = parse_rank_spec(args.rank) if args.output_format == "adapter" else "same"
     validate_rank_spec(rank, args.energy)
     if args.refine_iterations < 0:
         raise ValueError(f"--refine-iterations must be >= 0, got {args.refine_iterations}")
-    if args.replay_samples < 0:
-        raise ValueError(f"--replay-samples must be >= 0, got {args.replay_samples}")
-    replay_format = args.replay_format
-    if replay_format == "auto" and (args.prompt_field or args.response_field):
-        replay_format = "prompt-response"
-    elif replay_format == "auto" and args.text_field:
-        replay_format = "text"
     output = check_output_dir(args.output, args.overwrite)  # fail before the expensive part
-    config = _merge_config(args)
     merger = JanusMerger(
-        args.base, args.adapter, args.replay, config, revision=args.revision, torch_dtype=args.dtype,
+        args.base, args.adapter, args.replay, merge_config(args), revision=args.revision, torch_dtype=args.dtype,
         device=args.device, base_revision=args.base_revision, initial_adapter=args.initial_adapter,
-        allow_base_mismatch=args.allow_base_mismatch, replay_format=replay_format,
-        text_field=args.text_field or "text", prompt_field=args.prompt_field or "prompt",
-        response_field=args.response_field or "response",
-        max_length=args.max_length, num_samples=args.replay_samples or None, progress=not args.no_progress,
+        allow_base_mismatch=args.allow_base_mismatch, replay_options=replay_options(args),
+        progress=not args.no_progress,
     )
     delta = merger.run()
     if args.output_format == "adapter":
@@ -182,8 +191,8 @@ def _run_merge(args: argparse.Namespace) -> int:
     print(delta.report.summary())
     print(f"\nrectified {args.output_format} written to {output}")
     if args.push_to_hub:
-        url = push_folder_to_hub(output, args.push_to_hub, private=args.private or None,
-                                 commit_message=f"JANUS-rectified {args.output_format} of {args.adapter}")
+        url = push_folder(output, args.push_to_hub, private=args.private or None,
+                          commit_message=f"JANUS-rectified {args.output_format} of {args.adapter}")
         print(f"pushed to {args.push_to_hub}: {url}")
     return 0
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from hf_janus.engine.compression import COMPRESSION_CHOICES
+from hf_janus.serialization import known_fields
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -18,6 +19,8 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 @dataclass
 class JanusConfig:
     """Hyper-parameters of JANUS (JAcobian NUll Space) rectification.
+
+    Each field's ``metadata["help"]`` is its short description, from which the command line builds its options.
 
     Args:
         tau: acceptance threshold on the mean cosine of the principal angles between the Jacobian row
@@ -50,20 +53,31 @@ class JanusConfig:
         seed: seed for anything random (replay order is never shuffled; samples are grouped by length).
     """
 
-    tau: float = 0.95
-    beta: float = 0.7
-    rank: Optional[int] = 32
-    compression: str = "auto"
-    target_modules: Union[str, Sequence[str]] = "all-linear"
-    exclude_modules: Optional[Union[str, Sequence[str]]] = None
-    replay_batch_size: int = 8
-    max_steps: int = 50
-    min_alpha: float = 1e-3
-    gram_dtype: torch.dtype = torch.float64
-    gram_rcond: float = 1e-10
-    materialize_max_bytes: int = 1 << 30
-    cache: str = "memory"
-    seed: int = 0
+    tau: float = field(default=0.95, metadata={
+        "help": "acceptance threshold τ on the mean principal-angle cosine (0 = single-step JANUS)"})
+    beta: float = field(default=0.7, metadata={"help": "step-size decay β after a rejected trial, in (0, 1)"})
+    rank: Optional[int] = field(default=32, metadata={
+        "help": "sequence compression rank r of the Jacobian factors (0 = no compression, every token kept)",
+        "cli": "--compression-rank", "zero_is_none": True})
+    compression: str = field(default="auto", metadata={
+        "help": "how the rank-r compression is computed: exact (QR + SVD), randomized, or auto (exact on CPU, "
+                "randomized on accelerators)", "choices": COMPRESSION_CHOICES})
+    target_modules: Union[str, Sequence[str]] = field(default="all-linear", metadata={
+        "help": "layers to rectify: all-linear, or module names/suffixes", "nargs": "+"})
+    exclude_modules: Optional[Union[str, Sequence[str]]] = field(default=None, metadata={
+        "help": "layers never rectified (names/suffixes)", "nargs": "+"})
+    replay_batch_size: int = field(default=8, metadata={"help": "replay samples per forward/backward"})
+    max_steps: int = field(default=50, metadata={"help": "maximum rectification steps"})
+    min_alpha: float = field(default=1e-3, metadata={"help": "smallest step size α tried"})
+    gram_dtype: torch.dtype = field(default=torch.float64, metadata={
+        "help": "dtype of the Gram matrices and their eigendecompositions", "choices": tuple(_DTYPES)})
+    gram_rcond: float = field(default=1e-10, metadata={
+        "help": "relative cutoff below which Gram eigenvalues count as zero"})
+    materialize_max_bytes: int = field(default=1 << 30, metadata={
+        "help": "largest per-layer per-sample gradient tensor materialized when cheaper than the ghost path"})
+    cache: str = field(default="memory", metadata={
+        "help": "memory, or a directory where compressed captures are kept between passes"})
+    seed: int = field(default=0, metadata={"help": "seed for anything random"})
 
     def __post_init__(self) -> None:
         if isinstance(self.gram_dtype, str):
@@ -118,11 +132,7 @@ class JanusConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JanusConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown JanusConfig field(s) {unknown}; valid fields are {sorted(known)}")
-        return cls(**data)
+        return cls(**known_fields(cls, data, strict=True))
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

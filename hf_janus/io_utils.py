@@ -1,40 +1,54 @@
-"""Atomic file and directory writes: a user's files are only ever replaced by rename."""
+"""Atomic file and directory writes, and telling a local path from a Hub repo id."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
-from typing import Iterator, Union
+from typing import Iterator, NamedTuple, Optional, Union
+
+from hf_janus.errors import JanusError
+
+PathLike = Union[str, os.PathLike]
 
 
-def atomic_write_text(path: Union[str, os.PathLike], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+@contextmanager
+def atomic_replace(path: PathLike) -> Iterator[str]:
+    """Yield a temporary file name next to ``path``; write it inside the block, and it replaces ``path``.
+
+    The temporary file lives in the same folder (so ``os.replace`` is a rename, atomic on POSIX) under a hidden
+    ``.tmp-`` name (so an interrupted write is never uploaded as part of the folder). It is flushed to disk
+    before the rename and removed if the block raises: ``path`` is either untouched or completely new.
+    """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
+        yield tmp
+        with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
 
 
-def check_output_dir(path: Union[str, os.PathLike], overwrite: bool = False) -> str:
+def atomic_write_text(path: PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through :func:`atomic_replace`."""
+    with atomic_replace(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def check_output_dir(path: PathLike, overwrite: bool = False) -> str:
     """Refuse an output location that would destroy something, before any expensive work starts.
 
     An absent path or an empty directory is fine; an existing non-empty directory needs ``overwrite``;
     an existing file is always refused. Returns the absolute path.
     """
-    from hf_janus.errors import JanusError
-
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(path) or (os.path.exists(path) and not os.path.isdir(path)):
         raise JanusError(f"output path {path!r} exists and is not a directory; choose another output directory")
@@ -47,7 +61,7 @@ def check_output_dir(path: Union[str, os.PathLike], overwrite: bool = False) -> 
 
 
 @contextmanager
-def atomic_output_dir(path: Union[str, os.PathLike], overwrite: bool = False) -> Iterator[str]:
+def atomic_output_dir(path: PathLike, overwrite: bool = False) -> Iterator[str]:
     """Yield a fresh temporary directory next to ``path``; on success it is renamed to ``path``.
 
     The destination only ever holds a complete output: everything is written into the temporary
@@ -78,3 +92,49 @@ def atomic_output_dir(path: Union[str, os.PathLike], overwrite: bool = False) ->
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Whether ``name`` is meant as a local path: a Hub repo id is ``name`` or ``org/name``, so anything with
+    path syntax (``./x``, ``/x``, ``~/x``, ``a/b/c``, backslashes) is a path, existing or not."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def is_local(name: str) -> bool:
+    """An existing file or directory, or a name with path syntax (:func:`looks_like_local_path`)."""
+    return os.path.exists(os.path.expanduser(name)) or looks_like_local_path(name)
+
+
+class CacheSnapshot(NamedTuple):
+    """Where a path inside huggingface_hub's cache comes from."""
+
+    repo_id: Optional[str]  # None when the path has a snapshots/<sha> part but no "<type>s--org--name" folder
+    repo_type: Optional[str]  # "model", "dataset" or "space"
+    sha: str  # the commit
+
+
+_SNAPSHOT_RE = re.compile(
+    r"(?:(?P<type>models|datasets|spaces)--(?P<repo>[^/\\]+)[/\\])?snapshots[/\\](?P<sha>[0-9a-f]{40})(?=[/\\]|$)"
+)
+
+
+def hub_cache_snapshot(path: Optional[PathLike]) -> Optional[CacheSnapshot]:
+    """Parse a huggingface_hub cache path (``.../models--org--name/snapshots/<sha>[/file]``); None otherwise."""
+    if not path:
+        return None
+    matches = list(_SNAPSHOT_RE.finditer(os.path.abspath(os.path.expanduser(os.fspath(path)))))
+    if not matches:
+        return None
+    match = matches[-1]
+    repo = match.group("repo")
+    return CacheSnapshot(repo_id=repo.replace("--", "/") if repo else None,
+                         repo_type=match.group("type")[:-1] if match.group("type") else None, sha=match.group("sha"))
+
+
+def read_text(path: PathLike) -> Optional[str]:
+    """The UTF-8 text of ``path``, or None when there is no such file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None

@@ -11,8 +11,10 @@ from conftest import build_tiny
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_janus import JanusConfig, JanusError, rectify
-from hf_janus.integrations.trainer import REPORT_NAME, SNAPSHOT_NAME, JanusCallback
 from hf_janus.demo import VOCAB, full_text, math_samples, qa_samples
+from hf_janus.integrations.snapshot import SNAPSHOT_NAME
+from hf_janus.integrations.trainer import JanusCallback
+from hf_janus.publish.record import REPORT_NAME
 from hf_janus.replay.prepare import prepare_replay
 
 CONFIG = JanusConfig(rank=8, replay_batch_size=8)
@@ -122,7 +124,7 @@ def test_disk_snapshot_matches_cpu(tmp_path):
         make_trainer(tmp_path / mode, model, [janus]).train()
         results.append(model.state_dict())
         if mode == "disk":
-            assert janus._theta0 is None and os.path.isfile(tmp_path / mode / "out" / SNAPSHOT_NAME)
+            assert not janus.snapshot.in_memory and os.path.isfile(tmp_path / mode / "out" / SNAPSHOT_NAME)
     for key in results[0]:
         torch.testing.assert_close(results[1][key], results[0][key], rtol=0, atol=0)
 

@@ -13,8 +13,9 @@ from test_callback import CONFIG, FAST, Probe, collate, make_trainer, pretrained
 from transformers import AutoModelForCausalLM
 
 from hf_janus import JanusConfig, JanusError, rectify
-from hf_janus.integrations.trainer import REPORT_NAME, JanusCallback
 from hf_janus.adapters.live_peft import effective_weights
+from hf_janus.integrations.trainer import JanusCallback
+from hf_janus.publish.record import REPORT_NAME
 
 TARGETS = ["q_proj", "v_proj", "up_proj"]
 FULL_RANK = 64  # >= min(d_out, d_in) of every tiny layer: re-factorization is exact

@@ -19,10 +19,11 @@ from merge_fixtures import (
     write_jsonl,
 )
 
+from hf_janus import MergeReport
 from hf_janus.cli import main
 from hf_janus.errors import JanusError
-from hf_janus.adapters.merger import REPORT_NAME, MergeReport
-from hf_janus.replay.sources import load_replay, parse_replay_spec, tokenize_replay
+from hf_janus.publish.record import REPORT_NAME
+from hf_janus.replay.sources import ReplayOptions, load_replay, parse_replay_spec, tokenize_replay
 
 FAST = ["--tau", "0", "--compression-rank", "0", "--no-progress"]
 
@@ -57,12 +58,12 @@ def test_help_lists_merge_and_documents_every_option(capsys):
 
 
 def test_janus_options_reach_the_config(capsys):
-    from hf_janus.cli import _merge_config, build_parser
+    from hf_janus.cli import merge_config, build_parser
 
     base = ["merge", "--base", "b", "--adapter", "a", "--replay", "r", "--output", "o"]
-    config = _merge_config(build_parser().parse_args(base + ["--compression", "randomized", "--compression-rank", "0"]))
+    config = merge_config(build_parser().parse_args(base + ["--compression", "randomized", "--compression-rank", "0"]))
     assert config.compression == "randomized" and config.rank is None
-    assert _merge_config(build_parser().parse_args(base)).compression == "auto"
+    assert merge_config(build_parser().parse_args(base)).compression == "auto"
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(base + ["--compression", "svd"])
     assert exit_info.value.code == 2 and "invalid choice: 'svd'" in capsys.readouterr().err
@@ -180,7 +181,7 @@ def test_replay_from_files_and_datasets_directories(files, tmp_path):
         assert all("labels" not in s and s["attention_mask"] == [1] * len(s["input_ids"]) for s in samples)
     assert len(load_replay(sources["save_to_disk dict"] + ":test", tok)) == 2
     assert len(load_replay(files["text"] + ":train[:3]", tok)) == 3
-    assert len(load_replay(files["text"], tok, num_samples=4)) == 4
+    assert len(load_replay(files["text"], tok, ReplayOptions(num_samples=4))) == 4
     with pytest.raises(JanusError, match="no split 'dev'"):
         load_replay(sources["save_to_disk dict"] + ":dev", tok)
 
@@ -196,7 +197,7 @@ def test_replay_formats_and_their_errors(tmp_path):
         response = tok(row["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         assert sample["input_ids"] == prompt + response
         assert sample["labels"] == [-100] * len(prompt) + response
-    cut = tokenize_replay(qa, tok, max_length=8)  # prompts are cut before responses
+    cut = tokenize_replay(qa, tok, ReplayOptions(max_length=8))  # prompts are cut before responses
     assert len(cut) == 3 and all(len(s["input_ids"]) <= 8 and s["labels"][-1] != -100 for s in cut)
     assert all(s["labels"][:4] == [-100] * 4 for s in cut)
     tokens = datasets.Dataset.from_list([{"input_ids": [1, 5, 6, 7], "labels": [-100, 5, 6, 7]}])
@@ -211,3 +212,40 @@ def test_replay_formats_and_their_errors(tmp_path):
         load_replay(os.fspath(tmp_path / "x.xml"), tok)
     with pytest.raises(JanusError, match="empty"):
         tokenize_replay(datasets.Dataset.from_list([]), tok)
+
+
+def test_every_config_field_is_an_option():
+    """The JANUS options are built from JanusConfig's fields: each one reaches the config."""
+    import dataclasses
+
+    from hf_janus import JanusConfig
+    from hf_janus.cli import build_parser, merge_config
+
+    base = ["merge", "--base", "b", "--adapter", "a", "--replay", "r", "--output", "o"]
+    given = {"--tau": ("0.5", 0.5), "--beta": ("0.6", 0.6), "--compression-rank": ("7", 7),
+             "--compression": ("exact", "exact"), "--target-modules": (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
+             "--exclude-modules": (["o_proj"], ["o_proj"]), "--replay-batch-size": ("3", 3),
+             "--max-steps": ("9", 9), "--min-alpha": ("0.01", 0.01), "--gram-dtype": ("float32", torch.float32),
+             "--gram-rcond": ("1e-8", 1e-8), "--materialize-max-bytes": ("1024", 1024), "--cache": ("d", "d"),
+             "--seed": ("5", 5)}
+    argv = list(base)
+    for flag, (text, _) in given.items():
+        argv += [flag, *text] if isinstance(text, list) else [flag, text]
+    config = merge_config(build_parser().parse_args(argv))
+    assert len(given) == len(dataclasses.fields(JanusConfig))
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(JanusConfig)}
+    assert sorted(values.values(), key=repr) == sorted((v for _, v in given.values()), key=repr)
+
+
+def test_replay_options_from_the_command_line():
+    from hf_janus.cli import build_parser, replay_options
+
+    base = ["merge", "--base", "b", "--adapter", "a", "--replay", "r", "--output", "o"]
+    assert replay_options(build_parser().parse_args(base)) == ReplayOptions()
+    opts = replay_options(build_parser().parse_args(base + ["--prompt-field", "q", "--replay-samples", "0",
+                                                            "--max-length", "64", "--replay-split", "test"]))
+    assert opts == ReplayOptions(format="prompt-response", prompt_field="q", num_samples=None, max_length=64,
+                                 split="test")
+    assert replay_options(build_parser().parse_args(base + ["--text-field", "body"])).format == "text"
+    with pytest.raises(JanusError, match="num_samples=-1 is invalid"):
+        replay_options(build_parser().parse_args(base + ["--replay-samples", "-1"]))

@@ -252,7 +252,7 @@ def _trainer_worker(rank: int, world: int, init_file: str, out_dir: str, port: i
         model = build_tiny("llama")
         trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[probe, janus])
         trainer.train()
-        targets = [f"{layer.name}.weight" for layer in janus.rectifier.layers]
+        targets = [f"{layer.name}.weight" for layer in janus.report.layers]
         result = {"theta0": janus.theta0(), "finetuned": probe.finetuned, "state": _full_state(trainer.model),
                   "master": _master_state(trainer.model, targets), "report": janus.report.to_dict(),
                   "engine": type(trainer.model_wrapped).__name__,
@@ -278,7 +278,7 @@ def _free_port() -> int:
 def test_callback_in_deepspeed_trainer(tmp_path):
     from safetensors.torch import load_file
 
-    from hf_janus.integrations.trainer import REPORT_NAME
+    from hf_janus.publish.record import REPORT_NAME
 
     ranks = spawn_two(_trainer_worker, tmp_path, _free_port())
     initial = build_tiny("llama").state_dict()

@@ -67,10 +67,10 @@ def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bo
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    import pathlib
+
     from test_callback import CONFIG as CB_CONFIG
     from test_callback import Probe, make_trainer, pretrained_llama, replay_data
-
-    import pathlib
 
     from hf_janus.integrations.trainer import JanusCallback
 

@@ -196,8 +196,8 @@ def _refusals(args, state) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from transformers import TrainerControl
 
-    from hf_janus.integrations.trainer import JanusCallback
     from hf_janus.errors import JanusError
+    from hf_janus.integrations.trainer import JanusCallback
 
     peft = get_peft_model(build_tiny("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     models = {"peft": fully_shard(peft, mesh=init_device_mesh("cpu", (dist.get_world_size(),))),
@@ -213,7 +213,7 @@ def _refusals(args, state) -> dict:
 
 
 def test_callback_on_sharded_model(tmp_path):
-    from hf_janus.integrations.trainer import REPORT_NAME
+    from hf_janus.publish.record import REPORT_NAME
 
     ranks = spawn_two(_callback_worker, tmp_path)
     initial = build_tiny("llama").state_dict()

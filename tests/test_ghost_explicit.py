@@ -20,8 +20,8 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_janus.engine import ghost
 from hf_janus.engine.ghost import (
-    LayerJacobian,
     MATERIALIZED_COST_FACTOR,
+    LayerJacobian,
     choose_path,
     eig_psd,
     ghost_gram,

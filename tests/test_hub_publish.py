@@ -19,17 +19,12 @@ from hub_server import LocalHub, patch_hub_clients
 from merge_fixtures import IDS, fast_config, logits, save_base, text_rows, train_adapter
 
 from hf_janus import JanusError, JanusMerger, MergeReport, load_report, rectify
+from hf_janus.integrations.trainer_publish import install_trainer_hooks
 from hf_janus.publish.card import BLOCK_BEGIN, JANUS_TAGS
-from hf_janus.publish.hub import (
-    REPORT_NAME,
-    SCHEMA_VERSION,
-    PublishedReport,
-    add_safetensors_metadata,
-    install_trainer_hooks,
-    push_folder,
-    read_safetensors_metadata,
-    write_publication_files,
-)
+from hf_janus.publish.files import write_publication_files
+from hf_janus.publish.hub import push_folder
+from hf_janus.publish.record import REPORT_NAME, SCHEMA_VERSION, PublishedReport
+from hf_janus.publish.weights_meta import add_safetensors_metadata, read_safetensors_metadata
 
 TOKEN = "hf_publish_test_token"
 
@@ -337,7 +332,7 @@ def test_callback_with_trainer_pushes_a_rectified_adapter_with_its_record(hub, t
     from transformers import Trainer, TrainingArguments
 
     from hf_janus import JanusCallback
-    from hf_janus.integrations.trainer import SNAPSHOT_NAME
+    from hf_janus.integrations.snapshot import SNAPSHOT_NAME
 
     model = get_peft_model(hub_base().train(), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
     data = [{"input_ids": torch.randint(0, 48, (10,)).tolist()} for _ in range(8)]

@@ -22,9 +22,9 @@ from merge_fixtures import (
     write_jsonl,
 )
 
-from hf_janus import JanusConfig, JanusError
-from hf_janus.adapters.loading import load_effective_model
-from hf_janus.adapters.merger import REPORT_NAME, JanusMerger, MergeReport
+from hf_janus import JanusConfig, JanusError, JanusMerger, MergeReport
+from hf_janus.adapters.effective import load_effective_model
+from hf_janus.publish.record import REPORT_NAME
 from hf_janus.replay.sources import load_replay
 
 KINDS = ["lora", "rslora-patterns", "dora", "pissa", "pissa-niter", "loha", "embed-mts"]

@@ -38,7 +38,6 @@ import functools
 import importlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -56,7 +55,7 @@ REPO = HERE.parent.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent))  # bench_ghost's measurement helpers (PeakRSS, OtherCpu, machine_info)
 
-from bench_ghost import OtherCpu, PeakRSS, machine_info, md_table  # noqa: E402
+from bench_ghost import OtherCpu, PeakRSS, machine_info, md_table, run_figures  # noqa: E402
 
 MiB = 1 << 20
 VOCAB = 32000  # LLaMA-2
@@ -340,8 +339,6 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     phases = ("forward_backward", "compression", "ghost", "io", "communication")
     timings["other"] = timings.get("total", 0.0) - sum(timings.get(k, 0.0) for k in phases)
     timings["setup"] = setup
-    paths = [layer.path for layer in report.layers]
-    residuals = [layer.residual for layer in report.layers if layer.residual is not None]
     out = {
         **spec,
         "engine": os.path.dirname(hf_janus.__file__),
@@ -350,21 +347,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         "target_params": sum(mod.weight.numel() for mod in targets.values()),
         "factor_bytes_per_capture_float32": factor_bytes(targets, spec["m"], spec["r"], 4),
         "config": config.to_dict(),
-        "wall_seconds": wall,
-        "cpu_seconds": cpu.own_cpu,
-        "other_processes_cores": cpu.other_cores,
-        "rss_baseline_bytes": mon.baseline,
-        "rss_peak_bytes": mon.peak,
-        "rss_peak_delta_bytes": mon.delta,
-        "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "num_jacobian_evals": report.num_jacobian_evals,
-        "num_trials": report.num_trials,
-        "alphas": report.alphas,
+        **run_figures(report, wall, cpu, mon),
         "timings": timings,
         "breakdown": inst.as_dict(),
-        "layer_paths": {p: paths.count(p) for p in sorted(set(paths))},
-        "max_residual": max(residuals) if residuals else None,
-        "replay_loss": report.replay_loss,
         "torch_threads": torch.get_num_threads(),
     }
     if device.type == "cuda":

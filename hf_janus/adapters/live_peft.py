@@ -1,5 +1,5 @@
-"""The adapted layers of a live ``PeftModel`` during training: effective weights, a plain view for
-rectification, and writing rectified weights back into the adapter or the base weights.
+"""The adapted layers of a live ``PeftModel`` during training: which they are, their effective weights, and a
+plain view of the model for rectification.
 
 JANUS works on *effective* weights: for an adapted layer that is what PEFT's own merge would produce (base
 weight plus the adapter's delta, DoRA's magnitude included). PiSSA-like initializations start from a
@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
+from hf_janus.engine.layers import rule_for, select_layers
 from hf_janus.errors import JanusError
-from hf_janus.engine.layers import _matches, rule_for
-from hf_janus.adapters.refactor import RankSpec, RefactorStats, choose_rank, truncate, validate_rank_spec
 
 logger = logging.getLogger(__name__)
 
@@ -65,21 +62,10 @@ def adapted_linear_layers(peft_model: nn.Module, target_modules: Union[str, list
             f"the PEFT model adapts no linear layer (adapted layer types: {', '.join(kinds)}); JANUS rectifies "
             "linear layers"
         )
-    chosen = linear
-    if target_modules != "all-linear":
-        chosen = {n: m for n, m in chosen.items() if _matches(n, target_modules)}
-    if exclude_modules:
-        chosen = {n: m for n, m in chosen.items() if not _matches(n, exclude_modules)}
-    if not chosen:
-        names = list(linear)
-        raise JanusError(
-            f"none of the adapted layers ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) is selected by "
-            f"target_modules={target_modules!r} / exclude_modules={exclude_modules!r}"
-        )
-    return chosen
+    return {n: linear[n] for n in select_layers(list(linear), target_modules, exclude_modules)}
 
 
-def _active_adapter(module: nn.Module) -> str:
+def active_adapter(module: nn.Module) -> str:
     active = module.active_adapters
     if len(active) != 1:
         raise JanusError(
@@ -162,141 +148,3 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor]) -> Iterator[nn
             if bias is not None:
                 base.bias.data = bias
             _set_child(model, name, module)
-
-
-# ---- writing back ----------------------------------------------------------------------------------------
-def _lora_kind(module: nn.Module, adapter: str) -> Optional[str]:
-    """``"lora"``, ``"dora"``, or None when the layer is not a LoRA layer this module can re-factorize."""
-    if not (hasattr(module, "lora_A") and hasattr(module, "lora_B")) or adapter not in module.lora_A:
-        return None
-    variants = getattr(module, "lora_variant", {}) or {}
-    if adapter not in variants:
-        return "dora" if getattr(module, "use_dora", {}).get(adapter, False) else "lora"
-    name = type(variants[adapter]).__name__
-    return "dora" if name.startswith("Dora") else None
-
-
-def check_adapter_writable(layers: dict[str, nn.Module]) -> None:
-    """Refuse, before training, adapters whose rectified update cannot be written back as LoRA factors."""
-    bad = []
-    for name, module in layers.items():
-        adapter = _active_adapter(module)
-        if _lora_kind(module, adapter) is None:
-            variant = (getattr(module, "lora_variant", {}) or {}).get(adapter)
-            bad.append(f"{name} ({type(variant).__name__ if variant is not None else type(module).__name__})")
-    if bad:
-        raise JanusError(
-            f"peft_output='adapter' re-factorizes the rectified update into LoRA factors, which these adapted "
-            f"layers do not have: {', '.join(bad[:3])}. Use JanusCallback(..., peft_output='merged') to get full "
-            "rectified weights instead"
-        )
-
-
-def _scaling(module: nn.Module, adapter: str) -> float:
-    return float(module.scaling[adapter])
-
-
-def _resize_lora(module: nn.Module, adapter: str, k: int) -> None:
-    """Give the layer's LoRA factors rank ``k``, keeping ``lora_alpha`` (PEFT recomputes the scaling)."""
-    a_old, b_old = module.lora_A[adapter], module.lora_B[adapter]
-    dtype, device = a_old.weight.dtype, a_old.weight.device
-    module.lora_A[adapter] = nn.Linear(a_old.in_features, k, bias=False).to(device=device, dtype=dtype)
-    new_b = nn.Linear(k, b_old.out_features, bias=b_old.bias is not None).to(device=device, dtype=dtype)
-    if b_old.bias is not None:
-        new_b.bias.data.copy_(b_old.bias.data)
-    module.lora_B[adapter] = new_b
-    alpha = module.lora_alpha[adapter]
-    module.r[adapter] = k
-    rslora = getattr(module, "use_rslora", {})
-    module.scaling[adapter] = alpha / (k**0.5) if (isinstance(rslora, dict) and rslora.get(adapter)) else alpha / k
-    module.lora_A[adapter].weight.requires_grad_(a_old.weight.requires_grad)
-    module.lora_B[adapter].weight.requires_grad_(b_old.weight.requires_grad)
-
-
-@dataclass
-class WrittenLayer:
-    """What writing one rectified layer back into its LoRA adapter kept."""
-
-    stats: RefactorStats
-    rank_changed: bool
-
-
-def write_lora(module: nn.Module, name: str, target: Tensor, offset: Tensor, delta_rect: Tensor, rank: RankSpec,
-               energy: float = 0.99, jacobian: Any = None, reference_norm: Optional[float] = None) -> WrittenLayer:
-    """Re-factorize one rectified layer into its LoRA adapter so the effective weight becomes ``target``.
-
-    ``target``, ``offset`` and ``delta_rect`` are ``(d_out, d_in)`` float matrices: the rectified effective
-    weight, ``θ0 − W_base`` (zero for LoRA, ``s·B0A0`` for PiSSA-like inits) and ``ΔW_rect``. The adapter
-    must hold ``D = offset + ΔW_rect = target − W_base``; it gets the best rank-k approximation of ``D``
-    (truncated SVD), split evenly between ``B`` and ``A``. For DoRA the magnitude is then set to the row
-    norms of ``W_base + D_k`` so that the effective weight is exactly ``W_base + D_k``.
-    """
-    adapter = _active_adapter(module)
-    kind = _lora_kind(module, adapter)
-    base = module.get_base_layer()
-    rule = rule_for(base)
-    w_base = rule.to_matrix(base.weight.detach()).to(torch.float64)
-    d = (target.to(torch.float64) - w_base).to(torch.float64)
-    offset64 = offset.to(device=d.device, dtype=torch.float64)
-    delta64 = delta_rect.to(device=d.device, dtype=torch.float64)
-    u_s, vh, s = truncate(d, min(d.shape))
-    k = choose_rank(s, rank, energy, same_rank=int(module.r[adapter]), name=name)
-    k = max(k, 1)  # a zero-rank LoRA layer cannot be stored; a rank-1 zero update is exact
-    d_k = u_s[:, :k] @ vh[:k]
-    kept_delta = d_k - offset64  # the ΔW the saved adapter actually applies
-    delta_norm = float(delta64.norm())
-    err = float((kept_delta - delta64).norm()) / delta_norm if delta_norm > 0 else 0.0
-    stats = RefactorStats(name=name, shape=list(d.shape), rank=k, kept_energy=max(0.0, 1.0 - err**2),
-                          approx_error=err, approx_error_truncated=err)
-    if jacobian is not None and reference_norm:
-        jac_delta = delta64.to(jacobian.x.device)
-        jac_kept = kept_delta.to(jacobian.x.device)
-        stats.residual_rect = float(jacobian.jvp(jac_delta).norm()) / reference_norm
-        stats.residual_truncated = float(jacobian.jvp(jac_kept).norm()) / reference_norm
-        stats.leak_truncated = float(jacobian.jvp(jac_kept - jac_delta).norm()) / reference_norm
-
-    rank_changed = k != int(module.r[adapter])
-    with torch.no_grad():
-        if rank_changed:
-            _resize_lora(module, adapter, k)
-        scale = _scaling(module, adapter)
-        # B·A·s = D_k with the singular values split evenly, as PEFT's PiSSA init does.
-        sv = s[:k].clamp_min(0.0).sqrt()
-        u = u_s[:, :k] / s[:k].clamp_min(torch.finfo(torch.float64).tiny)
-        b = (u * sv) / scale**0.5
-        a = (sv[:, None] * vh[:k]) / scale**0.5
-        a_mod, b_mod = module.lora_A[adapter], module.lora_B[adapter]
-        a_mod.weight.copy_(a.to(a_mod.weight.dtype))
-        b_mod.weight.copy_(b.to(b_mod.weight.dtype))
-        if kind == "dora":
-            magnitude = module.lora_magnitude_vector[adapter].weight
-            new_weight = w_base + d_k  # (d_out, d_in): DoRA's norm is per output row
-            magnitude.copy_(new_weight.norm(dim=1).to(magnitude.dtype).reshape(magnitude.shape))
-    return WrittenLayer(stats=stats, rank_changed=rank_changed)
-
-
-def record_rank_pattern(peft_model: nn.Module, adapter: str, ranks: dict[str, int]) -> None:
-    """Note changed layer ranks in the adapter config so ``save_pretrained``/``from_pretrained`` agree."""
-    config = peft_model.peft_config[adapter]
-    pattern = dict(getattr(config, "rank_pattern", None) or {})
-    alpha = dict(getattr(config, "alpha_pattern", None) or {})
-    for name, k in ranks.items():
-        key = re.escape(name)  # PEFT matches keys as r"(.*\.)?(key)$" against module names
-        pattern[key] = int(k)
-        module = inner_model(peft_model).get_submodule(name)
-        alpha[key] = module.lora_alpha[adapter]
-    config.rank_pattern = pattern
-    config.alpha_pattern = alpha
-
-
-def set_base_weight(module: nn.Module, matrix: Tensor) -> None:
-    """Write ``matrix`` (``(d_out, d_in)``) into the base layer of a tuner layer (for merged output)."""
-    base = module.get_base_layer()
-    rule_for(base).set_weight(base, matrix)
-
-
-def validate_peft_output(peft_output: str, adapter_rank: Any) -> None:
-    if peft_output not in ("adapter", "merged"):
-        raise ValueError(f"peft_output={peft_output!r} is invalid: expected 'adapter' or 'merged'")
-    if adapter_rank != "same":
-        validate_rank_spec(adapter_rank)

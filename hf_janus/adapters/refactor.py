@@ -26,8 +26,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from hf_janus.errors import JanusError
 from hf_janus.engine.ghost import GramEig, LayerJacobian, eig_psd, project
+from hf_janus.errors import JanusError
 
 RankSpec = Union[str, int, float]
 

@@ -1,1 +1,4 @@
-"""engine"""
+"""The JANUS algorithm on plain linear layers: capture, compression, ghost math, the rectifier and its result.
+
+Imports nothing from ``adapters``, ``integrations`` or ``publish``; they read :mod:`.result`.
+"""

@@ -26,10 +26,10 @@ from hf_janus.engine.compression import (
     sequence_basis,
     trim_rank,
 )
-from hf_janus.errors import JanusError
-from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.timing import PhaseTimer, synchronize
+from hf_janus.errors import JanusError
+from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
 
 
 @dataclass

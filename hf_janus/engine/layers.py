@@ -78,7 +78,9 @@ def _output_embedding_ids(model: nn.Module) -> set[int]:
     return {id(head)} if head is not None else set()
 
 
-def _matches(name: str, patterns: Union[str, Sequence[str]]) -> bool:
+def matches_module_name(name: str, patterns: Union[str, Sequence[str]]) -> bool:
+    """PEFT's rule: a string is a regular expression matched against the whole name; a list matches names
+    exactly or as a ``.``-separated suffix."""
     if isinstance(patterns, str):
         return re.fullmatch(patterns, name) is not None
     return any(name == p or name.endswith("." + p) for p in patterns)
@@ -111,7 +113,7 @@ def resolve_target_modules(
     else:
         unsupported = []
         for name, module in model.named_modules():
-            if name and _matches(name, target_modules):
+            if name and matches_module_name(name, target_modules):
                 if rule_for(module) is None:
                     unsupported.append(f"{name} ({type(module).__name__})")
                 else:
@@ -130,7 +132,7 @@ def resolve_target_modules(
                         f"examples of valid names: {', '.join(list(_linear_names(model))[:6])}"
                     )
     if exclude_modules:
-        selected = {n: m for n, m in selected.items() if not _matches(n, exclude_modules)}
+        selected = {n: m for n, m in selected.items() if not matches_module_name(n, exclude_modules)}
     if not selected:
         raise JanusError(
             f"no layer of {type(model).__name__} matches target_modules={target_modules!r}; supported layer "
@@ -141,3 +143,24 @@ def resolve_target_modules(
 
 def _linear_names(model: nn.Module):
     return (n for n, m in model.named_modules() if rule_for(m) is not None)
+
+
+def select_layers(names: Sequence[str], target_modules: Union[str, Sequence[str]] = "all-linear",
+                  exclude_modules: Optional[Union[str, Sequence[str]]] = None, *,
+                  what: str = "the adapted layers") -> list[str]:
+    """The names among ``names`` (layers that changed in training) that the config selects, in order.
+
+    ``target_modules``/``exclude_modules`` can only narrow ``names``: a layer outside it did not change, so
+    there is nothing to rectify there. Raises :class:`~hf_janus.errors.JanusError` naming the candidates when
+    nothing is left.
+    """
+    chosen = list(names)
+    if target_modules != "all-linear":
+        chosen = [n for n in chosen if matches_module_name(n, target_modules)]
+    if exclude_modules:
+        chosen = [n for n in chosen if not matches_module_name(n, exclude_modules)]
+    if not chosen:
+        shown = ", ".join(list(names)[:4]) + (", ..." if len(names) > 4 else "")
+        raise JanusError(f"none of {what} ({shown}) is selected by target_modules={target_modules!r} / "
+                         f"exclude_modules={exclude_modules!r}")
+    return chosen

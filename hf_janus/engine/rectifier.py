@@ -1,7 +1,7 @@
 """Multi-step adaptive JANUS rectification (paper, Algorithm 1) and the public :func:`rectify` entry point.
 
-Data flow: model + replay -> :mod:`capture` (compressed X, A per layer) -> :mod:`ghost` (Gram, projection,
-principal angles) -> new weights + :class:`RectificationReport`.
+Data flow: model + replay -> :mod:`.capture` (compressed X, A per layer) -> :mod:`.ghost` (Gram, projection,
+principal angles) -> new weights, a :class:`RectificationReport` and a :class:`~.result.RectificationResult`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,24 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from hf_janus.engine.capture import CaptureResult, capture_factors, model_device, replay_losses
 from hf_janus.config import JanusConfig
-from hf_janus.parallel.distributed import World
-from hf_janus.errors import JanusError, RectificationError
-from hf_janus.engine.ghost import GramEig, LayerJacobian, Workspace, eig_psd, mean_cosine, principal_cosines, project_with_jvp
+from hf_janus.engine.capture import CaptureResult, capture_factors, model_device, replay_losses
+from hf_janus.engine.ghost import (
+    GramEig,
+    LayerJacobian,
+    Workspace,
+    eig_psd,
+    mean_cosine,
+    principal_cosines,
+    project_with_jvp,
+)
 from hf_janus.engine.layers import LayerRule, resolve_target_modules, rule_for
-from hf_janus.replay.prepare import prepare_replay
 from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
+from hf_janus.engine.result import LayerResult, RectificationResult
+from hf_janus.engine.store import FactorStore
+from hf_janus.engine.timing import PhaseTimer
+from hf_janus.errors import JanusError, RectificationError
+from hf_janus.parallel.distributed import World
 from hf_janus.parallel.sharding import (
     check_sharding,
     full_master_weight,
@@ -33,8 +43,7 @@ from hf_janus.parallel.sharding import (
     reshard,
     write_full_,
 )
-from hf_janus.engine.store import FactorStore
-from hf_janus.engine.timing import PhaseTimer
+from hf_janus.replay.prepare import prepare_replay
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +140,9 @@ class Rectifier:
         """See :func:`rectify` for the first four arguments.
 
         Args:
-            keep_reference_factors: keep the θ0 Jacobians in :attr:`reference_jacobians` after :meth:`run`.
+            keep_reference_factors: keep each layer's θ0 Jacobian in :attr:`result` (``LayerResult.jacobian``)
+                after :meth:`run`, for callers that post-process ΔW_rect (adapter re-factorization) and measure
+                ``||J0 ΔW||``.
             factor_dtype: storage dtype of the compressed factors (default: float32 as computed);
                 ``torch.bfloat16`` halves their memory, as the paper's float16 cache, at bf16 precision.
             memory_budget_bytes: with ``config.cache`` a directory, how many bytes of factors to keep in
@@ -139,9 +150,8 @@ class Rectifier:
         """
         self.model = model
         self.keep_reference_factors = keep_reference_factors
-        # Filled after run() when keep_reference_factors: {layer name: LayerJacobian at θ0}, for callers that
-        # post-process ΔW_rect (e.g. adapter re-factorization) and want to measure ||J0 ΔW||.
-        self.reference_jacobians: dict[str, LayerJacobian] = {}
+        #: Set by :meth:`run`: the report and, per layer, θ0, θ̂, θ_rect (and J0 with keep_reference_factors).
+        self.result: Optional[RectificationResult] = None
         self.config = config if config is not None else JanusConfig()
         if not isinstance(self.config, JanusConfig):
             raise JanusError(f"config must be a JanusConfig, got {type(self.config).__name__}")
@@ -334,9 +344,8 @@ class Rectifier:
                 self._write_all()
             phase = "computing per-layer statistics"
             report.layers = self._layer_stats()
-            if self.keep_reference_factors:
-                self.reference_jacobians = {layer.name: self._jacobian(layer, "c0", pooled=False)
-                                            for layer in self.layers}
+            jacobians = {layer.name: self._jacobian(layer, "c0", pooled=False)
+                         for layer in self.layers} if self.keep_reference_factors else {}
             report.replay_loss = {"reference": base.loss, "finetuned": finetuned_loss.loss, "rectified": last_capture.loss}
         except BaseException as err:
             self._restore()
@@ -359,6 +368,11 @@ class Rectifier:
         self.timer.add("io", self.store.io_seconds)
         self.timer.add("total", time.perf_counter() - start)
         report.timings = self.timer.as_dict()
+        self.result = RectificationResult(report, {
+            layer.name: LayerResult(name=layer.name, rule=layer.rule, reference_weight=layer.reference_matrix,
+                                    finetuned_weight=layer.finetuned_backup, rectified=layer.current,
+                                    jacobian=jacobians.get(layer.name))
+            for layer in self.layers})
         logger.info(report.summary())
         return report
 

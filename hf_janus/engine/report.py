@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 from hf_janus.io_utils import atomic_write_text
+from hf_janus.serialization import known_fields
 
 SCHEMA_VERSION = 1
 
@@ -78,9 +79,8 @@ class RectificationReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RectificationReport":
         """Rebuild a report; keys it does not know (e.g. the publication record that
-        :func:`hf_janus.publish.hub.build_report` puts around it) are ignored."""
-        known = {f.name for f in fields(cls)}
-        data = {k: v for k, v in data.items() if k in known}
+        :func:`hf_janus.publish.record.build_report` puts around it) are ignored."""
+        data = known_fields(cls, data)
         steps = []
         for s in data.pop("steps", []):
             s = dict(s)

@@ -1,1 +1,1 @@
-"""integrations"""
+"""``transformers.Trainer`` integration: ``JanusCallback``, its θ0 snapshot, and publishing on save and push."""

@@ -12,90 +12,38 @@ with DeepSpeed are refused with a clear error.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any, Optional
 
-import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from hf_janus.adapters.loading import _MUTATING_INITS
+from hf_janus.adapters.live_peft import is_peft_model
+from hf_janus.adapters.live_rectify import PeftOutput, check_live_peft, rectify_live_peft
 from hf_janus.config import JanusConfig
-from hf_janus.errors import JanusError, RectificationError
-from hf_janus.engine.layers import resolve_target_modules, rule_for
-from hf_janus.adapters.live_peft import (
-    adapted_linear_layers,
-    check_adapter_writable,
-    effective_weights,
-    inner_model,
-    is_peft_model,
-    plain_view,
-    record_rank_pattern,
-    set_base_weight,
-    validate_peft_output,
-    write_lora,
-)
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.report import RectificationReport
-from hf_janus.parallel.sharding import check_sharding, full_weight, is_sharded, is_zero3, is_zero3_param
+from hf_janus.errors import JanusError, RectificationError
+from hf_janus.integrations.snapshot import Theta0Snapshot
+from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3, is_zero3_param
+from hf_janus.publish.record import REPORT_NAME
 
 logger = logging.getLogger(__name__)
 
-# The leading "_" keeps it out of trainer.push_to_hub() uploads (Trainer ignores "_*" there).
-SNAPSHOT_NAME = "_janus_theta0.safetensors"
-REPORT_NAME = "janus_rectification.json"
-
-
-def atomic_save_safetensors(tensors: dict[str, Tensor], path: str) -> None:
-    """Write a safetensors file through a temporary name and ``os.replace``: never a half-written file."""
-    from safetensors.torch import save_file
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _lora_state(module: nn.Module, adapter: str) -> dict[str, Any]:
-    """What :func:`write_lora` may change in one layer, for putting it back after a failure."""
-    state = {"A": module.lora_A[adapter], "B": module.lora_B[adapter], "r": module.r[adapter],
-             "scaling": module.scaling[adapter],
-             "A_weight": module.lora_A[adapter].weight.detach().clone(),
-             "B_weight": module.lora_B[adapter].weight.detach().clone()}
-    magnitude = getattr(module, "lora_magnitude_vector", {})
-    if adapter in magnitude:
-        state["magnitude"] = magnitude[adapter].weight.detach().clone()
-    return state
-
-
-def _restore_lora(module: nn.Module, state: dict[str, Any]) -> None:
-    adapter = module.active_adapters[0]
-    with torch.no_grad():
-        module.lora_A[adapter], module.lora_B[adapter] = state["A"], state["B"]
-        module.r[adapter], module.scaling[adapter] = state["r"], state["scaling"]
-        state["A"].weight.copy_(state["A_weight"])
-        state["B"].weight.copy_(state["B_weight"])
-        if "magnitude" in state:
-            module.lora_magnitude_vector[adapter].weight.copy_(state["magnitude"])
-
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
+    """The model inside DDP/DeepSpeed/compile wrappers (accelerate's own unwrapping, as the Trainer's)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
+def _wait_for_everyone() -> None:
+    """A barrier across data-parallel processes (a no-op in one process)."""
+    from accelerate.utils import wait_for_everyone
+
+    wait_for_everyone()
 
 
 class JanusCallback(TrainerCallback):
@@ -129,31 +77,30 @@ class JanusCallback(TrainerCallback):
     def __init__(self, replay: Any, config: Optional[JanusConfig] = None, snapshot: str = "cpu",
                  peft_output: str = "adapter", adapter_rank: Any = "same", adapter_energy: float = 0.99,
                  on_error: str = "raise", trainer: Any = None):
-        if snapshot not in ("cpu", "disk"):
-            raise ValueError(f"snapshot={snapshot!r} is invalid: expected 'cpu' or 'disk'")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r} is invalid: expected 'raise' or 'warn'")
-        validate_peft_output(peft_output, adapter_rank)
-        if not 0.0 < adapter_energy <= 1.0:
-            raise ValueError(f"adapter_energy={adapter_energy!r} is invalid: expected a float in (0, 1]")
-        self.peft_output = peft_output
-        self.adapter_rank = adapter_rank
-        self.adapter_energy = adapter_energy
+        self.snapshot = Theta0Snapshot(snapshot)
+        self.peft_output = PeftOutput(peft_output, adapter_rank, adapter_energy)
         self.replay = replay
         self.config = config if config is not None else JanusConfig()
-        self.snapshot = snapshot
         self.on_error = on_error
         self.trainer = trainer
         self.report: Optional[RectificationReport] = None
-        self.rectifier: Optional[Rectifier] = None
-        self.snapshot_bytes = 0
-        self._theta0: Optional[dict[str, Tensor]] = None
-        self._snapshot_path: Optional[str] = None
+        self.rectifier: Optional[Rectifier] = None  # the finished engine run, for inspection
         # The model after train end: the trainer's model, or the merged plain model (peft_output="merged").
         self.model: Optional[nn.Module] = None
 
-    # ---- θ0 -----------------------------------------------------------------------------------------
-    def _check_supported(self, model: nn.Module, args: TrainingArguments) -> None:
+    @property
+    def snapshot_bytes(self) -> int:
+        """Size of the θ0 snapshot."""
+        return self.snapshot.nbytes
+
+    def theta0(self) -> dict[str, Tensor]:
+        """The pre-training weights of the target layers (loaded from disk when ``snapshot="disk"``)."""
+        return self.snapshot.tensors()
+
+    def _check_supported(self, model: nn.Module, args: TrainingArguments) -> Optional[dict[str, nn.Module]]:
+        """Refuse unsupported setups before training; the adapted layers of a PEFT model (None otherwise)."""
         # args.fsdp alone is no reason to refuse: FSDP2 weights are handled, FSDP1 is caught by check_sharding.
         if getattr(args, "deepspeed", None):
             if is_peft_model(model):
@@ -167,103 +114,40 @@ class JanusCallback(TrainerCallback):
                     "ZeRO stages 0-2 are not tested: use stage 3, or save the model and rectify it with "
                     "hf_janus.rectify afterwards, or train with DDP or FSDP2"
                 )
-        if is_peft_model(model):
-            if any(is_sharded(p) or is_zero3_param(p) for p in model.parameters()):
-                raise JanusError(
-                    "JanusCallback does not support PEFT models sharded with FSDP or DeepSpeed ZeRO-3: save the "
-                    "adapter and rectify it with hf_janus.JanusMerger afterwards, or train with DDP"
-                )
-            layers = self._peft_layers(model)
-            if self.peft_output == "adapter":
-                check_adapter_writable(layers)
-                init = getattr(model.peft_config.get(model.active_adapter), "init_lora_weights", True)
-                if isinstance(init, str) and init.lower().startswith(_MUTATING_INITS) and self.adapter_rank != "same":
-                    raise JanusError(
-                        f"the adapter was initialized with init_lora_weights={init!r}: it is saved relative to a "
-                        "residual base that PEFT rebuilds at the adapter's own rank when loading, so its rank cannot "
-                        "change. Keep adapter_rank='same', or use peft_output='merged'"
-                    )
-            elif self.trainer is None:
-                raise JanusError(
-                    "peft_output='merged' replaces trainer.model by the merged model, so the callback needs the "
-                    "trainer: JanusCallback(..., trainer=trainer) or set callback.trainer = trainer before train()"
-                )
-
-    def _peft_layers(self, model: nn.Module) -> dict[str, nn.Module]:
-        return adapted_linear_layers(model, self.config.target_modules, self.config.exclude_modules)
-
-    def _take_snapshot(self, model: nn.Module, args: TrainingArguments) -> None:
-        if is_peft_model(model):
-            theta0 = effective_weights(self._peft_layers(model))
-        else:
-            targets = resolve_target_modules(model, self.config.target_modules, self.config.exclude_modules)
-            check_sharding(model, {name: module.weight for name, module in targets.items()})
-            # Under FSDP2 and ZeRO-3 every rank gathers every layer (a collective, same order on all ranks) and
-            # keeps θ0 whole.
-            theta0 = {f"{name}.weight": full_weight(module.weight).to("cpu", copy=True).contiguous()
-                      for name, module in targets.items()}
-        self.snapshot_bytes = sum(t.numel() * t.element_size() for t in theta0.values())
-        if self.snapshot == "disk":
-            self._snapshot_path = os.path.join(args.output_dir, SNAPSHOT_NAME)
-            # One writer; the other data-parallel ranks read the same file (output_dir must be shared).
-            if args.process_index == 0:
-                atomic_save_safetensors(theta0, self._snapshot_path)
-            _barrier()
-            self._theta0 = None
-        else:
-            self._theta0 = theta0
-        logger.info("JANUS: θ0 snapshot of %d layers, %.1f MiB, kept on %s", len(theta0), self.snapshot_bytes / 2**20,
-                    self.snapshot)
-
-    def _load_snapshot(self, path: str) -> None:
-        from safetensors.torch import load_file
-
-        theta0 = load_file(path, device="cpu")
-        self.snapshot_bytes = sum(t.numel() * t.element_size() for t in theta0.values())
-        if self.snapshot == "disk":
-            self._snapshot_path, self._theta0 = path, None
-        else:
-            self._theta0 = theta0
-
-    def theta0(self) -> dict[str, Tensor]:
-        """The pre-training weights of the target layers (loaded from disk when ``snapshot="disk"``)."""
-        if self._theta0 is not None:
-            return self._theta0
-        if self._snapshot_path is None:
-            raise JanusError("no θ0 snapshot: JanusCallback.on_train_begin did not run")
-        from safetensors.torch import load_file
-
-        return load_file(self._snapshot_path, device="cpu")
-
-    def _find_resume_snapshot(self, args: TrainingArguments, state: TrainerState) -> str:
-        candidates = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}", SNAPSHOT_NAME),
-                      os.path.join(args.output_dir, SNAPSHOT_NAME)]
-        for path in candidates:
-            if os.path.isfile(path):
-                return path
-        raise JanusError(
-            f"resuming at step {state.global_step}, but no θ0 snapshot ({SNAPSHOT_NAME}) was found in "
-            f"{candidates[0]} or {candidates[1]}: the checkpoint was not written with JanusCallback. Start the run "
-            "from scratch, or rectify afterwards with hf_janus.rectify and the original weights"
-        )
+        if not is_peft_model(model):
+            return None
+        if any(is_sharded(p) or is_zero3_param(p) for p in model.parameters()):
+            raise JanusError(
+                "JanusCallback does not support PEFT models sharded with FSDP or DeepSpeed ZeRO-3: save the "
+                "adapter and rectify it with hf_janus.JanusMerger afterwards, or train with DDP"
+            )
+        if self.peft_output.format == "merged" and self.trainer is None:
+            raise JanusError(
+                "peft_output='merged' replaces trainer.model by the merged model, so the callback needs the "
+                "trainer: JanusCallback(..., trainer=trainer) or set callback.trainer = trainer before train()"
+            )
+        return check_live_peft(model, self.config, self.peft_output)
 
     # ---- Trainer events -----------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Optional[nn.Module] = None, **kwargs: Any) -> None:
         check_sharding(model)  # before unwrapping: an FSDP1 wrapper would be peeled off like DDP's
         model = _unwrap(model)
-        self._check_supported(model, args)
+        peft_layers = self._check_supported(model, args)
         if state.global_step > 0:
             # Resumed: the weights now are mid-training, θ0 must come from the checkpoint.
-            self._load_snapshot(self._find_resume_snapshot(args, state))
+            self.snapshot.resume(args.output_dir, state.global_step)
             logger.info("JANUS: resumed at step %d with the θ0 snapshot from the checkpoint", state.global_step)
-        else:
-            self._take_snapshot(model, args)
+            return
+        self.snapshot.take(model, peft_layers, self.config.target_modules, self.config.exclude_modules,
+                         args.output_dir, is_writer=args.process_index == 0)
+        if self.snapshot.place == "disk":
+            _wait_for_everyone()  # the other ranks read the file rank 0 wrote
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if state.is_world_process_zero and os.path.isdir(folder):
-            atomic_save_safetensors(self.theta0(), os.path.join(folder, SNAPSHOT_NAME))
+            self.snapshot.save_to_checkpoint(folder)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      model: Optional[nn.Module] = None, processing_class: Any = None, **kwargs: Any) -> None:
@@ -271,10 +155,14 @@ class JanusCallback(TrainerCallback):
         progress = not args.disable_tqdm and state.is_local_process_zero
         try:
             replay = self._replay(processing_class)
+            theta0 = self.theta0()
             if is_peft_model(model):
-                self._rectify_peft(model, replay, progress)
+                run = rectify_live_peft(model, theta0, replay, self.config, self.peft_output, progress=progress)
+                self.report, self.model, self.rectifier = run.report, run.model, run.rectifier
+                if self.model is not model:  # merged: the trainer saves and pushes the plain model from now on
+                    self.trainer.model = self.trainer.model_wrapped = self.model
             else:
-                self.rectifier = Rectifier(model, self.theta0(), replay, self.config, progress=progress)
+                self.rectifier = Rectifier(model, theta0, replay, self.config, progress=progress)
                 self.report = self.rectifier.run()
                 self.model = model
         except (JanusError, RectificationError) as err:
@@ -288,84 +176,9 @@ class JanusCallback(TrainerCallback):
             self.report.save(os.path.join(args.output_dir, REPORT_NAME))
         if self.trainer is not None:
             # trainer.save_model()/push_to_hub() then carry the record, the card and the safetensors metadata.
-            from hf_janus.publish.hub import install_trainer_hooks
+            from hf_janus.integrations.trainer_publish import install_trainer_hooks
 
             install_trainer_hooks(self.trainer, lambda: self.report, replay=self.replay)
-
-    def _rectify_peft(self, model: nn.Module, replay: Any, progress: bool) -> None:
-        """Rectify the effective weights of the adapted layers, then write them back as configured.
-
-        Everything that can fail (capture, projection, re-factorization) runs before the model is touched
-        for good: on failure the tuner layers and their weights are exactly as training left them.
-        """
-        layers = self._peft_layers(model)
-        theta0 = self.theta0()
-        finetuned = effective_weights(layers)
-        # Only the adapted layers moved during training: they are the targets, whatever "all-linear" says.
-        config = dataclasses.replace(self.config, target_modules=list(layers), exclude_modules=None)
-        with plain_view(model, finetuned) as plain:
-            self.rectifier = Rectifier(plain, theta0, replay, config, progress=progress,
-                                       keep_reference_factors=self.peft_output == "adapter")
-            self.report = self.rectifier.run()
-        rectified = {layer.name: layer.current.detach().float() for layer in self.rectifier.layers}
-        if self.peft_output == "merged":
-            self.model = self._merge(model, layers, rectified)
-            self.report.output = {"format": "merged"}
-            return
-        self._write_adapter(model, layers, rectified, theta0, finetuned)
-        self.model = model
-
-    def _write_adapter(self, model: nn.Module, layers: dict[str, nn.Module], rectified: dict[str, Tensor],
-                       theta0: dict[str, Tensor], finetuned: dict[str, Tensor]) -> None:
-        written, originals = [], {}
-        try:
-            for layer in self.rectifier.layers:
-                module = layers[layer.name]
-                adapter = module.active_adapters[0]
-                originals[layer.name] = _lora_state(module, adapter)
-                rule = rule_for(module.get_base_layer())
-                w_base = rule.to_matrix(module.get_base_layer().weight.detach()).float().to(layer.current.device)
-                reference = layer.reference  # θ0 in (d_out, d_in), float32
-                jac = self.rectifier.reference_jacobians.get(layer.name)
-                original_delta = rule.to_matrix(finetuned[layer.name + ".weight"]).float().to(reference.device) - reference
-                ref_norm = float(jac.jvp(original_delta).norm()) if jac is not None else None
-                written.append(write_lora(
-                    module, layer.name, rectified[layer.name], reference - w_base, rectified[layer.name] - reference,
-                    self.adapter_rank, self.adapter_energy, jacobian=jac, reference_norm=ref_norm,
-                ))
-        except Exception:
-            for name, state in originals.items():
-                _restore_lora(layers[name], state)
-            raise
-        changed = {w.stats.name: w.stats.rank for w in written if w.rank_changed}
-        if changed:
-            record_rank_pattern(model, next(iter(layers.values())).active_adapters[0], changed)
-        self.rectifier.reference_jacobians.clear()
-        self.report.output = {
-            "format": "adapter", "adapter_rank": self.adapter_rank, "adapter_energy": self.adapter_energy,
-            "layers": [w.stats.to_dict() for w in written],
-        }
-        kept = [w.stats.kept_energy for w in written]
-        logger.info("JANUS: rectified update written back into the adapter (%d layers, kept energy min %.4f)",
-                    len(written), min(kept) if kept else 1.0)
-
-    def _merge(self, model: nn.Module, layers: dict[str, nn.Module], rectified: dict[str, Tensor]) -> nn.Module:
-        """Rectified weights into the base layers, every other adapter merged, PEFT wrappers removed."""
-        with torch.no_grad():
-            for name, module in layers.items():
-                set_base_weight(module, rectified[name])
-            # Adapted layers JANUS did not rectify (narrowed targets, embeddings) keep their fine-tuned value.
-            from peft.tuners.tuners_utils import BaseTunerLayer
-
-            for name, module in inner_model(model).named_modules():
-                if isinstance(module, BaseTunerLayer) and name not in layers and hasattr(module, "merge"):
-                    module.merge()
-        merged = model.unload()
-        trainer = self.trainer
-        trainer.model = merged
-        trainer.model_wrapped = merged
-        logger.info("JANUS: rectified weights merged; trainer.model is now the plain %s", type(merged).__name__)
-        return merged
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _replay(self, tokenizer: Any) -> Any:

@@ -56,7 +56,15 @@ class World:
         return -(-len(items) // self.size) - len(self.shard(items))
 
     def _all_gather_padded(self, tensor: Tensor) -> list[Tensor]:
-        """All-gather tensors whose leading two dims may differ per rank (zero-padded on the wire)."""
+        """All-gather tensors whose leading two dims may differ per rank (zero-padded on the wire).
+
+        Not accelerate's ``pad_across_processes`` + ``gather``: those dispatch on accelerate's ``PartialState``,
+        which only knows process groups that accelerate or the launcher's environment variables set up. In a
+        group made with ``torch.distributed.init_process_group`` directly (``mp.spawn`` with a ``file://`` init,
+        as in tests/test_distributed.py) it reports a single process and ``gather`` returns the local tensor
+        unchanged, so each rank would silently rectify with its own share of the replay (measured: accelerate
+        1.15, two gloo ranks, ``DistributedType.NO``).
+        """
         dist = _dist()
         shape = torch.tensor(list(tensor.shape[:2]), dtype=torch.long, device=tensor.device)
         shapes = [torch.zeros_like(shape) for _ in range(self.size)]

@@ -24,9 +24,11 @@ from hf_janus.errors import JanusError
 if TYPE_CHECKING:  # pragma: no cover
     from huggingface_hub import ModelCard, ModelCardData
 
-    from hf_janus.publish.hub import PublishedReport, RepoRef
+    from hf_janus.publish.provenance import RepoRef
+    from hf_janus.publish.record import PublishedReport
 
 TEMPLATE_NAME = "janus_modelcard.md"
+CARD_NAME = "README.md"
 JANUS_TAGS = ("janus", "hf-janus", "janus-rectified")
 BLOCK_BEGIN = "<!-- hf-janus:begin"
 BLOCK_END = "<!-- hf-janus:end -->"

@@ -23,15 +23,49 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from hf_janus.errors import JanusError
+from hf_janus.io_utils import looks_like_local_path
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("auto", "text", "prompt-response", "tokens")
 DEFAULT_NUM_SAMPLES = 256
 DEFAULT_MAX_LENGTH = 1024
+
+
+
+@dataclass
+class ReplayOptions:
+    """How replay given by name (a Hub dataset id, a file or a directory) is read and tokenized.
+
+    The help texts are the command line's (``hf-janus merge --replay-format ...``).
+    """
+
+    format: str = field(default="auto", metadata={
+        "help": "text: every token of text_field counts; prompt-response: only response_field tokens count; "
+                "tokens: an input_ids column; auto: tokens if input_ids exists, else prompt-response if both "
+                "fields exist, else text", "choices": FORMATS, "cli": "--replay-format"})
+    text_field: str = field(default="text", metadata={"help": "the text column"})
+    prompt_field: str = field(default="prompt", metadata={"help": "the prompt column"})
+    response_field: str = field(default="response", metadata={"help": "the response column"})
+    max_length: Optional[int] = field(default=DEFAULT_MAX_LENGTH, metadata={
+        "help": "cut replay sequences to this many tokens"})
+    num_samples: Optional[int] = field(default=DEFAULT_NUM_SAMPLES, metadata={
+        "help": "use the first N rows (256 as in the paper; 0 = all)", "cli": "--replay-samples", "zero_is_none": True})
+    split: Optional[str] = field(default=None, metadata={
+        "help": "the split to read (default: the SOURCE:SPLIT suffix, else train)", "cli": "--replay-split"})
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise JanusError(f"replay format {self.format!r} is invalid; choose one of {', '.join(FORMATS)}")
+        if self.max_length is not None and self.max_length < 2:
+            raise JanusError(f"max_length={self.max_length} is too small: a replay sample needs at least 2 tokens")
+        if self.num_samples is not None and self.num_samples < 1:
+            raise JanusError(f"num_samples={self.num_samples} is invalid: expected None (all rows) or an int >= 1")
+
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
              ".arrow": "arrow"}
@@ -93,8 +127,7 @@ def load_replay_dataset(source: str, split: Optional[str] = None, revision: Opti
                     raise JanusError(f"replay dataset {source!r} is a single saved Dataset; drop the ':{split}' suffix")
                 return loaded
             return datasets.load_dataset(path, split=split or "train")
-        looks_local = source.startswith((".", "/", "~")) or source.count("/") > 1
-        if looks_local or os.path.splitext(path)[1].lower() in _BUILDERS:
+        if looks_like_local_path(source) or os.path.splitext(path)[1].lower() in _BUILDERS:
             raise JanusError(f"replay file or directory {source!r} does not exist")
         kwargs: dict[str, Any] = {"split": split or "train"}
         if revision:
@@ -112,8 +145,6 @@ def load_replay_dataset(source: str, split: Optional[str] = None, revision: Opti
 
 def _resolve_format(columns: Sequence[str], fmt: str, text_field: str, prompt_field: str, response_field: str,
                     source: str) -> str:
-    if fmt not in FORMATS:
-        raise JanusError(f"replay format {fmt!r} is invalid; choose one of {', '.join(FORMATS)}")
     if fmt == "auto":
         if "input_ids" in columns:
             fmt = "tokens"
@@ -139,18 +170,8 @@ def _token_ids(tokenizer: Any, text: str, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def tokenize_replay(
-    dataset: Any,
-    tokenizer: Any = None,
-    *,
-    format: str = "auto",
-    text_field: str = "text",
-    prompt_field: str = "prompt",
-    response_field: str = "response",
-    max_length: int = DEFAULT_MAX_LENGTH,
-    num_samples: Optional[int] = DEFAULT_NUM_SAMPLES,
-    source: str = "replay",
-) -> list[dict[str, list[int]]]:
+def tokenize_replay(dataset: Any, tokenizer: Any = None, options: Optional[ReplayOptions] = None, *,
+                    source: str = "replay") -> list[dict[str, list[int]]]:
     """Turn rows into engine samples; the first ``num_samples`` rows are used (``None``: all), in order.
 
     ``text``: the whole text counts (BOS etc. as the tokenizer adds them). ``prompt-response``: prompt
@@ -158,12 +179,13 @@ def tokenize_replay(
     Sequences are cut to ``max_length`` tokens (for prompt/response, the prompt's end is cut first, keeping
     at least half of ``max_length`` for the response); rows left with nothing to predict are skipped.
     """
-    if max_length is not None and max_length < 2:
-        raise JanusError(f"max_length={max_length} is too small: a replay sample needs at least 2 tokens")
+    opts = options if options is not None else ReplayOptions()
+    text_field, prompt_field, response_field = opts.text_field, opts.prompt_field, opts.response_field
+    max_length, num_samples = opts.max_length, opts.num_samples
     columns = list(getattr(dataset, "column_names", None) or (list(dataset[0]) if len(dataset) else []))
     if len(dataset) == 0:
         raise JanusError(f"replay {source!r} is empty: JANUS needs samples of the past task (typically ~256)")
-    fmt = _resolve_format(columns, format, text_field, prompt_field, response_field, source)
+    fmt = _resolve_format(columns, opts.format, text_field, prompt_field, response_field, source)
     if fmt != "tokens" and tokenizer is None:
         raise JanusError(
             f"replay {source!r} is raw text but no tokenizer is available: the base model has none; pass a "
@@ -218,25 +240,19 @@ def tokenize_replay(
     return samples
 
 
-def load_replay(
-    source: str,
-    tokenizer: Any = None,
-    *,
-    split: Optional[str] = None,
-    format: str = "auto",
-    text_field: str = "text",
-    prompt_field: str = "prompt",
-    response_field: str = "response",
-    max_length: int = DEFAULT_MAX_LENGTH,
-    num_samples: Optional[int] = DEFAULT_NUM_SAMPLES,
-    revision: Optional[str] = None,
-    token: Any = None,
-) -> list[dict[str, list[int]]]:
-    """:func:`load_replay_dataset` + :func:`tokenize_replay`; ``source`` may carry a ``:split`` suffix."""
+def open_replay(source: str, options: Optional[ReplayOptions] = None, *, revision: Optional[str] = None,
+                token: Any = None) -> tuple[Any, Optional[str]]:
+    """The dataset ``source`` names (with a ``:split`` suffix or ``options.split``) and the split it was read at."""
+    split = options.split if options is not None else None
     name, spec_split = parse_replay_spec(source)
     if split is not None and spec_split is not None and split != spec_split:
         raise JanusError(f"replay {source!r} names split {spec_split!r} but split={split!r} was also given")
-    dataset = load_replay_dataset(name, split or spec_split, revision=revision, token=token)
-    return tokenize_replay(dataset, tokenizer, format=format, text_field=text_field, prompt_field=prompt_field,
-                           response_field=response_field, max_length=max_length, num_samples=num_samples,
-                           source=source)
+    split = split or spec_split
+    return load_replay_dataset(name, split, revision=revision, token=token), split
+
+
+def load_replay(source: str, tokenizer: Any = None, options: Optional[ReplayOptions] = None, *,
+                revision: Optional[str] = None, token: Any = None) -> list[dict[str, list[int]]]:
+    """:func:`open_replay` + :func:`tokenize_replay`: the engine's samples of the replay ``source`` names."""
+    dataset, _ = open_replay(source, options, revision=revision, token=token)
+    return tokenize_replay(dataset, tokenizer, options, source=source)

@@ -1,0 +1,151 @@
+"""Rectify a live ``PeftModel`` (during or right after training) and write the result back into its adapter,
+or merge it into the base weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from hf_janus.adapters.live_peft import adapted_linear_layers, effective_weights, inner_model, plain_view
+from hf_janus.adapters.loading import is_mutating_init
+from hf_janus.adapters.lora_write import (
+    LoraState,
+    check_adapter_writable,
+    record_rank_pattern,
+    set_base_weight,
+    validate_peft_output,
+    write_lora,
+)
+from hf_janus.config import JanusConfig
+from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.report import RectificationReport
+from hf_janus.engine.result import RectificationResult
+from hf_janus.errors import JanusError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PeftOutput:
+    """How the rectified update of a live PEFT model is kept.
+
+    ``format="adapter"`` writes it back into the LoRA factors (truncated SVD per layer, at ``rank``: ``"same"``,
+    an int, ``"auto"`` or a float energy, with ``energy`` for ``"auto"``); ``format="merged"`` writes the rectified
+    weights into the base layers and returns the plain merged model.
+    """
+
+    format: str = "adapter"
+    rank: Any = "same"
+    energy: float = 0.99
+
+    def __post_init__(self) -> None:
+        validate_peft_output(self.format, self.rank)
+        if not 0.0 < self.energy <= 1.0:
+            raise ValueError(f"adapter_energy={self.energy!r} is invalid: expected a float in (0, 1]")
+
+
+def check_live_peft(model: nn.Module, config: JanusConfig, output: PeftOutput) -> dict[str, nn.Module]:
+    """Refuse, before training, a PEFT model whose rectified update cannot be kept as ``output`` asks.
+
+    Returns the adapted linear layers JANUS will rectify.
+    """
+    layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
+    if output.format == "adapter":
+        check_adapter_writable(layers)
+        init = getattr(model.peft_config.get(model.active_adapter), "init_lora_weights", True)
+        if is_mutating_init(init) and output.rank != "same":
+            raise JanusError(
+                f"the adapter was initialized with init_lora_weights={init!r}: it is saved relative to a "
+                "residual base that PEFT rebuilds at the adapter's own rank when loading, so its rank cannot "
+                "change. Keep adapter_rank='same', or use peft_output='merged'"
+            )
+    return layers
+
+
+class LivePeftRun(NamedTuple):
+    """What :func:`rectify_live_peft` did."""
+
+    report: RectificationReport  # its ``output`` says what was written
+    model: nn.Module  # the model to use from now on: the PeftModel itself, or the merged plain model
+    rectifier: Rectifier  # the finished engine run (replay split, layers), for inspection
+
+
+def rectify_live_peft(model: nn.Module, theta0: dict[str, Tensor], replay: Any, config: JanusConfig,
+                      output: PeftOutput, *, progress: bool = True) -> LivePeftRun:
+    """Rectify the effective weights of the adapted layers of ``model``, then keep them as ``output`` asks.
+
+    ``theta0``: ``{"<layer>.weight": effective weight at train begin}``. Everything that can fail (capture,
+    projection, re-factorization) runs before the model is changed for good: on failure the tuner layers and
+    their weights are exactly as training left them.
+
+    Returns:
+        A :class:`LivePeftRun`: the report, the model to use from now on (``model`` itself for
+        ``format="adapter"``, the merged plain model for ``format="merged"``) and the rectifier.
+    """
+    layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
+    finetuned = effective_weights(layers)
+    # Only the adapted layers moved during training: they are the targets, whatever "all-linear" says.
+    config = dataclasses.replace(config, target_modules=list(layers), exclude_modules=None)
+    with plain_view(model, finetuned) as plain:
+        rectifier = Rectifier(plain, theta0, replay, config, progress=progress,
+                              keep_reference_factors=output.format == "adapter")
+        report = rectifier.run()
+    result = rectifier.result
+    if output.format == "merged":
+        merged = _merge(model, layers, result)
+        report.output = {"format": "merged"}
+        return LivePeftRun(report, merged, rectifier)
+    try:
+        report.output = _write_adapter(model, layers, result, output)
+    finally:
+        result.release()
+    return LivePeftRun(report, model, rectifier)
+
+
+def _write_adapter(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult,
+                   output: PeftOutput) -> dict[str, Any]:
+    written, originals = [], {}
+    try:
+        for name, layer in result.layers.items():
+            module = layers[name]
+            originals[name] = LoraState.capture(module)
+            base = module.get_base_layer()
+            w_base = layer.rule.to_matrix(base.weight.detach()).float().to(layer.rectified.device)
+            reference = layer.reference
+            written.append(write_lora(
+                module, name, layer.rectified.detach().float(), reference - w_base, layer.rect_delta(),
+                output.rank, output.energy, jacobian=layer.jacobian, reference_norm=layer.reference_norm(),
+            ))
+    except Exception:
+        for state in originals.values():
+            state.restore()
+        raise
+    changed = {w.stats.name: w.stats.rank for w in written if w.rank_changed}
+    if changed:
+        record_rank_pattern(model, next(iter(layers.values())).active_adapters[0], changed)
+    kept = [w.stats.kept_energy for w in written]
+    logger.info("JANUS: rectified update written back into the adapter (%d layers, kept energy min %.4f)",
+                len(written), min(kept) if kept else 1.0)
+    return {"format": "adapter", "adapter_rank": output.rank, "adapter_energy": output.energy,
+            "layers": [w.stats.to_dict() for w in written]}
+
+
+def _merge(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult) -> nn.Module:
+    """Rectified weights into the base layers, every other adapter merged, PEFT wrappers removed."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    with torch.no_grad():
+        for name, module in layers.items():
+            set_base_weight(module, result.layers[name].rectified.detach().float())
+        # Adapted layers JANUS did not rectify (narrowed targets, embeddings) keep their fine-tuned value.
+        for name, module in inner_model(model).named_modules():
+            if isinstance(module, BaseTunerLayer) and name not in layers and hasattr(module, "merge"):
+                module.merge()
+    merged = model.unload()
+    logger.info("JANUS: rectified weights merged into the plain %s", type(merged).__name__)
+    return merged

@@ -1,0 +1,63 @@
+"""The public result of a rectification: per layer θ0, θ̂, θ_rect and J0, for the adapters and other callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from hf_janus.engine.ghost import LayerJacobian
+from hf_janus.engine.layers import LayerRule
+from hf_janus.engine.report import RectificationReport
+
+
+@dataclass
+class LayerResult:
+    """One rectified layer. Matrices are ``(d_out, d_in)`` (the layout of ``y = W x``), whatever the module
+    stores; the tensors are the rectifier's own, shared and not copied."""
+
+    name: str
+    rule: LayerRule
+    reference_weight: Tensor  # θ0 as (d_out, d_in), in its own dtype
+    finetuned_weight: Tensor  # θ̂ as the module stores it (native layout and dtype), on the CPU
+    rectified: Tensor  # θ_rect, float32 (d_out, d_in), on the rectifier's device
+    jacobian: Optional[LayerJacobian] = None  # J0 (compressed factors at θ0), when kept
+
+    @property
+    def reference(self) -> Tensor:
+        """θ0 as float32 (no copy for float32 weights)."""
+        return self.reference_weight.float()
+
+    def finetuned(self) -> Tensor:
+        """θ̂ as float32 ``(d_out, d_in)`` on the device of :attr:`rectified`."""
+        return self.rule.to_matrix(self.finetuned_weight).to(self.rectified.device, torch.float32)
+
+    def delta(self) -> Tensor:
+        """ΔW = θ̂ − θ0, the fine-tuning update."""
+        return self.finetuned() - self.reference
+
+    def rect_delta(self) -> Tensor:
+        """ΔW_rect = θ_rect − θ0, the rectified update."""
+        return self.rectified - self.reference
+
+    def reference_norm(self) -> Optional[float]:
+        """``||J0 ΔW||``, the denominator of every residual; None without :attr:`jacobian`."""
+        if self.jacobian is None:
+            return None
+        return float(self.jacobian.jvp(self.delta()).norm())
+
+
+@dataclass
+class RectificationResult:
+    """What :meth:`hf_janus.engine.rectifier.Rectifier.run` leaves behind: the report and every layer."""
+
+    report: RectificationReport
+    layers: dict[str, LayerResult] = field(default_factory=dict)
+
+    def release(self) -> None:
+        """Free the kept Jacobians' buffers (their factors go with the result)."""
+        for layer in self.layers.values():
+            if layer.jacobian is not None:
+                layer.jacobian.release()

@@ -1,0 +1,117 @@
+"""θ0, the weights at train begin, kept for ``JanusCallback``: in host memory or in a safetensors file, and in
+every checkpoint so that a resumed run still rectifies against the weights it started from."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from torch import Tensor, nn
+
+from hf_janus.adapters.live_peft import effective_weights
+from hf_janus.engine.layers import resolve_target_modules
+from hf_janus.errors import JanusError
+from hf_janus.io_utils import atomic_replace
+from hf_janus.parallel.sharding import check_sharding, full_weight
+
+logger = logging.getLogger(__name__)
+
+# The leading "_" keeps it out of trainer.push_to_hub() uploads (Trainer ignores "_*" there).
+SNAPSHOT_NAME = "_janus_theta0.safetensors"
+SNAPSHOT_PLACES = ("cpu", "disk")
+
+
+def save_safetensors(tensors: dict[str, Tensor], path: str) -> None:
+    """Write a safetensors file atomically (:func:`~hf_janus.io_utils.atomic_replace`)."""
+    from safetensors.torch import save_file
+
+    with atomic_replace(path) as tmp:
+        save_file(tensors, tmp)
+
+
+def plain_targets_theta0(model: nn.Module, target_modules, exclude_modules) -> dict[str, Tensor]:
+    """``{"<layer>.weight": whole weight on the CPU}`` of a plain model's target layers.
+
+    Under FSDP2 and ZeRO-3 every rank gathers every layer (a collective, same order on all ranks).
+    """
+    targets = resolve_target_modules(model, target_modules, exclude_modules)
+    check_sharding(model, {name: module.weight for name, module in targets.items()})
+    return {f"{name}.weight": full_weight(module.weight).to("cpu", copy=True).contiguous()
+            for name, module in targets.items()}
+
+
+class Theta0Snapshot:
+    """θ0 of the target layers, kept in host memory (``place="cpu"``) or in ``output_dir`` (``"disk"``)."""
+
+    def __init__(self, place: str = "cpu"):
+        if place not in SNAPSHOT_PLACES:
+            raise ValueError(f"snapshot={place!r} is invalid: expected 'cpu' or 'disk'")
+        self.place = place
+        self.nbytes = 0
+        self._tensors: Optional[dict[str, Tensor]] = None
+        self._path: Optional[str] = None
+
+    def take(self, model: nn.Module, peft_layers: Optional[dict[str, nn.Module]], target_modules, exclude_modules,
+             output_dir: str, is_writer: bool) -> None:
+        """Snapshot the target layers of ``model``: the effective weights of ``peft_layers`` for a PEFT model.
+
+        With ``place="disk"`` one process (``is_writer``) writes the file and the others read the same one, so
+        ``output_dir`` must be shared; the caller waits for every process before the file is read.
+        """
+        if peft_layers is not None:
+            theta0 = effective_weights(peft_layers)
+        else:
+            theta0 = plain_targets_theta0(model, target_modules, exclude_modules)
+        self.nbytes = _nbytes(theta0)
+        if self.place == "disk":
+            self._path, self._tensors = os.path.join(output_dir, SNAPSHOT_NAME), None
+            if is_writer:
+                save_safetensors(theta0, self._path)
+        else:
+            self._tensors = theta0
+        logger.info("JANUS: θ0 snapshot of %d layers, %.1f MiB, kept on %s", len(theta0), self.nbytes / 2**20,
+                    self.place)
+
+    def resume(self, output_dir: str, global_step: int) -> None:
+        """Load the snapshot a checkpoint of step ``global_step`` carries (or the run's own, in ``output_dir``)."""
+        from safetensors.torch import load_file
+
+        candidates = [os.path.join(output_dir, f"checkpoint-{global_step}", SNAPSHOT_NAME),
+                      os.path.join(output_dir, SNAPSHOT_NAME)]
+        path = next((p for p in candidates if os.path.isfile(p)), None)
+        if path is None:
+            raise JanusError(
+                f"resuming at step {global_step}, but no θ0 snapshot ({SNAPSHOT_NAME}) was found in "
+                f"{candidates[0]} or {candidates[1]}: the checkpoint was not written with JanusCallback. Start the "
+                "run from scratch, or rectify afterwards with hf_janus.rectify and the original weights"
+            )
+        theta0 = load_file(path, device="cpu")
+        self.nbytes = _nbytes(theta0)
+        if self.place == "disk":
+            self._path, self._tensors = path, None
+        else:
+            self._tensors = theta0
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether θ0 is held in host memory (else it is read from its file when needed)."""
+        return self._tensors is not None
+
+    def save_to_checkpoint(self, folder: str) -> None:
+        """Put θ0 into a checkpoint folder so that resuming from it finds the weights the run started from."""
+        save_safetensors(self.tensors(), os.path.join(folder, SNAPSHOT_NAME))
+
+    def tensors(self) -> dict[str, Tensor]:
+        """``{"<layer>.weight": θ0}`` on the CPU (read from disk for ``place="disk"``)."""
+        if self._tensors is not None:
+            return self._tensors
+        if self._path is None:
+            raise JanusError("no θ0 snapshot: JanusCallback.on_train_begin did not run")
+        from safetensors.torch import load_file
+
+        return load_file(self._path, device="cpu")
+
+
+def _nbytes(tensors: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
