@@ -16,6 +16,31 @@ from hf_janus import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
 
 
+@contextmanager
+def rank_process() -> Iterator[None]:
+    """The body of one spawned rank: its traceback is printed whole (mp.spawn reports only the last line) and its
+    process group is destroyed however it ends."""
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        yield
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def assert_restored(outcome: dict, name: str) -> None:
+    """An injected failure raised an error that says the model was restored, and every weight is θ̂ again."""
+    assert outcome["error"] is not None and "restored" in outcome["error"] and "injected" in outcome["error"]
+    for key, value in outcome["before"].items():
+        assert torch.equal(outcome["after"][key], value), f"{name}: {key} is not θ̂"
+
+
 def spawn_two(worker, tmp_path, *args) -> list:
     """Run ``worker(rank, 2, init_file, out_dir, *args)`` on two processes; each saves ``rank<r>.pt`` in out_dir."""
     mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path), *args), nprocs=2, join=True)

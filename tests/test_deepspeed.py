@@ -4,7 +4,6 @@ process rectifies the unpartitioned model, restore θ̂ exactly on failure, and 
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 import torch
@@ -14,8 +13,10 @@ from sharded_checks import (
     check_matches_single_process,
     fail_between_passes,
     fail_during_backward,
+    assert_restored,
     injected,
     setup_model,
+    rank_process,
     spawn_two,
     track_capture_tag,
 )
@@ -89,7 +90,7 @@ _setup = setup_model
 
 def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     _init(rank, world, init_file)
-    try:
+    with rank_process():
         results = {}
         for n_samples in SAMPLE_COUNTS:
             model, reference = _setup()
@@ -103,11 +104,6 @@ def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
                 "passes": (len(rectifier.local_batches), len(rectifier.idle_batches)),
             }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_zero3_rectify_matches_unpartitioned(tmp_path):
@@ -151,7 +147,7 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
     from hf_janus.replay.prepare import prepare_replay
 
     _init(rank, world, init_file)
-    try:
+    with rank_process():
         results = {}
         for name, (inject, bf16) in FAILURES.items():
             model, reference = _setup()
@@ -189,11 +185,6 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
         except JanusError as err:
             results["no_engine"] = str(err)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_failure_restores_partitioned_weights_exactly(tmp_path):
@@ -201,9 +192,7 @@ def test_failure_restores_partitioned_weights_exactly(tmp_path):
     for result in ranks:
         for name in FAILURES:
             outcome = result[name]
-            assert outcome["error"] is not None and "restored" in outcome["error"] and "injected" in outcome["error"]
-            for key, value in outcome["before"].items():
-                assert torch.equal(outcome["after"][key], value), f"{name}: {key} is not θ̂"
+            assert_restored(outcome, name)
             master_before, master_after = outcome["master"]
             for key, value in master_before.items():  # the optimizer's master copy is restored as well
                 assert torch.equal(master_after[key], value), f"{name}: the master copy of {key} changed"
@@ -225,7 +214,7 @@ def _trainer_worker(rank: int, world: int, init_file: str, out_dir: str, port: i
     # What a launcher (deepspeed, torchrun, accelerate) sets; Trainer initializes the process group itself.
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
+    with rank_process():
         class Probe(TrainerCallback):
             """Placed before JanusCallback: sees the fine-tuned weights just before the rectification."""
 
@@ -259,12 +248,6 @@ def _trainer_worker(rank: int, world: int, init_file: str, out_dir: str, port: i
                   "still_partitioned": _target_is_partitioned(trainer.model)}
         trainer.save_model(os.path.join(out_dir, "final"))  # gathers the 16-bit weights: a collective
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -4,7 +4,6 @@ rectifies the unsharded one, restore θ̂ exactly on failure, and JanusCallback 
 from __future__ import annotations
 
 import os
-import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +14,10 @@ from sharded_checks import (
     check_matches_single_process,
     fail_between_passes,
     fail_during_backward,
+    assert_restored,
     injected,
     setup_model,
+    rank_process,
     spawn_two,
 )
 
@@ -64,7 +65,7 @@ def _init(rank: int, world: int, init_file: str) -> None:
 
 def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     _init(rank, world, init_file)
-    try:
+    with rank_process():
         results = {}
         for n_samples in SAMPLE_COUNTS:
             model, reference = _setup()
@@ -76,8 +77,6 @@ def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
                 "passes": (len(rectifier.local_batches), len(rectifier.idle_batches)),
             }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharded_rectify_matches_unsharded(tmp_path):
@@ -99,7 +98,7 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
     from hf_janus.replay.prepare import prepare_replay
 
     _init(rank, world, init_file)
-    try:
+    with rank_process():
         results = {}
         for name, inject in FAILURES.items():
             model, reference = _setup()
@@ -134,11 +133,6 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
         except JanusError as err:
             results["tensor_parallel"] = str(err)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_failure_restores_sharded_weights_exactly(tmp_path):
@@ -146,9 +140,7 @@ def test_failure_restores_sharded_weights_exactly(tmp_path):
     for result in ranks:
         for name in FAILURES:
             outcome = result[name]
-            assert outcome["error"] is not None and "restored" in outcome["error"] and "injected" in outcome["error"]
-            for key, value in outcome["before"].items():
-                assert torch.equal(outcome["after"][key], value), f"{name}: {key} is not θ̂"
+            assert_restored(outcome, name)
             assert outcome["still_sharded"] and outcome["requires_grad"]
             assert outcome["losses"][1] == outcome["losses"][0]
         assert "FSDP2" in result["tensor_parallel"] and "1-D mesh" in result["tensor_parallel"]
@@ -163,7 +155,7 @@ def _callback_worker(rank: int, world: int, init_file: str, out_dir: str) -> Non
     from hf_janus.integrations.trainer import JanusCallback
 
     _init(rank, world, init_file)
-    try:
+    with rank_process():
         model = _shard(build_tiny("llama"))
         args = SimpleNamespace(output_dir=out_dir, process_index=rank, fsdp="full_shard", deepspeed=None,
                                disable_tqdm=True)
@@ -185,8 +177,6 @@ def _callback_worker(rank: int, world: int, init_file: str, out_dir: str) -> Non
         torch.save({"theta0": theta0, "finetuned": finetuned, "state": _full_state(model),
                     "report": janus.report.to_dict(), "snapshot_bytes": janus.snapshot_bytes,
                     "refused": _refusals(args, state)}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _refusals(args, state) -> dict:
