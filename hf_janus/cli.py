@@ -129,6 +129,8 @@ def add_dataclass_options(group: argparse._ArgumentGroup, cls: type, prefix: str
             kwargs["choices"] = list(meta["choices"])
         elif "nargs" in meta:
             kwargs.update(nargs=meta["nargs"], metavar="NAME")
+        elif "type" in meta:  # a field whose default (None) does not say its type
+            kwargs["type"] = meta["type"]
         elif isinstance(default, (int, float)) and not isinstance(default, bool):
             kwargs["type"] = type(default)
         group.add_argument(meta.get("cli", "--" + f.name.replace("_", "-")), **kwargs)

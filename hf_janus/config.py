@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -11,6 +12,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from hf_janus.engine.compression import COMPRESSION_CHOICES
+from hf_janus.engine.step_control import STEP_CONTROLS
 from hf_janus.serialization import known_fields
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -43,6 +45,15 @@ class JanusConfig:
             projected in one unchecked step and the report says so.
         min_alpha: smallest step size tried; a step that would shrink below it is taken at ``min_alpha``
             and flagged in the report.
+        step_control: how the step size α of each trial is chosen (the acceptance test c̄ ≥ τ on the whole
+            replay is the same for both). ``"adaptive"`` (default): predicts the largest α that passes from the
+            trials already made (``hf_janus.engine.step_control``), so that most steps cost one or two trials.
+            ``"paper"``: the paper's Algorithm 1, α=1 at every step, shrunk by β until accepted.
+        max_evaluations: budget in Jacobian evaluations (the capture at θ0 counts as one). When the next trial
+            would exceed it, the loop stops at the last accepted point (θ0 if no step was accepted yet), the report
+            says ``stopped_early`` and a warning names this knob. ``None``: no budget.
+        max_seconds: budget in seconds of :meth:`Rectifier.run`; the loop stops at the last accepted point before
+            a trial that would end past it (estimated from the mean evaluation time so far). ``None``: no budget.
         gram_dtype: dtype of the Gram matrices, JVPs, VJPs and their eigendecompositions.
         gram_rcond: relative cutoff below which Gram eigenvalues count as zero (pseudo-inverse).
         materialize_max_bytes: largest per-layer per-sample gradient tensor the engine may materialize
@@ -69,6 +80,15 @@ class JanusConfig:
     replay_batch_size: int = field(default=8, metadata={"help": "replay samples per forward/backward"})
     max_steps: int = field(default=50, metadata={"help": "maximum rectification steps"})
     min_alpha: float = field(default=1e-3, metadata={"help": "smallest step size α tried"})
+    step_control: str = field(default="adaptive", metadata={
+        "help": "how each trial's step size is chosen: adaptive (predicted from the trials so far) or paper "
+                "(α=1, shrunk by β)", "choices": STEP_CONTROLS})
+    max_evaluations: Optional[int] = field(default=None, metadata={
+        "help": "budget of Jacobian evaluations; the loop stops at the last accepted point (0 = none)",
+        "type": int, "zero_is_none": True})
+    max_seconds: Optional[float] = field(default=None, metadata={
+        "help": "budget in seconds; the loop stops at the last accepted point (0 = none)",
+        "type": float, "zero_is_none": True})
     gram_dtype: torch.dtype = field(default=torch.float64, metadata={
         "help": "dtype of the Gram matrices and their eigendecompositions", "choices": tuple(_DTYPES)})
     gram_rcond: float = field(default=1e-10, metadata={
@@ -114,6 +134,14 @@ class JanusConfig:
         _check(_is_int(self.max_steps) and self.max_steps >= 1, "max_steps", self.max_steps, "an int >= 1")
         _check(isinstance(self.min_alpha, (int, float)) and 0.0 < self.min_alpha <= 1.0,
                "min_alpha", self.min_alpha, "a float in (0, 1]")
+        _check(self.step_control in STEP_CONTROLS, "step_control", self.step_control,
+               " or ".join(repr(c) for c in STEP_CONTROLS))
+        _check(self.max_evaluations is None or (_is_int(self.max_evaluations) and self.max_evaluations >= 2),
+               "max_evaluations", self.max_evaluations, "None or an int >= 2 (θ0's capture and one trial)")
+        _check(self.max_seconds is None
+               or (isinstance(self.max_seconds, (int, float)) and not isinstance(self.max_seconds, bool)
+                   and math.isfinite(self.max_seconds) and self.max_seconds > 0),
+               "max_seconds", self.max_seconds, "None or a number of seconds > 0")
         _check(self.gram_dtype in (torch.float64, torch.float32), "gram_dtype", self.gram_dtype,
                "torch.float64 or torch.float32")
         _check(isinstance(self.gram_rcond, (int, float)) and 0.0 <= self.gram_rcond < 1.0,

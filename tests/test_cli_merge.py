@@ -227,7 +227,8 @@ def test_every_config_field_is_an_option():
              "--exclude-modules": (["o_proj"], ["o_proj"]), "--replay-batch-size": ("3", 3),
              "--max-steps": ("9", 9), "--min-alpha": ("0.01", 0.01), "--gram-dtype": ("float32", torch.float32),
              "--gram-rcond": ("1e-8", 1e-8), "--materialize-max-bytes": ("1024", 1024), "--cache": ("d", "d"),
-             "--seed": ("5", 5)}
+             "--seed": ("5", 5), "--step-control": ("paper", "paper"), "--max-evaluations": ("40", 40),
+             "--max-seconds": ("90.5", 90.5)}
     argv = list(base)
     for flag, (text, _) in given.items():
         argv += [flag, *text] if isinstance(text, list) else [flag, text]
@@ -235,6 +236,9 @@ def test_every_config_field_is_an_option():
     assert len(given) == len(dataclasses.fields(JanusConfig))
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(JanusConfig)}
     assert sorted(values.values(), key=repr) == sorted((v for _, v in given.values()), key=repr)
+    # 0 means "no budget", as --compression-rank 0 means "no compression"
+    config = merge_config(build_parser().parse_args(base + ["--max-evaluations", "0", "--max-seconds", "0"]))
+    assert config.max_evaluations is None and config.max_seconds is None
 
 
 def test_replay_options_from_the_command_line():

@@ -312,7 +312,7 @@ def scripted(monkeypatch, cosines):
 def test_loop_shrinks_until_accepted_then_takes_full_step(monkeypatch, tuned_llama):
     model, reference = tuned_llama
     queue = scripted(monkeypatch, [0.5, 0.9, 0.96, 0.99])
-    report = rectify(model, reference, random_replay(4), JanusConfig(tau=0.95, beta=0.5, rank=4), progress=False)
+    report = rectify(model, reference, random_replay(4), JanusConfig(tau=0.95, beta=0.5, rank=4, step_control="paper"), progress=False)
     assert report.alphas == [0.25, 1.0]
     assert [t.accepted for t in report.steps[0].trials] == [False, False, True]
     assert [t.alpha for t in report.steps[0].trials] == [1.0, 0.5, 0.25]
@@ -323,7 +323,7 @@ def test_loop_geometry_matches_accepted_steps(monkeypatch, tuned_llama):
     """After steps α1, α2=1 the weights are θ0 + α1 P1 + P2: the final full step ends at the projection."""
     model, reference = tuned_llama
     scripted(monkeypatch, [0.0, 1.0, 1.0])
-    rectify(model, reference, random_replay(4), JanusConfig(tau=0.5, beta=0.7, rank=4), progress=False)
+    rectify(model, reference, random_replay(4), JanusConfig(tau=0.5, beta=0.7, rank=4, step_control="paper"), progress=False)
     ref = reference["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, ref)
 
@@ -344,7 +344,7 @@ def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_
     built = []
     original = ghost.per_sample_gradients
     monkeypatch.setattr(ghost, "per_sample_gradients", lambda *a, **k: built.append(1) or original(*a, **k))
-    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4)
+    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4, step_control="paper")
     runs = []
     for keep in (True, False):
         if not keep:
@@ -368,7 +368,7 @@ def test_min_alpha_forces_step_and_says_so(monkeypatch, tuned_llama):
     model, reference = tuned_llama
     scripted(monkeypatch, [0.1, 0.1, 0.99])
     report = rectify(model, reference, random_replay(4),
-                     JanusConfig(tau=0.95, beta=0.5, min_alpha=0.3, rank=4), progress=False)
+                     JanusConfig(tau=0.95, beta=0.5, min_alpha=0.3, rank=4, step_control="paper"), progress=False)
     # 1 -> 0.5 tried; 0.25 would be below min_alpha, so α=0.5 is taken although c̄ < τ.
     assert report.alphas == [0.5, 1.0]
     assert report.steps[0].forced and not report.steps[1].forced and report.converged
@@ -378,7 +378,7 @@ def test_max_steps_takes_final_unchecked_step(monkeypatch, tuned_llama):
     model, reference = tuned_llama
     scripted(monkeypatch, [0.1, 0.99, 0.1])
     report = rectify(model, reference, random_replay(4),
-                     JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4), progress=False)
+                     JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4, step_control="paper"), progress=False)
     assert report.alphas == [0.5, 1.0]
     assert report.steps[-1].forced and not report.converged and "max_steps" in report.stop_reason
 

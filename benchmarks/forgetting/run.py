@@ -268,6 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="full,lora,pissa")
     ap.add_argument("--cache-dir", default=os.path.join(HERE, "cache"))
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--step-control", default="adaptive", choices=("adaptive", "paper"),
+                    help="JanusConfig.step_control of every JANUS run; the other controller is run once more on each "
+                         "θ̂ at the main τ for the side-by-side table (default: adaptive)")
     ap.add_argument("--force-merger", action="store_true",
                     help="rectify LoRA/PiSSA with JanusMerger after training instead of JanusCallback")
     args = ap.parse_args(argv)
@@ -298,8 +301,11 @@ def main(argv=None) -> int:
     train = [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, label_prompt=False) for m in splits.gsm_train]
     assert not {q.question for q in splits.replay} & {q.question for q in splits.nq_eval + splits.wq_eval}
 
-    def cfg(tau: float):
-        return JanusConfig(tau=tau, beta=s.beta, rank=s.janus_rank, replay_batch_size=s.replay_batch, seed=s.seed)
+    def cfg(tau: float, step_control: str = args.step_control):
+        return JanusConfig(tau=tau, beta=s.beta, rank=s.janus_rank, replay_batch_size=s.replay_batch, seed=s.seed,
+                           step_control=step_control)
+
+    other_control = "paper" if args.step_control == "adaptive" else "adaptive"
 
     rows: dict[str, dict] = {}
     curves: dict[str, dict[str, list]] = {}
@@ -347,10 +353,14 @@ def main(argv=None) -> int:
             context.update(finetuned=finetuned, theta0=theta0, names=names)
             add(f"{label}", method, "finetuned", finetuned)
             add(f"{janus} (τ={s.tau}, callback)", method, "janus", rectified, {"report": rec["janus_report"]})
-            for tau, kind in ((0.9, "janus_tau0.9"), (0.0, "janus_single_step")):
+            # The same θ̂ and θ0 through the other step-size controller, for the side-by-side table.
+            for tau, kind, name, control in (
+                    (s.tau, "janus_other_control", f"{janus} (τ={s.tau}, {other_control} controller)", other_control),
+                    (0.9, "janus_tau0.9", f"{janus} (τ=0.9)", args.step_control),
+                    (0.0, "janus_single_step", f"{janus} (τ=0)", args.step_control)):
                 t0 = time.perf_counter()
-                model, report = variants.rectify_copy(finetuned, theta0, replay, cfg(tau))
-                add(f"{janus} (τ={tau:g})", method, kind, model,
+                model, report = variants.rectify_copy(finetuned, theta0, replay, cfg(tau, control))
+                add(name, method, kind, model,
                     {"report": summarize_report(report), "rectify_seconds": time.perf_counter() - t0})
             t0 = time.perf_counter()
             model, info = variants.avg_grad_project(finetuned, theta0, names, replay, tok.pad_id, s.replay_batch)
@@ -395,9 +405,20 @@ def main(argv=None) -> int:
             "lift_ge_20": jr["ap1"] - base["ap1"] >= 20, "ap2_ge_90": (jr.get("ap2") or 0) >= 90,
             "above_wise": margin is not None and margin > 0,
         }
+    controllers = {}
+    for method in methods:
+        label, janus = {"full": "Full FT", "lora": "LoRA", "pissa": "PiSSA"}[method], METHODS[method]
+        for control, name in ((args.step_control, f"{janus} (τ={s.tau}, callback)"),
+                              (other_control, f"{janus} (τ={s.tau}, {other_control} controller)")):
+            r = rows[name]
+            controllers.setdefault(janus, {})[control] = {
+                "row": name, "ap1": r.get("ap1"), "ap2": r.get("ap2"), "evals": r["report"]["jacobian_evals"],
+                "steps": r["report"]["steps"], "seconds": r["report"]["seconds"],
+                "replay_loss": r["report"]["replay_loss"].get("rectified")}
     wall = time.perf_counter() - t_start
     result = {
         "settings": dataclasses.asdict(s), "quick": args.quick, "wall_seconds": wall,
+        "step_control": args.step_control, "controllers": controllers,
         "pretrain": pre_meta, "finetune": records, "rows": rows, "goals": goals,
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "peft": __import__("peft").__version__, "threads": args.threads, "python": platform.python_version(),
@@ -441,6 +462,18 @@ def render_markdown(result: dict, methods: list[str]) -> str:
         met = g["lift_ge_20"] and g["ap2_ge_90"] and g["above_wise"]
         out.append(f"| {name} | {g['ap1_lift']:+.1f} | {_f(g['ap2'])} | {_f(g['above_wise_by'], '{:+.1f}')} | "
                    f"{'yes' if met else 'no'} |")
+    out += ["", "## Step-size controllers (JANUS at τ=%g, the same θ̂ and θ0)" % s["tau"], "",
+            "| variant | controller | Jacobian evals | steps | rectification (s) | AP1 (%) | AP2 (%) | replay loss after |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for janus, by_control in result.get("controllers", {}).items():
+        for control, c in sorted(by_control.items()):
+            out.append(f"| {janus} | {control} | {c['evals']} | {c['steps']} | {_f(c['seconds'], '{:.0f}')} | "
+                       f"{_f(c['ap1'])} | {_f(c['ap2'])} | {_f(c['replay_loss'], '{:.3f}')} |")
+        if {"adaptive", "paper"} <= set(by_control):
+            a, p = by_control["adaptive"], by_control["paper"]
+            out.append(f"| {janus} | paper / adaptive | {p['evals'] / a['evals']:.2f}× | | "
+                       f"{_f(p['seconds'] / a['seconds'] if a['seconds'] else None, '{:.2f}×')} | "
+                       f"{_f(a['ap1'] - p['ap1'], '{:+.1f}')} | {_f(a['ap2'] - p['ap2'], '{:+.1f}')} | |")
     out += ["", "JANUS paths: " + "; ".join(f"{m}: {result['finetune'][m]['janus_path']}" for m in methods),
             f"Wall time {result['wall_seconds']:.0f}s (pretraining {'cached' if result['pretrain'].get('cached') else 'included'}).", ""]
     return "\n".join(out)
@@ -456,6 +489,8 @@ def plot(result: dict, methods: list[str], path: str) -> None:
     pre = rows["pretrained θ0"]
     fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 4.6), squeeze=False)
     markers = {"finetuned": ("X", "black", "no rectification"), "janus": ("*", "tab:red", "JANUS τ=%g (callback)" % result["settings"]["tau"]),
+               "janus_other_control": ("*", "tab:pink", "JANUS τ=%g, %s controller" % (
+                   result["settings"]["tau"], "paper" if result.get("step_control", "adaptive") == "adaptive" else "adaptive")),
                "janus_tau0.9": ("P", "tab:orange", "JANUS τ=0.9"), "janus_single_step": ("v", "tab:purple", "JANUS τ=0 (single step)"),
                "avg_grad": ("s", "tab:brown", "avg.-gradient projection"), "intruder": ("D", "tab:cyan", "intruder reduction"),
                "reset_linear": ("o", "tab:gray", "rectified layers reset to θ0")}

@@ -7,6 +7,7 @@ principal angles) -> new weights, a :class:`RectificationReport` and a :class:`~
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from hf_janus.engine.ghost import (
 from hf_janus.engine.layers import LayerRule, resolve_target_modules, rule_for
 from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
 from hf_janus.engine.result import LayerResult, RectificationResult
+from hf_janus.engine.step_control import make_step_controller
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.timing import PhaseTimer
 from hf_janus.errors import JanusError, RectificationError
@@ -124,6 +126,49 @@ def _reference_weight(reference: Reference, name: str, module: nn.Module, rule: 
             f"{full_shape(module.weight)}: the reference does not match this model's architecture"
         )
     return full_weight(weight)  # the reference model may be sharded too
+
+
+@dataclass
+class _KeptTrial:
+    """A passing trial held while the controller checks a larger step size: its capture stays in the store."""
+
+    tag: str
+    trial: CaptureResult
+    alpha: float
+    cbar: float
+    index: int  # in StepRecord.trials
+    eigs: dict[str, Optional[GramEig]]
+
+    def take(self, layers: list[_Layer], record: StepRecord) -> tuple[str, CaptureResult, float, float]:
+        """Make this the accepted trial of the step: its row-space eigendecompositions become the layers'."""
+        for layer in layers:
+            layer.trial_eig = self.eigs[layer.name]
+        record.trials[self.index].accepted = True
+        return self.tag, self.trial, self.alpha, self.cbar
+
+
+class _Budget:
+    """``JanusConfig.max_evaluations`` / ``max_seconds``: whether another Jacobian evaluation still fits."""
+
+    def __init__(self, max_evaluations: Optional[int], max_seconds: Optional[float], start: float):
+        self.max_evaluations, self.max_seconds, self.start = max_evaluations, max_seconds, start
+        self.reason: Optional[str] = None
+        self.knob = ""
+
+    def exhausted(self, evaluations: int) -> bool:
+        if self.reason is not None:
+            return True
+        if self.max_evaluations is not None and evaluations >= self.max_evaluations:
+            self.reason = f"budget: max_evaluations={self.max_evaluations} reached"
+            self.knob = "JanusConfig.max_evaluations (--max-evaluations)"
+        elif self.max_seconds is not None:
+            elapsed = time.perf_counter() - self.start
+            # Stop before a trial that would end past the limit, not after it: one evaluation can take minutes.
+            if elapsed + elapsed / max(evaluations, 1) > self.max_seconds:
+                self.reason = (f"budget: max_seconds={self.max_seconds:g} would be exceeded by the next evaluation "
+                               f"({elapsed:.0f} s spent)")
+                self.knob = "JanusConfig.max_seconds (--max-seconds)"
+        return self.reason is not None
 
 
 def _check_finite(tensor: Tensor, what: str) -> None:
@@ -277,7 +322,7 @@ class Rectifier:
         cfg = self.config
         report = RectificationReport(config=cfg.to_dict())
         start = time.perf_counter()
-        bar = tqdm(desc="JANUS rectification", unit="trial", disable=not self.progress, leave=False)
+        bar = tqdm(desc="JANUS rectification", unit="eval", disable=not self.progress, leave=False)
         phase = "measuring the fine-tuned replay loss"
         try:
             with self.timer.phase("forward_backward"):
@@ -290,18 +335,30 @@ class Rectifier:
             self._write_all()
             base = self._capture("c0")
             report.num_jacobian_evals = 1
+            bar.update(1)
             report.num_samples, report.num_tokens = base.num_samples, int(base.sample_tokens.sum())
             current_tag, last_capture = "c0", base
+            controller = make_step_controller(cfg.step_control, cfg.tau, cfg.beta, cfg.min_alpha)
+            budget = _Budget(cfg.max_evaluations, cfg.max_seconds, start)
             for step in range(cfg.max_steps):
+                if budget.exhausted(report.num_jacobian_evals):
+                    break
                 phase = f"projecting the update at step {step}"
                 self._project_all(current_tag)
                 if step == 0:
                     for layer in self.layers:
                         layer.gram_rank0 = layer.eig.rank
-                record = StepRecord(step=step, alpha=1.0)
-                alpha = 1.0
                 final_allowed = step == cfg.max_steps - 1
+                proj_norm = math.sqrt(sum(float(layer.proj.norm()) ** 2 for layer in self.layers))
+                # Every replica must try the same step sizes: rank 0's choice is the one taken.
+                alpha = self.world.from_rank0(controller.start_step(proj_norm, final=final_allowed))
+                record = StepRecord(step=step, alpha=alpha)
+                kept: Optional[_KeptTrial] = None  # a passing trial held while a larger α is checked
                 while True:
+                    if budget.exhausted(report.num_jacobian_evals):
+                        if kept is not None:  # the budget ends the step, but a passing trial is at hand
+                            tag, trial, alpha, cbar = kept.take(self.layers, record)
+                        break
                     tag = f"s{step}t{len(record.trials)}"
                     phase = f"evaluating trial α={alpha:.4g} at step {step}"
                     self._write_all(alpha)
@@ -309,17 +366,38 @@ class Rectifier:
                     report.num_jacobian_evals += 1
                     cbar, per_layer = self._compare_all(current_tag, tag)
                     cbar = self.world.from_rank0(cbar)  # every replica must take the same decision
-                    shrink_floor = alpha * cfg.beta < cfg.min_alpha
-                    accepted = cbar >= cfg.tau or final_allowed or shrink_floor
+                    decision = controller.decide(alpha, cbar, forced_ok=final_allowed)
+                    accepted = decision.action == "accept"
                     record.trials.append(TrialRecord(step, alpha, cbar, per_layer, accepted, trial.loss))
-                    bar.update(1)
-                    bar.set_postfix(step=step, alpha=f"{alpha:.3g}", cos=f"{cbar:.4f}", loss=f"{trial.loss:.4f}")
                     logger.info("JANUS step %d trial α=%.4g: mean cosine %.5f (τ=%.3g) -> %s; replay loss %.5f",
-                                step, alpha, cbar, cfg.tau, "accept" if accepted else "shrink", trial.loss)
-                    if accepted:
-                        break
-                    self.store.drop(tag)
-                    alpha *= cfg.beta
+                                step, alpha, cbar, cfg.tau, decision.action if decision.action != "try"
+                                else ("keep, try larger" if decision.keep else "shrink"), trial.loss)
+                    if decision.action == "try":
+                        if decision.keep:
+                            if kept is not None:
+                                self.store.drop(kept.tag)
+                            kept = _KeptTrial(tag, trial, alpha, cbar, len(record.trials) - 1,
+                                              {layer.name: layer.trial_eig for layer in self.layers})
+                        else:
+                            self.store.drop(tag)
+                        self._show_trial(bar, report, record, cfg.tau, None)
+                        alpha = self.world.from_rank0(decision.alpha)
+                        continue
+                    if decision.action == "accept_kept":
+                        self.store.drop(tag)
+                        tag, trial, alpha, cbar = kept.take(self.layers, record)
+                    elif kept is not None:
+                        self.store.drop(kept.tag)
+                    self._show_trial(bar, report, record, cfg.tau,
+                                     controller.estimated_remaining_evaluations(alpha, cfg.max_steps - step - 1))
+                    break
+                if not any(t.accepted for t in record.trials):
+                    # The budget ran out inside the step: θ_t, the last accepted point, is what the model keeps.
+                    self._release_current()
+                    for layer in self.layers:
+                        layer.proj, layer.trial_eig = None, None
+                    self._write_all()
+                    break
                 record.alpha, record.forced = alpha, cbar < cfg.tau
                 report.steps.append(record)
                 self._release_current()
@@ -336,6 +414,14 @@ class Rectifier:
                 if record.forced:
                     logger.warning("JANUS step %d: step size would fall below min_alpha=%g; took α=%.4g with "
                                    "mean cosine %.4f < τ=%.3g", step, cfg.min_alpha, alpha, cbar, cfg.tau)
+            if budget.reason is not None:
+                report.stopped_early = True
+                report.stop_reason = budget.reason
+                logger.warning("JANUS stopped early: %s after %d Jacobian evaluation(s) and %d accepted step(s). The "
+                               "model holds the last accepted point%s. Raise %s to let it finish.", budget.reason,
+                               report.num_jacobian_evals, len(report.steps),
+                               "" if report.steps else " (θ0: no step was accepted, so the target layers lost the "
+                               "whole fine-tuning update)", budget.knob)
             if self.world.active:
                 # θ_rect is rank 0's: whole matrices travel, since under FSDP each rank holds a different slice.
                 phase = "synchronizing the rectified weights across ranks"
@@ -375,6 +461,19 @@ class Rectifier:
             for layer in self.layers})
         logger.info(report.summary())
         return report
+
+    @staticmethod
+    def _show_trial(bar: Any, report: RectificationReport, record: StepRecord, tau: float,
+                    remaining: Optional[int]) -> None:
+        """The newest trial on the progress bar: what a user needs to estimate the wait. The bar counts Jacobian
+        evaluations; its total (hence tqdm's remaining time) is re-estimated after every accepted step."""
+        trial = record.trials[-1]
+        if remaining is not None:
+            bar.total = report.num_jacobian_evals + remaining
+        bar.update(1)
+        bar.set_postfix(step=record.step, trial=len(record.trials), alpha=f"{trial.alpha:.3g}",
+                        cos=f"{trial.mean_cosine:.4f}{'≥' if trial.mean_cosine >= tau else '<'}τ={tau:g}",
+                        loss=f"{trial.replay_loss:.4f}")
 
     def _combine_losses(self, result: CaptureResult) -> CaptureResult:
         """Per-sample replay losses of every rank, in rank order."""

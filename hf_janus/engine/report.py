@@ -60,6 +60,8 @@ class RectificationReport:
     num_tokens: int = 0
     converged: bool = False
     stop_reason: str = ""
+    # True when a budget (max_evaluations / max_seconds) ended the loop: the weights are the last accepted point.
+    stopped_early: bool = False
     # What callers did with the rectified weights afterwards (e.g. the callback's PEFT write-back:
     # format, per-layer rank, kept energy and residual after re-factorization); empty for plain rectify().
     output: dict[str, Any] = field(default_factory=dict)

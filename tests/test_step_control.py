@@ -1,0 +1,209 @@
+"""Step-size control: the adaptive controller against the paper's (Algorithm 1), and the evaluation/time budgets."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+from conftest import random_replay
+
+from hf_janus import JanusConfig, RectificationReport, rectify
+from hf_janus.engine.capture import replay_losses
+from hf_janus.engine.ghost import eig_psd
+from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.step_control import (
+    AdaptiveStepController,
+    PaperStepController,
+    make_step_controller,
+)
+from hf_janus.replay.prepare import prepare_replay
+
+TAU, BETA, MIN_ALPHA = 0.95, 0.7, 1e-3
+
+
+def simulate(controller, gap_of_length, norms):
+    """Drive a controller as the loop does, with 1 − c̄ = gap_of_length(α · norm) at each step's norm."""
+    steps = []
+    for step, norm in enumerate(norms):
+        alpha = controller.start_step(norm, final=step == len(norms) - 1)
+        trials, kept = [], None
+        while True:
+            cbar = 1.0 - gap_of_length(alpha * norm)
+            decision = controller.decide(alpha, cbar, forced_ok=step == len(norms) - 1)
+            trials.append((alpha, cbar))
+            if decision.action == "accept":
+                steps.append((alpha, cbar, trials))
+                break
+            if decision.action == "accept_kept":
+                steps.append((kept[0], kept[1], trials))
+                break
+            if decision.keep:
+                kept = (alpha, cbar)
+            alpha = decision.alpha
+    return steps
+
+
+@pytest.mark.parametrize("k,p", [(0.02, 2.0), (0.5, 2.0), (3.0, 1.5), (40.0, 2.5), (0.3, 1.0)])
+def test_adaptive_takes_the_papers_step_with_fewer_trials(k, p):
+    """Where c̄ falls monotonically with the step length, both controllers accept the same grid point, the largest
+    that passes; the adaptive one needs no more trials in total."""
+    def gap(length):
+        return min(0.9, k * length ** p)
+
+    norms = [1.0, 0.8, 0.5, 0.45, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02]
+    paper = simulate(PaperStepController(TAU, BETA, MIN_ALPHA), gap, norms)
+    adaptive = simulate(AdaptiveStepController(TAU, BETA, MIN_ALPHA), gap, norms)
+    assert [s[0] for s in adaptive] == [s[0] for s in paper]
+    for alpha, cbar, _ in adaptive[:-1]:
+        assert cbar >= TAU or alpha * BETA < MIN_ALPHA
+    assert sum(len(s[2]) for s in adaptive) <= sum(len(s[2]) for s in paper)
+
+
+def test_adaptive_jumps_instead_of_shrinking_by_beta():
+    """A trial far from τ is followed by the grid point the model predicts, not the next one down."""
+    controller = AdaptiveStepController(TAU, BETA, MIN_ALPHA)
+    assert controller.start_step(1.0) == 1.0
+    decision = controller.decide(1.0, 0.0, forced_ok=False)  # gap 1 with p=2: about 0.22 of the length passes
+    assert decision.action == "try" and decision.alpha < BETA ** 3
+
+
+def test_paper_controller_is_algorithm_1():
+    controller = make_step_controller("paper", TAU, 0.5, 0.3)
+    assert controller.start_step(2.0) == 1.0
+    assert controller.decide(1.0, 0.1, forced_ok=False).alpha == 0.5
+    # 0.25 would fall below min_alpha: the trial at 0.5 is taken whatever c̄
+    assert controller.decide(0.5, 0.1, forced_ok=False).action == "accept"
+    assert controller.start_step(1.0, final=True) == 1.0
+    with pytest.raises(ValueError, match="step_control"):
+        make_step_controller("newton", TAU, BETA, MIN_ALPHA)
+
+
+def test_config_validates_the_new_fields():
+    with pytest.raises(ValueError, match="step_control"):
+        JanusConfig(step_control="fast")
+    with pytest.raises(ValueError, match="max_evaluations"):
+        JanusConfig(max_evaluations=1)
+    with pytest.raises(ValueError, match="max_seconds"):
+        JanusConfig(max_seconds=-5)
+    assert JanusConfig.from_dict(JanusConfig(max_evaluations=7, step_control="paper").to_dict()).max_evaluations == 7
+
+
+# ---- the loop, on a tiny model -------------------------------------------------------------------------
+
+def distance_cosines(monkeypatch, scale):
+    """Replace the orientation comparison by c̄ = 1 − scale · ‖θ_trial − θ_t‖² (monotone in α at every step)."""
+    def fake_compare(self, current_tag, trial_tag):
+        moved = 0.0
+        for layer in self.layers:
+            trial = self._jacobian(layer, trial_tag)  # the next step projects with it
+            layer.trial_eig = eig_psd(trial.gram(), self.config.gram_rcond)
+            trial.release()
+            written = layer.rule.to_matrix(layer.rule.weight(layer.module).detach()).to(torch.float32)
+            moved += float((written - layer.current).square().sum())
+        c = max(0.0, 1.0 - scale * moved)
+        return c, {layer.name: c for layer in self.layers}
+
+    monkeypatch.setattr(Rectifier, "_compare_all", fake_compare)
+
+
+def run(model, reference, replay, **overrides):
+    m = copy.deepcopy(model)
+    config = JanusConfig(**{"tau": TAU, "rank": 4, **overrides})
+    rectifier = Rectifier(m, reference, replay, config, progress=False)
+    report = rectifier.run()
+    return m, report, rectifier
+
+
+def scale_for(model, reference):
+    """A turning rate at which the first steps of the tiny model need several trials."""
+    delta = sum(float((p.detach() - reference[name]).square().sum()) for name, p in model.named_parameters()
+                if name in reference and p.dim() == 2)
+    return 0.5 / delta
+
+
+def test_adaptive_loop_reproduces_the_papers_weights_with_fewer_evaluations(monkeypatch, tuned_llama):
+    model, reference = tuned_llama
+    distance_cosines(monkeypatch, scale_for(model, reference))
+    replay = random_replay(6)
+    paper_model, paper, _ = run(model, reference, replay, step_control="paper")
+    adaptive_model, adaptive, _ = run(model, reference, replay, step_control="adaptive")
+    assert paper.converged and adaptive.converged and len(paper.steps) >= 3
+    assert adaptive.alphas == paper.alphas
+    assert adaptive.num_jacobian_evals < paper.num_jacobian_evals
+    for key, value in paper_model.state_dict().items():
+        assert torch.equal(adaptive_model.state_dict()[key], value), key
+    for step in adaptive.steps:
+        taken = [t for t in step.trials if t.accepted]
+        assert len(taken) == 1 and taken[0].alpha == step.alpha
+        assert taken[0].mean_cosine >= TAU or step.forced
+
+
+@pytest.mark.parametrize("step_control", ["adaptive", "paper"])
+def test_every_accepted_step_passes_or_is_flagged(tuned_llama, step_control):
+    """On the real orientation test: each step keeps exactly one trial, with c̄ ≥ τ unless it is flagged forced."""
+    model, reference = tuned_llama
+    m, report, rectifier = run(model, reference, random_replay(6), tau=0.99, step_control=step_control,
+                               max_steps=6)
+    assert report.steps
+    for step in report.steps:
+        taken = [t for t in step.trials if t.accepted]
+        assert len(taken) == 1 and taken[0].alpha == step.alpha
+        assert (taken[0].mean_cosine >= 0.99) != step.forced
+    if step_control == "paper":  # Algorithm 1: 1, β, β², ... and only the last trial is taken
+        for step in report.steps:
+            assert [t.alpha for t in step.trials] == [BETA ** i for i in range(len(step.trials))] or \
+                all(math.isclose(t.alpha, BETA ** i) for i, t in enumerate(step.trials))
+            assert step.trials[-1].accepted
+    consistent(m, rectifier, report, random_replay(6))
+
+
+def consistent(model, rectifier, report, replay):
+    """The model holds θ_rect of the result, and the report's rectified replay loss is that model's."""
+    for name, layer in rectifier.result.layers.items():
+        module = model.get_submodule(name)
+        assert torch.equal(module.weight.detach().to(torch.float32), layer.rectified), name
+    loss = replay_losses(model, prepare_replay(replay, JanusConfig().replay_batch_size)).loss
+    assert math.isclose(loss, report.replay_loss["rectified"], rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("step_control", ["adaptive", "paper"])
+def test_evaluation_budget_stops_at_the_last_accepted_point(monkeypatch, tuned_llama, caplog, step_control):
+    model, reference = tuned_llama
+    distance_cosines(monkeypatch, scale_for(model, reference))
+    replay = random_replay(6)
+    _, full, _ = run(model, reference, replay, step_control=step_control)
+    for budget in range(2, full.num_jacobian_evals):
+        with caplog.at_level(logging.WARNING, logger="hf_janus.engine.rectifier"):
+            caplog.clear()
+            m, report, rectifier = run(model, reference, replay, step_control=step_control,
+                                       max_evaluations=budget)
+        assert report.num_jacobian_evals == budget
+        assert report.stopped_early and not report.converged and "max_evaluations" in report.stop_reason
+        assert "max_evaluations" in caplog.text
+        # the steps taken are the unbudgeted run's first ones
+        assert report.alphas == full.alphas[:len(report.steps)]
+        consistent(m, rectifier, report, replay)
+    m, report, _ = run(model, reference, replay, step_control=step_control, max_evaluations=full.num_jacobian_evals)
+    assert not report.stopped_early and report.converged
+
+
+def test_time_budget_before_any_step_leaves_theta0_and_says_so(tuned_llama, caplog):
+    model, reference = tuned_llama
+    replay = random_replay(6)
+    with caplog.at_level(logging.WARNING, logger="hf_janus.engine.rectifier"):
+        m, report, rectifier = run(model, reference, replay, max_seconds=1e-9)
+    assert report.stopped_early and report.steps == [] and report.num_jacobian_evals == 1
+    assert "max_seconds" in report.stop_reason and "max_seconds" in caplog.text and "θ0" in caplog.text
+    for name in rectifier.result.layers:
+        assert torch.equal(m.get_submodule(name).weight.detach(), reference[name + ".weight"])
+    consistent(m, rectifier, report, replay)
+    assert RectificationReport.from_dict(report.to_dict()).stopped_early
+
+
+def test_report_and_log_show_the_controller(tuned_llama):
+    model, reference = tuned_llama
+    report = rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(rank=4), progress=False)
+    assert report.config["step_control"] == "adaptive" and report.config["max_evaluations"] is None
