@@ -246,7 +246,8 @@ def run_cli(args) -> int:
     """``hf-janus demo``: run :func:`run_demo` as the command line says, narrate it and print the results."""
     from tqdm.auto import tqdm
 
-    config = JanusConfig(tau=args.tau, rank=args.rank, replay_batch_size=48, seed=args.seed)
+    config = JanusConfig(tau=args.tau, rank=args.rank, replay_batch_size=48, seed=args.seed,
+                         step_control=args.step_control, max_evaluations=args.max_evaluations or None)
     _silence_library_progress()
     write = print if args.no_progress else tqdm.write  # keep the narration above the progress bars
     result = run_demo(seed=args.seed, quick=args.quick, progress=not args.no_progress, config=config,

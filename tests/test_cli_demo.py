@@ -25,6 +25,18 @@ def test_demo_quick_single_step(tmp_path, capsys):
     assert loss["rectified"] < loss["finetuned"]
 
 
+def test_demo_budget_stops_cleanly(tmp_path, capsys):
+    """The demo's rectifications obey --max-evaluations: the run ends, at the last accepted point, and says so."""
+    report_path = tmp_path / "report.json"
+    assert main(["demo", "--quick", "--no-lora", "--max-evaluations", "3", "--no-progress",
+                 "--report", str(report_path)]) == 0
+    report = RectificationReport.load(report_path)
+    assert report.config["max_evaluations"] == 3 and report.config["step_control"] == "adaptive"
+    assert report.num_jacobian_evals <= 3
+    assert report.converged or (report.stopped_early and "max_evaluations" in report.stop_reason)
+    assert "max_evaluations" in capsys.readouterr().out or report.converged
+
+
 def test_help_lists_subcommands(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--help"])

@@ -207,3 +207,12 @@ def test_report_and_log_show_the_controller(tuned_llama):
     model, reference = tuned_llama
     report = rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(rank=4), progress=False)
     assert report.config["step_control"] == "adaptive" and report.config["max_evaluations"] is None
+
+
+def test_progress_bar_shows_what_the_wait_depends_on(tuned_llama, capsys):
+    model, reference = tuned_llama
+    rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(rank=4, tau=0.99, max_steps=4),
+            progress=True)
+    err = capsys.readouterr().err
+    for field in ("JANUS rectification", "eval", "step=", "trial=", "alpha=", "cos=", "τ=0.99", "loss="):
+        assert field in err, field
