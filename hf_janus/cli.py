@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -186,7 +187,10 @@ def _run_merge(args: argparse.Namespace) -> int:
     validate_rank_spec(rank, args.energy)
     if args.refine_iterations < 0:
         raise ValueError(f"--refine-iterations must be >= 0, got {args.refine_iterations}")
-    output = check_output_dir(args.output, args.overwrite)  # fail before the expensive part
+    # Fail before the expensive part, and never over an input: a replay given as a file, the base or the adapter.
+    replay_file = args.replay.split(":")[0] if os.path.exists(args.replay.split(":")[0]) else args.replay
+    output = check_output_dir(args.output, args.overwrite, {"base model": args.base, "adapter": args.adapter,
+                                                            "replay data": replay_file})
     merger = JanusMerger(
         args.base, args.adapter, args.replay, merge_config(args), revision=args.revision, torch_dtype=args.dtype,
         device=args.device, base_revision=args.base_revision, initial_adapter=args.initial_adapter,

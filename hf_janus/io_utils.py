@@ -7,11 +7,15 @@ import re
 import shutil
 import tempfile
 from contextlib import contextmanager
+import logging
+from collections.abc import Mapping
 from typing import Iterator, NamedTuple, Optional, Union
 
 from hf_janus.errors import JanusError
 
 PathLike = Union[str, os.PathLike]
+
+logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -43,13 +47,34 @@ def atomic_write_text(path: PathLike, text: str) -> None:
         fh.write(text)
 
 
-def check_output_dir(path: PathLike, overwrite: bool = False) -> str:
+def _is_within(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def check_output_dir(path: PathLike, overwrite: bool = False,
+                     inputs: Optional[Mapping[str, Optional[PathLike]]] = None, *, recover: bool = True) -> str:
     """Refuse an output location that would destroy something, before any expensive work starts.
 
     An absent path or an empty directory is fine; an existing non-empty directory needs ``overwrite``;
-    an existing file is always refused. Returns the absolute path.
+    an existing file is always refused. ``inputs`` (``{"adapter": path, ...}``; non-local entries are ``None``)
+    are never overwritten: an output that is, contains or lies inside one of them is refused, with or without
+    ``overwrite``. What a killed earlier write to ``path`` left behind is recovered first
+    (:func:`recover_output_dir`; ``recover=False`` while a write of our own is under way). Returns the absolute
+    path.
     """
     path = os.path.abspath(os.fspath(path))
+    if recover:
+        recover_output_dir(path)
+    real = os.path.realpath(path)
+    for what, source in (inputs or {}).items():
+        if source is None or not os.path.exists(os.path.expanduser(os.fspath(source))):
+            continue
+        source_real = os.path.realpath(os.path.expanduser(os.fspath(source)))
+        if _is_within(real, source_real) or _is_within(source_real, real):
+            raise JanusError(
+                f"output directory {path!r} would overwrite the {what} it is made from ({source_real!r}); "
+                "choose an output directory outside the inputs"
+            )
     if os.path.isfile(path) or (os.path.exists(path) and not os.path.isdir(path)):
         raise JanusError(f"output path {path!r} exists and is not a directory; choose another output directory")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
@@ -60,23 +85,50 @@ def check_output_dir(path: PathLike, overwrite: bool = False) -> str:
     return path
 
 
+def recover_output_dir(path: PathLike) -> None:
+    """Finish or undo what a killed :func:`atomic_output_dir` left next to ``path``.
+
+    A run killed between its two renames leaves the previous output in a hidden ``.<name>.old-*`` folder and
+    ``path`` missing: the old output is moved back. Leftover ``.<name>.tmp-*`` folders (a run killed while
+    writing) and ``.old-*`` folders whose replacement is complete are deleted.
+    """
+    path = os.path.abspath(os.fspath(path))
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    if not os.path.isdir(parent):
+        return
+    olds = sorted(e for e in os.listdir(parent) if e.startswith(f".{name}.old-"))
+    for entry in olds:
+        old = os.path.join(parent, entry)
+        if not os.path.exists(path):
+            os.rename(old, path)
+            logger.warning("restored %s from %s, left by an interrupted run", path, old)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for entry in os.listdir(parent):
+        if entry.startswith(f".{name}.tmp-"):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+            logger.info("removed %s, left by an interrupted run", os.path.join(parent, entry))
+
+
 @contextmanager
-def atomic_output_dir(path: PathLike, overwrite: bool = False) -> Iterator[str]:
+def atomic_output_dir(path: PathLike, overwrite: bool = False,
+                      inputs: Optional[Mapping[str, Optional[PathLike]]] = None) -> Iterator[str]:
     """Yield a fresh temporary directory next to ``path``; on success it is renamed to ``path``.
 
     The destination only ever holds a complete output: everything is written into the temporary
     directory, which replaces ``path`` by rename when the ``with`` block ends without an error (and is
     deleted otherwise). An existing non-empty ``path`` is refused unless ``overwrite``; it is then moved
-    aside, replaced, and deleted (the two renames are not one atomic step, but ``path`` is never partly
-    written).
+    aside, replaced, and deleted. The two renames are not one atomic step: a run killed between them leaves
+    ``path`` missing and the old output in a hidden ``.old-`` folder, which the next check of ``path``
+    (:func:`check_output_dir`) moves back. ``inputs``: see :func:`check_output_dir`.
     """
-    path = check_output_dir(path, overwrite)
+    path = check_output_dir(path, overwrite, inputs)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
         yield tmp
-        check_output_dir(path, overwrite)  # it may have appeared while we were writing
+        check_output_dir(path, overwrite, inputs, recover=False)  # it may have appeared while we were writing
         if os.path.isdir(path):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
             os.rmdir(old)

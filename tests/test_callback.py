@@ -124,7 +124,9 @@ def test_disk_snapshot_matches_cpu(tmp_path):
         make_trainer(tmp_path / mode, model, [janus]).train()
         results.append(model.state_dict())
         if mode == "disk":
-            assert not janus.snapshot.in_memory and os.path.isfile(tmp_path / mode / "out" / SNAPSHOT_NAME)
+            # read from its file during the run, deleted when the run ends: θ0 never stays next to the outputs
+            assert not janus.snapshot.in_memory and janus.snapshot.nbytes > 0
+            assert not os.path.exists(tmp_path / mode / "out" / SNAPSHOT_NAME)
     for key in results[0]:
         torch.testing.assert_close(results[1][key], results[0][key], rtol=0, atol=0)
 
@@ -144,6 +146,24 @@ def test_resume_uses_pre_training_snapshot(tmp_path):
         assert torch.equal(value, theta0[key]), f"{key}: θ0 must be the pre-training weights"
     for key, value in model.state_dict().items():
         torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=1e-5)
+
+
+def test_resume_never_uses_a_snapshot_from_outside_the_checkpoint(tmp_path):
+    """A checkpoint without its own θ0 snapshot is refused, even when another run left one in output_dir."""
+    from hf_janus.integrations.snapshot import save_safetensors
+
+    model = build_tiny("llama", vocab=VOCAB)
+    make_trainer(tmp_path, model, [JanusCallback(replay_data(), FAST)], max_steps=4, save_strategy="steps",
+                 save_steps=2).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    stale = {name: torch.zeros_like(value) for name, value in
+             __import__("safetensors.torch", fromlist=["load_file"]).load_file(checkpoint / SNAPSHOT_NAME).items()}
+    (checkpoint / SNAPSHOT_NAME).unlink()
+    save_safetensors(stale, str(tmp_path / "out" / SNAPSHOT_NAME))  # another run's θ0, all zeros
+    resumed = build_tiny("llama", seed=5, vocab=VOCAB)
+    with pytest.raises(JanusError, match="no θ0 snapshot"):
+        make_trainer(tmp_path, resumed, [JanusCallback(replay_data(), FAST)], max_steps=4).train(
+            resume_from_checkpoint=str(checkpoint))
 
 
 def test_on_error_warn_keeps_finetuned_weights(tmp_path):

@@ -146,6 +146,27 @@ def test_push_full_twice_makes_two_commits_and_old_revisions_stay_readable(hub, 
         "main": second.oid, "experiment": branch.oid}
 
 
+def test_push_never_uploads_theta0_snapshots_or_pickles(hub, delta, tmp_path, caplog):
+    from huggingface_hub import HfApi
+    from safetensors.torch import save_file
+
+    from hf_janus.publish.hub import push_folder
+
+    out = delta.save_adapter(tmp_path / "out", progress=False)
+    save_file({"w": torch.zeros(2)}, os.path.join(out, "_janus_theta0.safetensors"))
+    with open(os.path.join(out, "training_args.bin"), "wb") as fh:
+        fh.write(b"\x80\x04not really a pickle")
+    os.makedirs(os.path.join(out, "checkpoint-2"))
+    save_file({"w": torch.zeros(2)}, os.path.join(out, "checkpoint-2", "_janus_theta0.safetensors"))
+    with caplog.at_level("WARNING", logger="hf_janus.publish.hub"):
+        push_folder(out, "me/no-leaks")
+    files = set(HfApi().list_repo_files("me/no-leaks"))
+    assert "adapter_model.safetensors" in files and REPORT_NAME in files
+    assert not {"_janus_theta0.safetensors", "training_args.bin"} & files
+    assert not [f for f in files if f.startswith("checkpoint-")]
+    assert "training_args.bin" in caplog.text  # the user is told what stayed local
+
+
 def test_auth_failure_and_dead_server_leave_the_local_output_intact(hub, delta, tmp_path):
     out = delta.save_adapter(tmp_path / "out", progress=False)
     before = folder_bytes(out)
@@ -349,7 +370,7 @@ def test_callback_with_trainer_pushes_a_rectified_adapter_with_its_record(hub, t
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[janus])
     janus.trainer = trainer
     trainer.train()
-    assert os.path.isfile(os.path.join(args.output_dir, SNAPSHOT_NAME))
+    assert not os.path.exists(os.path.join(args.output_dir, SNAPSHOT_NAME))  # deleted when the run ended
     trainer.push_to_hub(commit_message="rectified")
 
     files = set(HfApi().list_repo_files("me/callback-janus"))

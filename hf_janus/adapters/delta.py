@@ -79,6 +79,16 @@ class RectifiedDelta:
         self.replay_info = replay_info
 
     @property
+    def inputs(self) -> dict[str, Optional[str]]:
+        """The local files and folders this result was made from, which its outputs must never overwrite."""
+        replay = self.replay_info
+        return {
+            "base model": self.base_ref.id if self.base_ref.local else None,
+            "adapter": self.adapter_ref.id if self.adapter_ref.local else None,
+            "replay data": replay.id if replay is not None and replay.local else None,
+        }
+
+    @property
     def report(self) -> MergeReport:
         """The :class:`MergeReport` (updated by :meth:`save_adapter` with re-factorization statistics)."""
         return self._report
@@ -197,7 +207,7 @@ class RectifiedDelta:
 
         validate_rank_spec(rank, energy)
         self._check_adapter_representable()
-        check_output_dir(path, overwrite)
+        check_output_dir(path, overwrite, self.inputs)
         factors, stats = self.factorize(rank, energy, refine, refine_iterations, progress)
         if not factors:
             raise JanusError("every rectified layer update is zero: there is no adapter to save")
@@ -209,7 +219,7 @@ class RectifiedDelta:
             "layers": [s.to_dict() for s in stats],
         }
         self._report.output_format = "adapter"
-        with atomic_output_dir(path, overwrite) as tmp:
+        with atomic_output_dir(path, overwrite, self.inputs) as tmp:
             save_file(state, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
             config.save_pretrained(tmp)
             self._publish(tmp, "adapter", os.fspath(path))
@@ -221,10 +231,10 @@ class RectifiedDelta:
                   max_shard_size: Union[int, str, None] = None) -> str:
         """Save base + ``ΔW_rect`` with ``save_pretrained`` (safetensors), sharded like the base model
         (``max_shard_size`` overrides), with the base model's tokenizer when it has one."""
-        check_output_dir(path, overwrite)
+        check_output_dir(path, overwrite, self.inputs)
         shard = max_shard_size if max_shard_size is not None else self._max_shard_size
         self._report.output_format = "full"
-        with atomic_output_dir(path, overwrite) as tmp:
+        with atomic_output_dir(path, overwrite, self.inputs) as tmp:
             kwargs: dict[str, Any] = {}
             if shard is not None:
                 kwargs["max_shard_size"] = shard

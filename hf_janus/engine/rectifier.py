@@ -310,13 +310,21 @@ class Rectifier:
                 cur = layer.current_jac if cached else self._jacobian(layer, current_tag)
                 trial = self._jacobian(layer, trial_tag)
                 layer.trial_eig = eig_psd(trial.gram(), self.config.gram_rcond)
-                cosines = principal_cosines(layer.eig, layer.trial_eig, cur.cross_gram(trial))
-                per_layer[layer.name] = mean_cosine(cosines)
+                if layer.eig.rank == 0 and layer.trial_eig.rank == 0:
+                    per_layer[layer.name] = None  # no constraint at either point: nothing to keep here
+                elif layer.eig.rank == 0 or layer.trial_eig.rank == 0:
+                    # The row space appeared or vanished (e.g. the trial's gradients overflowed to nothing): as far
+                    # from "barely turned" as it gets, never a pass.
+                    per_layer[layer.name] = 0.0
+                else:
+                    per_layer[layer.name] = mean_cosine(
+                        principal_cosines(layer.eig, layer.trial_eig, cur.cross_gram(trial)))
                 if not cached:
                     cur.release()
                 trial.release()
         known = [c for c in per_layer.values() if c is not None]
-        return (sum(known) / len(known) if known else 1.0), per_layer
+        # With no layer constrained at either point c̄ is undefined (NaN): it fails the test instead of passing it.
+        return (sum(known) / len(known) if known else math.nan), per_layer
 
     def run(self) -> RectificationReport:
         cfg = self.config
@@ -398,7 +406,7 @@ class Rectifier:
                         layer.proj, layer.trial_eig = None, None
                     self._write_all()
                     break
-                record.alpha, record.forced = alpha, cbar < cfg.tau
+                record.alpha, record.forced = alpha, not cbar >= cfg.tau  # NaN (undefined) counts as forced
                 report.steps.append(record)
                 self._release_current()
                 for layer in self.layers:

@@ -74,17 +74,21 @@ class Theta0Snapshot:
                     self.place)
 
     def resume(self, output_dir: str, global_step: int) -> None:
-        """Load the snapshot a checkpoint of step ``global_step`` carries (or the run's own, in ``output_dir``)."""
+        """Load the snapshot the checkpoint of step ``global_step`` carries.
+
+        Only the checkpoint's own copy is trusted: every checkpoint written with ``JanusCallback`` has one. A
+        snapshot elsewhere (``output_dir``) may belong to another run into the same folder, and rectifying
+        against a stale θ0 gives a wrong result without a word, so it is never used as a fallback.
+        """
         from safetensors.torch import load_file
 
-        candidates = [os.path.join(output_dir, f"checkpoint-{global_step}", SNAPSHOT_NAME),
-                      os.path.join(output_dir, SNAPSHOT_NAME)]
-        path = next((p for p in candidates if os.path.isfile(p)), None)
-        if path is None:
+        path = os.path.join(output_dir, f"checkpoint-{global_step}", SNAPSHOT_NAME)
+        if not os.path.isfile(path):
             raise JanusError(
-                f"resuming at step {global_step}, but no θ0 snapshot ({SNAPSHOT_NAME}) was found in "
-                f"{candidates[0]} or {candidates[1]}: the checkpoint was not written with JanusCallback. Start the "
-                "run from scratch, or rectify afterwards with hf_janus.rectify and the original weights"
+                f"resuming at step {global_step}, but the checkpoint has no θ0 snapshot ({path} is missing): it "
+                "was not written with JanusCallback, and a snapshot from another run cannot be told apart from this "
+                "run's. Start the run from scratch, or rectify afterwards with hf_janus.rectify and the original "
+                "weights"
             )
         theta0 = load_file(path, device="cpu")
         self.nbytes = _nbytes(theta0)
@@ -92,6 +96,16 @@ class Theta0Snapshot:
             self._path, self._tensors = path, None
         else:
             self._tensors = theta0
+
+    def discard(self, output_dir: str) -> None:
+        """Delete the run's own snapshot file in ``output_dir`` (``place="disk"``) once the run has ended: it must
+        not stay next to the outputs, where a later upload or a later run could pick it up. Copies inside
+        checkpoints stay, for resuming."""
+        path = os.path.join(output_dir, SNAPSHOT_NAME)
+        if self._path == path and os.path.isfile(path):
+            os.remove(path)
+            self._path = None
+            logger.info("JANUS: removed the θ0 snapshot %s", path)
 
     @property
     def in_memory(self) -> bool:

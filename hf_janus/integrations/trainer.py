@@ -25,7 +25,7 @@ from hf_janus.config import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError, RectificationError
-from hf_janus.integrations.snapshot import Theta0Snapshot
+from hf_janus.integrations.snapshot import SNAPSHOT_NAME, Theta0Snapshot
 from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3, is_zero3_param
 from hf_janus.publish.record import REPORT_NAME
 
@@ -149,6 +149,12 @@ class JanusCallback(TrainerCallback):
         if state.is_world_process_zero and os.path.isdir(folder):
             self.snapshot.save_to_checkpoint(folder)
 
+    def _discard_snapshot(self, args: TrainingArguments, state: TrainerState) -> None:
+        if self.snapshot.place == "disk":
+            _wait_for_everyone()  # every rank has read θ0 before rank 0 deletes the file
+            if state.is_world_process_zero:
+                self.snapshot.discard(args.output_dir)
+
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      model: Optional[nn.Module] = None, processing_class: Any = None, **kwargs: Any) -> None:
         model = _unwrap(model)
@@ -167,9 +173,14 @@ class JanusCallback(TrainerCallback):
                 self.model = model
         except (JanusError, RectificationError) as err:
             if self.on_error == "raise":
+                if self.snapshot.place == "disk":
+                    logger.error("JANUS: the θ0 snapshot stays in %s for a retry with hf_janus.rectify; delete it "
+                                 "before publishing that folder", os.path.join(args.output_dir, SNAPSHOT_NAME))
                 raise
             logger.warning("JANUS rectification skipped, the model keeps its fine-tuned weights: %s", err)
+            self._discard_snapshot(args, state)
             return
+        self._discard_snapshot(args, state)
         self.report.output.setdefault("snapshot_mib", self.snapshot_bytes / 2**20)
         self._log(state)
         if state.is_world_process_zero:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+import logging
 import os
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -10,6 +12,8 @@ from hf_janus.io_utils import hub_cache_snapshot, is_local, read_text
 from hf_janus.publish.card import CARD_NAME, render_card
 from hf_janus.publish.files import detect_kind, pipeline_tag
 from hf_janus.publish.record import REPORT_NAME, PublishedReport, read_record
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from huggingface_hub import CommitInfo
@@ -57,15 +61,31 @@ def _hub_failure(action: str, repo_id: str, err: BaseException, local: Optional[
     return JanusError(f"could not {action} {repo_id!r}: {detail}.{kept}")
 
 
+#: Never uploaded: pickles (they run code when loaded; ``training_args.bin`` is one), and, as ``Trainer``'s own
+#: push ignores them, files whose name starts with "_" (the θ0 snapshot ``_janus_theta0.safetensors`` of
+#: ``JanusCallback``) and ``checkpoint-*`` folders (which carry that snapshot).
+NEVER_PUBLISHED = ("_*", "*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
+NEVER_PUBLISHED_DIRS = ("_*", "checkpoint-*")
+
+
 def _folder_files(folder: str) -> list[str]:
     """Relative paths of the files to upload: everything but hidden files and folders (``.git``, ``.cache``,
-    leftovers of interrupted atomic writes)."""
-    out = []
+    leftovers of interrupted atomic writes) and :data:`NEVER_PUBLISHED`."""
+    out, skipped = [], []
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")
+                         and not any(fnmatch.fnmatch(d, p) for p in NEVER_PUBLISHED_DIRS))
         for name in sorted(files):
-            if not name.startswith("."):
-                out.append(os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/"))
+            rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
+            if name.startswith("."):
+                continue
+            if any(fnmatch.fnmatch(name, p) for p in NEVER_PUBLISHED):
+                skipped.append(rel)
+            else:
+                out.append(rel)
+    if skipped:
+        logger.warning("not uploading %s: pickles and private files (θ0 snapshots) are never published",
+                       ", ".join(skipped))
     return out
 
 

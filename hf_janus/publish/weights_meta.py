@@ -117,7 +117,16 @@ def weight_files(folder: Union[str, os.PathLike]) -> list[str]:
                 weight_map = json.load(fh).get("weight_map", {})
         except (OSError, ValueError) as err:
             raise JanusError(f"cannot read the shard index {index!r} in {folder!r}: {err}") from err
-        names.update(n for n in weight_map.values() if os.path.isfile(os.path.join(folder, n)))
+        for name in set(weight_map.values()):
+            # A shard is a plain file name in this folder: an index naming "../x" or "/abs/x" would make the
+            # metadata rewrite touch files outside it.
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+                raise JanusError(
+                    f"the shard index {index!r} in {folder!r} names {name!r}, which is not a file name inside the "
+                    "folder; shard names must be plain file names (e.g. model-00001-of-00002.safetensors)"
+                )
+            if os.path.isfile(os.path.join(folder, name)):
+                names.add(name)
     return sorted(names)
 
 
