@@ -176,8 +176,18 @@ class JanusConfig:
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "JanusConfig":
+        """Read a config saved by :meth:`save`; a file that is not a JSON object raises ``ValueError`` naming it."""
         with open(path, encoding="utf-8") as fh:
-            return cls.from_json_string(fh.read())
+            text = fh.read()
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"the config file {os.fspath(path)!r} is not JSON ({err}); write it with "
+                             "JanusConfig.save, or as a JSON object of JanusConfig fields") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"the config file {os.fspath(path)!r} holds a JSON {type(data).__name__}, not an object "
+                             "of JanusConfig fields")
+        return cls.from_dict(data)
 
 
 def _is_int(value: Any) -> bool:

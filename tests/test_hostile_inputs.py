@@ -133,3 +133,102 @@ def test_empty_trial_jacobian_does_not_pass(tuned_llama):
     rectifier.store.close()
     for key, value in model.state_dict().items():
         assert torch.equal(value, finetuned[key])
+
+
+# ---- 6, 8. inputs accepted without a word before -------------------------------------------------------------
+
+def _sample(ids, mask=None):
+    out = {"input_ids": ids}
+    if mask is not None:
+        out["attention_mask"] = mask
+    return out
+
+
+@pytest.mark.parametrize("replay,fragment", [
+    ([_sample([1, 2, 3.5])], "not an integer"),
+    ([_sample([1, float("nan"), 3])], "not an integer"),
+    ([_sample([1, -4, 3])], "negative token id"),
+    ([_sample([1, 2, 3], [1, 2, 1])], "other than 0 and 1"),
+    ([_sample([1, 2, 10_000])], "vocabulary"),
+    ([{"input_ids": torch.ones(2, 3, dtype=torch.long, device="meta")}], "meta device"),
+    ([{"input_ids": torch.ones(2, 3)}], "must be integers"),
+])
+def test_malformed_replay_is_refused_and_the_model_kept(tuned_llama, replay, fragment):
+    model, reference = tuned_llama
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(JanusError, match=fragment):
+        Rectifier(model, reference, replay, JanusConfig(rank=4), progress=False).run()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_integer_reference_is_refused(tuned_llama):
+    model, reference = tuned_llama
+    bad = {k: v.long() for k, v in reference.items()}
+    with pytest.raises(JanusError, match="dtype torch.int64"):
+        Rectifier(model, bad, random_replay(4), JanusConfig(rank=4), progress=False)
+
+
+def test_replay_that_fills_a_layer_warns(caplog):
+    """m >= d_in·d_out leaves no null space: the whole update of the layer goes, and the user is told."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=4, intermediate_size=4, num_hidden_layers=1,
+                                               num_attention_heads=1, num_key_value_heads=1,
+                                               max_position_embeddings=32)).eval()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.add_(0.1 * torch.randn(4, 4))
+    with caplog.at_level("WARNING", logger="hf_janus.engine.rectifier"):
+        Rectifier(model, reference, random_replay(40, vocab=32), JanusConfig(tau=0.0, rank=None,
+                  target_modules=["q_proj"]), progress=False).run()
+    assert "null space is empty" in caplog.text and "q_proj" in caplog.text
+
+
+def test_config_file_that_is_not_json(tmp_path, capsys):
+    bad = tmp_path / "janus.json"
+    bad.write_text("tau: 0.9\n")
+    with pytest.raises(ValueError, match="is not JSON"):
+        JanusConfig.load(bad)
+    code = main(["merge", "--base", "b", "--adapter", "a", "--replay", "r", "--output", str(tmp_path / "o"),
+                 "--config", str(bad)])
+    assert code == 2 and "is not JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exc,kind", [(SystemExit(3), SystemExit), (RuntimeError("CPU out of memory"), "hint")])
+def test_exit_passes_through_and_oom_gets_the_hint(monkeypatch, tuned_llama, exc, kind):
+    from hf_janus import RectificationError
+
+    model, reference = tuned_llama
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = {"n": 0}
+    real = Rectifier._capture
+
+    def failing(self, tag):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise exc
+        return real(self, tag)
+
+    monkeypatch.setattr(Rectifier, "_capture", failing)
+    expected = SystemExit if kind is SystemExit else RectificationError
+    with pytest.raises(expected) as info:
+        Rectifier(model, reference, random_replay(4), JanusConfig(rank=4), progress=False).run()
+    if kind is SystemExit:
+        assert info.value is exc
+    else:
+        assert "replay_batch_size" in str(info.value)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_more_replay_samples_asked_than_there_are_rows_warns(caplog):
+    from merge_fixtures import char_tokenizer
+
+    from hf_janus.replay.sources import ReplayOptions, tokenize_replay
+
+    with caplog.at_level("WARNING", logger="hf_janus.replay.sources"):
+        samples = tokenize_replay(text_rows(6), char_tokenizer(), ReplayOptions(num_samples=1000), source="past.jsonl")
+    assert len(samples) == 6
+    assert "6 row(s), fewer than the 1000 asked for" in caplog.text

@@ -45,7 +45,7 @@ from hf_janus.parallel.sharding import (
     reshard,
     write_full_,
 )
-from hf_janus.replay.prepare import prepare_replay
+from hf_janus.replay.prepare import check_vocabulary, prepare_replay
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,9 @@ def _reference_weight(reference: Reference, name: str, module: nn.Module, rule: 
         raise JanusError(
             f"reference must be a model with the same architecture or a state dict, got {type(reference).__name__}"
         )
+    if not (weight.is_floating_point() or weight.is_meta):
+        raise JanusError(f"reference weight of {name!r} has dtype {weight.dtype}: θ0 must be the layer's floating-point "
+                         "weights (a state dict of the model before fine-tuning)")
     if full_shape(weight) != full_shape(module.weight):
         raise JanusError(
             f"reference weight of {name!r} has shape {full_shape(weight)} but the model's is "
@@ -205,6 +208,11 @@ class Rectifier:
         modules = resolve_target_modules(model, self.config.target_modules, self.config.exclude_modules)
         check_sharding(model, {name: module.weight for name, module in modules.items()})
         self.batches = prepare_replay(replay, self.config.replay_batch_size)
+        try:
+            embeddings = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):  # not a language model: nothing to check ids against
+            embeddings = None
+        check_vocabulary(self.batches, getattr(embeddings, "num_embeddings", None))
         self.layers = self._build_layers(modules, reference)
         self.timer = PhaseTimer(self.device)
         self.workspace = Workspace()
@@ -356,6 +364,12 @@ class Rectifier:
                 if step == 0:
                     for layer in self.layers:
                         layer.gram_rank0 = layer.eig.rank
+                        if layer.eig.rank >= layer.d_in * layer.d_out:
+                            logger.warning(
+                                "JANUS: the replay's Jacobian of %s has rank %d = d_in·d_out: its null space is "
+                                "empty, so the whole fine-tuning update of this layer is removed. Replay fewer "
+                                "samples than the layer has weights, or exclude the layer (exclude_modules)",
+                                layer.name, layer.eig.rank)
                 final_allowed = step == cfg.max_steps - 1
                 proj_norm = math.sqrt(sum(float(layer.proj.norm()) ** 2 for layer in self.layers))
                 # Every replica must try the same step sizes: rank 0's choice is the one taken.
@@ -443,12 +457,13 @@ class Rectifier:
             report.replay_loss = {"reference": base.loss, "finetuned": finetuned_loss.loss, "rectified": last_capture.loss}
         except BaseException as err:
             self._restore()
-            if isinstance(err, (KeyboardInterrupt, JanusError)):
+            if isinstance(err, (KeyboardInterrupt, SystemExit, JanusError)):
                 logger.error("JANUS rectification stopped while %s; the model was restored to its fine-tuned weights",
                              phase)
                 raise
             hint = ""
-            if isinstance(err, torch.OutOfMemoryError):
+            if isinstance(err, torch.OutOfMemoryError) or (
+                    isinstance(err, RuntimeError) and "out of memory" in str(err).lower()):
                 hint = " Lower replay_batch_size or rank, or set cache to a directory."
             raise RectificationError(
                 f"JANUS rectification failed while {phase}: {type(err).__name__}: {err}. The model was restored "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Iterable, Optional
@@ -43,6 +45,12 @@ def _collate(samples: list[Mapping[str, Any]], indices: list[int]) -> dict[str, 
             )
         if len(ids) == 0:
             raise JanusError(f"replay sample {idx} has empty input_ids")
+        bad = next((t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise JanusError(
+                f"replay sample {idx} has a token id {bad!r} that is not an integer; input_ids must be the integer "
+                "ids a tokenizer returns (tokenize the text again)"
+            )
         mask = _as_list(sample.get("attention_mask", [1] * len(ids)))
         labels = sample.get("labels")
         labels = _as_list(labels) if labels is not None else None
@@ -120,7 +128,44 @@ def prepare_replay(replay: Any, batch_size: int) -> list[dict[str, Tensor]]:
         raise JanusError(f"unsupported replay type {type(replay).__name__}; pass a Dataset, list of dicts or DataLoader")
     if not batches or sum(int(b["input_ids"].shape[0]) for b in batches) == 0:
         raise JanusError("replay is empty: JANUS needs samples of the past task (typically ~256) to build the Jacobian")
+    for index, batch in enumerate(batches):
+        _check_values(batch, index)
     return batches
+
+
+def _check_values(batch: Mapping[str, Tensor], index: int) -> None:
+    """Token ids are non-negative integers and the attention mask is 0/1, where it counts."""
+    for key, value in batch.items():
+        if value.is_meta:
+            raise JanusError(f"replay batch {index}: {key} is on the meta device (it holds no data); load the replay "
+                             "data onto the CPU")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise JanusError(f"replay batch {index}: input_ids have dtype {ids.dtype}; token ids must be integers "
+                         "(tokenize the text again, or cast with .long() if they are whole numbers)")
+    if not ((mask == 0) | (mask == 1)).all():
+        found = sorted({int(v) for v in mask.flatten().tolist() if v not in (0, 1)})[:5]
+        raise JanusError(f"replay batch {index}: attention_mask holds values other than 0 and 1 ({found}); it marks "
+                         "real tokens with 1 and padding with 0")
+    negative = (ids < 0) & mask.bool()
+    if negative.any():
+        row = int(negative.any(dim=1).nonzero()[0])
+        raise JanusError(f"replay batch {index}, row {row}: negative token id {int(ids[negative][0])} at a "
+                         "non-padding position; token ids are non-negative (mask padding with attention_mask=0)")
+
+
+def check_vocabulary(batches: list[dict[str, Tensor]], vocab_size: Optional[int]) -> None:
+    """Every counted token id is below the model's vocabulary size (an embedding lookup would fail or, on some
+    devices, read garbage)."""
+    if not vocab_size:
+        return
+    for index, batch in enumerate(batches):
+        ids = batch["input_ids"][batch["attention_mask"].bool()]
+        if ids.numel() and int(ids.max()) >= vocab_size:
+            raise JanusError(
+                f"replay batch {index} holds token id {int(ids.max())}, but the model's vocabulary has {vocab_size} "
+                "tokens: the replay was tokenized with another tokenizer; tokenize it with this model's"
+            )
 
 
 def _sample_length(sample: Any) -> int:

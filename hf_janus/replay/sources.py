@@ -192,6 +192,10 @@ def tokenize_replay(dataset: Any, tokenizer: Any = None, options: Optional[Repla
             "tokenizer, or replay data that is already tokenized (an input_ids column)"
         )
     count = len(dataset) if num_samples is None else min(len(dataset), int(num_samples))
+    if num_samples is not None and num_samples > len(dataset) and num_samples != DEFAULT_NUM_SAMPLES:
+        logger.warning("replay %r has %d row(s), fewer than the %d asked for (num_samples / --replay-samples): "
+                       "JANUS replays all %d; the report's num_samples says how many it used", source,
+                       len(dataset), num_samples, len(dataset))
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     samples: list[dict[str, list[int]]] = []
     skipped = 0
