@@ -232,3 +232,61 @@ def test_more_replay_samples_asked_than_there_are_rows_warns(caplog):
         samples = tokenize_replay(text_rows(6), char_tokenizer(), ReplayOptions(num_samples=1000), source="past.jsonl")
     assert len(samples) == 6
     assert "6 row(s), fewer than the 1000 asked for" in caplog.text
+
+
+# ---- 9. records read from anywhere -----------------------------------------------------------------------------
+
+def _record(tmp_path, **changes):
+    from hf_janus import RectificationReport
+    from hf_janus.engine.report import StepRecord, TrialRecord
+    from hf_janus.publish.provenance import RepoRef
+    from hf_janus.publish.record import build_report
+
+    rect = RectificationReport(config=JanusConfig().to_dict(), num_jacobian_evals=2, converged=True,
+                               stop_reason="converged", replay_loss={"reference": 0.1, "finetuned": 1.0,
+                                                                     "rectified": 0.2})
+    rect.steps.append(StepRecord(step=0, alpha=1.0, trials=[TrialRecord(0, 1.0, 0.99, {"l": 0.99}, True, 0.2)]))
+    data = build_report(rect, kind="full", base_model=RepoRef(id="me/base"), online=False).to_dict()
+    data.update(changes)
+    path = tmp_path / "janus_rectification.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({"steps": "3"}, "steps must be a list"),
+    ({"base_model": "me/base"}, "base_model must be an object"),
+    ({"replay_loss": {"reference": "low"}}, "replay_loss must be an object of numbers"),
+    ({"schema_version": "1"}, "schema_version must be an integer"),
+    ({"num_jacobian_evals": -1}, "num_jacobian_evals must be a count"),
+    ({"kind": "evil"}, "kind must be one of"),
+    ({"steps": [{"step": 0, "alpha": "big", "trials": []}]}, "steps[0].alpha must be a number"),
+])
+def test_load_report_validates_what_it_reads(tmp_path, changes, fragment):
+    from hf_janus import load_report
+
+    path = _record(tmp_path, **changes)
+    with pytest.raises(JanusError) as info:
+        load_report(str(path))
+    assert fragment in str(info.value) and "upgrade" not in str(info.value)
+
+
+def test_load_report_of_deeply_nested_json(tmp_path):
+    from hf_janus import load_report
+
+    path = tmp_path / "janus_rectification.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(JanusError, match="nested too deeply"):
+        load_report(str(path))
+
+
+def test_card_escapes_ids_and_free_text(tmp_path):
+    from hf_janus.publish.card import render_card
+    from hf_janus.publish.record import read_record
+
+    path = _record(tmp_path, converged=False, stop_reason="<script>alert(1)</script> [click](javascript:alert(1))",
+                   base_model={"id": 'me/b"); import os; ("`x`|y', "local": False})
+    card = str(render_card(read_record(str(path)), load_id='me/m"); os.system("x'))
+    assert "<script>" not in card and "](javascript:" not in card
+    assert 'from_pretrained("me/m\\"); os.system(\\"x")' in card  # still one string literal
+    assert "`x`|y" not in card

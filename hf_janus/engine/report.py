@@ -34,6 +34,12 @@ class StepRecord:
     trials: list[TrialRecord] = field(default_factory=list)
     forced: bool = False  # taken although mean cosine < tau (min_alpha or max_steps reached)
 
+    @property
+    def taken(self) -> Optional[TrialRecord]:
+        """The trial the step moved to: not always the last one, since the adaptive controller may try a larger α
+        after a passing trial and then take the passing one."""
+        return next((t for t in self.trials if t.accepted), self.trials[-1] if self.trials else None)
+
 
 @dataclass
 class LayerStats:

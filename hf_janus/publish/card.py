@@ -14,6 +14,9 @@ user wrote outside the block is lost.
 
 from __future__ import annotations
 
+import html
+import json
+
 import os
 import re
 from importlib import resources
@@ -53,15 +56,35 @@ def _fmt(value: Optional[float], spec: str) -> str:
         return str(value)
 
 
+# A record may come from anywhere (a downloaded janus_rectification.json): every string from it is made inert
+# before it goes into the card's markdown, so that an id or a reason cannot add links, images, HTML or table cells.
+def _plain(text: Any) -> str:
+    """Free text on one line, with HTML and markdown link/image syntax escaped."""
+    escaped = html.escape(" ".join(str(text).split()), quote=False)
+    for char in "\\`*_[]()!|#":  # the backslash first, so that the escapes added after it stay single
+        escaped = escaped.replace(char, "\\" + char)
+    return escaped
+
+
+def _code(text: Any) -> str:
+    """An id or path as an inline code span: no backticks or line breaks inside, table pipes escaped."""
+    return "`" + " ".join(str(text).split()).replace("`", "'").replace("|", "\\|") + "`"
+
+
+def _quoted(text: Any) -> str:
+    """The inside of a double-quoted Python string literal in the card's code snippets."""
+    return json.dumps(str(text))[1:-1]
+
+
 def _ref_line(ref: Optional["RepoRef"]) -> str:
     if ref is None:
         return "unknown"
-    line = f"`{ref.id}`"
+    line = _code(ref.id)
     if ref.local:
         return line + " (local directory)"
     if ref.revision and ref.revision != ref.sha:
-        line += f" revision `{ref.revision}`"
-    return line + (f", commit `{ref.sha[:12]}`" if ref.sha else "")
+        line += f" revision {_code(ref.revision)}"
+    return line + (f", commit {_code(ref.sha[:12])}" if ref.sha else "")
 
 
 def _refactor_line(published: "PublishedReport") -> Optional[str]:
@@ -88,7 +111,7 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
     cfg = rect.config
     steps = []
     for s in rect.steps:
-        cbar = s.trials[-1].mean_cosine if s.trials else None
+        cbar = s.taken.mean_cosine if s.taken else None
         steps.append({"step": s.step, "alpha": _fmt(s.alpha, ".4g"), "cbar": _fmt(cbar, ".4f"),
                       "trials": len(s.trials), "note": "taken with c̄ < τ (step floor or step limit)" if s.forced
                       else "accepted"})
@@ -96,7 +119,7 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
     if rect.converged:
         result = f"converged after {len(rect.steps)} step(s)"
     else:
-        result = rect.stop_reason or "not converged"
+        result = _plain(rect.stop_reason or "not converged")
     result += f", {rect.num_trials} trial(s), {rect.num_jacobian_evals} Jacobian evaluation(s)"
     if total is not None:
         result += f", {total:.1f} s"
@@ -104,23 +127,25 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
     if replay is None:
         replay_line = "not recorded"
     else:
-        replay_line = f"`{replay.id}`" if replay.id else "in-memory samples"
+        replay_line = _code(replay.id) if replay.id else "in-memory samples"
         if replay.local and replay.id:
             replay_line += " (local)"
         if replay.split:
-            replay_line += f", split `{replay.split}`"
+            replay_line += f", split {_code(replay.split)}"
         if replay.size is not None:
             replay_line += f", {replay.size} rows"
         if replay.fingerprint:
-            replay_line += f", fingerprint `{replay.fingerprint[:23]}`"
+            replay_line += f", fingerprint {_code(replay.fingerprint[:23])}"
     residuals = [layer.residual for layer in rect.layers if layer.residual is not None]
     base = published.base_model
     name = (published.adapter or base).id if (published.adapter or base) else "model"
     return {
-        "kind": published.kind,
-        "title": f"JANUS-rectified {os.path.basename(name.rstrip('/')) or name}",
-        "base_model": base.to_dict() if base else None,
-        "adapter": published.adapter.to_dict() if published.adapter else None,
+        "kind": _plain(published.kind),
+        "title": "JANUS-rectified " + _plain(os.path.basename(name.rstrip('/')) or name),
+        "base_model": {"id": _code(base.id)[1:-1]} if base else None,
+        "adapter": {"id": _code(published.adapter.id)[1:-1],
+                    "kind": _plain(published.adapter.kind) if published.adapter.kind else None}
+        if published.adapter else None,
         "base_line": _ref_line(base),
         "adapter_line": _ref_line(published.adapter),
         "replay_line": replay_line,
@@ -130,13 +155,13 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
         "m": f"{rect.num_samples}" + (f" ({rect.num_tokens} tokens)" if rect.num_tokens else ""),
         "result_line": result,
         "refactor_line": _refactor_line(published),
-        "hf_janus_version": published.hf_janus_version,
+        "hf_janus_version": _plain(published.hf_janus_version),
         "num_layers": len(rect.layers),
         "steps": steps,
         "loss": {k: _fmt(rect.replay_loss.get(k), ".4f") for k in ("reference", "finetuned", "rectified")},
         "residual": _fmt(max(residuals), ".3g") if residuals else None,
-        "load_id": load_id,
-        "base_load_id": base.id if base else "<base model id or path>",
+        "load_id": _quoted(load_id),
+        "base_load_id": _quoted(base.id) if base else "<base model id or path>",
     }
 
 
@@ -144,13 +169,23 @@ def card_data(published: "PublishedReport", *, pipeline_tag: Optional[str] = Non
     """The front matter: only Hub ids go into ``base_model``/``datasets`` (the Hub validates them)."""
     from huggingface_hub import ModelCardData
 
-    base = published.base_model
-    replay = published.replay
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    def hub_id(ref: Any) -> Optional[str]:
+        if ref is None or not ref.is_hub:
+            return None
+        try:
+            validate_repo_id(ref.id)
+        except HFValidationError:  # not a repo id the Hub would accept: keep it out of the front matter
+            return None
+        return ref.id
+
+    base, replay = hub_id(published.base_model), hub_id(published.replay)
     return ModelCardData(
-        base_model=base.id if base is not None and base.is_hub else None,
+        base_model=base,
         library_name="peft" if published.kind == "adapter" else "transformers",
         tags=list(JANUS_TAGS),
-        datasets=[replay.id] if replay is not None and replay.is_hub else None,
+        datasets=[replay] if replay else None,
         pipeline_tag=pipeline_tag,
     )
 

@@ -65,6 +65,88 @@ def _now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")
 
 
+# ---- what a record may hold: a downloaded janus_rectification.json is untrusted input --------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _count(v: Any) -> bool:
+    return _is_int(v) and v >= 0
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt(check: Any) -> Any:
+    return lambda v: v is None or check(v)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _str_keyed(values: Any) -> Any:
+    return lambda v: isinstance(v, dict) and all(isinstance(k, str) and values(x) for k, x in v.items())
+
+
+_TRIAL = {"step": (_count, "a count"), "alpha": (_number, "a number"), "mean_cosine": (_opt(_number), "a number"),
+          "layer_cosines": (_str_keyed(_opt(_number)), "an object of numbers"),
+          "accepted": (_is_bool, "true or false"), "replay_loss": (_opt(_number), "a number")}
+_STEP = {"step": (_count, "a count"), "alpha": (_number, "a number"), "forced": (_is_bool, "true or false"),
+         "trials": (lambda v: isinstance(v, list), "a list")}
+_LAYER = {"name": (_is_str, "a string"), "path": (_is_str, "a string"), "delta_norm": (_number, "a number"),
+          "rect_delta_norm": (_number, "a number"), "residual": (_opt(_number), "a number"),
+          "gram_rank": (_count, "a count"),
+          "shape": (lambda v: isinstance(v, list) and len(v) == 2 and all(_count(x) for x in v), "[d_out, d_in]")}
+_RECTIFICATION = {
+    "config": (lambda v: isinstance(v, dict), "an object"), "steps": (lambda v: isinstance(v, list), "a list"),
+    "num_jacobian_evals": (_count, "a count"), "num_samples": (_count, "a count"), "num_tokens": (_count, "a count"),
+    "replay_loss": (_str_keyed(_opt(_number)), "an object of numbers"), "layers": (lambda v: isinstance(v, list), "a list"),
+    "timings": (_str_keyed(_opt(_number)), "an object of numbers"), "converged": (_is_bool, "true or false"),
+    "stop_reason": (_is_str, "a string"), "stopped_early": (_is_bool, "true or false"),
+    "output": (lambda v: isinstance(v, dict), "an object"), "report_schema_version": (_opt(_count), "a count")}
+_REF = {"id": (_is_str, "a string"), "revision": (_opt(_is_str), "a string"), "sha": (_opt(_is_str), "a string"),
+        "local": (_is_bool, "true or false"), "kind": (_opt(_is_str), "a string"),
+        "peft_type": (_opt(_is_str), "a string")}
+_REPLAY = {"id": (_opt(_is_str), "a string"), "source": (_opt(_is_str), "a string"), "split": (_opt(_is_str), "a string"),
+           "revision": (_opt(_is_str), "a string"), "sha": (_opt(_is_str), "a string"),
+           "fingerprint": (_opt(_is_str), "a string"), "size": (_opt(_count), "a count"),
+           "local": (_is_bool, "true or false")}
+_TOP = {"kind": (lambda v: v in KINDS, f"one of {KINDS}"), "hf_janus_version": (_is_str, "a string"),
+        "created_at": (_is_str, "a string"), "merge": (_opt(lambda v: isinstance(v, dict)), "an object")}
+
+
+def _check_fields(data: Any, spec: dict, where: str) -> None:
+    if not isinstance(data, dict):
+        raise JanusError(f"janus_rectification.json is malformed: {where.rstrip('.') or 'the document'} must be an "
+                         f"object, got {type(data).__name__}")
+    for key, (ok, expected) in spec.items():
+        if key in data and not ok(data[key]):
+            raise JanusError(f"janus_rectification.json is malformed: {where}{key} must be {expected}, got "
+                             f"{json.dumps(data[key])[:80]}")
+
+
+def check_record(data: dict[str, Any]) -> None:
+    """Raise :class:`JanusError` naming the first field of a record whose type or range is wrong."""
+    _check_fields(data, {**_TOP, **_RECTIFICATION}, "")
+    for ref in ("base_model", "adapter"):
+        if data.get(ref) is not None:
+            _check_fields(data[ref], _REF, f"{ref}.")
+    if data.get("replay") is not None:
+        _check_fields(data["replay"], _REPLAY, "replay.")
+    for i, step in enumerate(data.get("steps", [])):
+        _check_fields(step, _STEP, f"steps[{i}].")
+        for j, trial in enumerate(step.get("trials", [])):
+            _check_fields(trial, _TRIAL, f"steps[{i}].trials[{j}].")
+    for i, layer in enumerate(data.get("layers", [])):
+        _check_fields(layer, _LAYER, f"layers[{i}].")
+
+
 @dataclass
 class PublishedReport:
     """``janus_rectification.json``: what was rectified (base model, adapter, replay, with Hub commits) and the
@@ -103,7 +185,7 @@ class PublishedReport:
     @property
     def mean_cosines(self) -> list[Optional[float]]:
         """c̄ of the accepted trial of each step (``None`` for a step without trials)."""
-        return [s.trials[-1].mean_cosine if s.trials else None for s in self.rectification.steps]
+        return [s.taken.mean_cosine if s.taken else None for s in self.rectification.steps]
 
     @property
     def replay_loss(self) -> dict[str, float]:
@@ -134,7 +216,11 @@ class PublishedReport:
         if "hf_janus_version" not in data:
             return cls._from_legacy(data, kind)
         version = data.get("schema_version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
+        if not _is_int(version) or version < 1:
+            raise JanusError(f"janus_rectification.json is malformed: schema_version must be an integer >= 1, got "
+                             f"{json.dumps(version)[:80]}")
+        check_record(data)
+        if version > SCHEMA_VERSION:
             raise JanusError(
                 f"janus_rectification.json has schema_version {version!r}, newer than this hf-janus reads "
                 f"({SCHEMA_VERSION}); upgrade hf-janus (pip install -U hf-janus)"
@@ -228,5 +314,7 @@ def read_record(path: str, kind: Optional[str] = None) -> PublishedReport:
                          "(or the file was removed)") from err
     except (OSError, ValueError) as err:
         raise JanusError(f"cannot read {path!r}: {err}") from err
+    except RecursionError as err:
+        raise JanusError(f"cannot read {path!r}: its JSON is nested too deeply to be a JANUS record") from err
     return PublishedReport.from_dict(data, kind=kind)
 
