@@ -77,6 +77,12 @@ def check_output_dir(path: PathLike, overwrite: bool = False,
             )
     if os.path.isfile(path) or (os.path.exists(path) and not os.path.isdir(path)):
         raise JanusError(f"output path {path!r} exists and is not a directory; choose another output directory")
+    ancestor = path
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK | os.X_OK):
+        what = "is not a directory" if not os.path.isdir(ancestor) else "is not writable"
+        raise JanusError(f"cannot write the output {path!r}: {ancestor!r} {what}; choose another output directory")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
         raise JanusError(
             f"output directory {path!r} already exists and is not empty; pass overwrite=True (--overwrite on the "

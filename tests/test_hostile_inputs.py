@@ -290,3 +290,48 @@ def test_card_escapes_ids_and_free_text(tmp_path):
     assert "<script>" not in card and "](javascript:" not in card
     assert 'from_pretrained("me/m\\"); os.system(\\"x")' in card  # still one string literal
     assert "`x`|y" not in card
+
+
+# ---- errors that name the problem and the fix -------------------------------------------------------------------
+
+def test_missing_base_is_named_as_such(inputs, tmp_path):
+    with pytest.raises(JanusError, match="is not a directory: pass the folder the base"):
+        JanusMerger(str(tmp_path / "no-such-base"), inputs["adapter"], inputs["replay"], fast_config(),
+                    progress=False).run()
+
+
+def test_empty_replay_file(inputs, tmp_path):
+    empty = tmp_path / "past.jsonl"
+    empty.write_text("")
+    with pytest.raises(JanusError, match="is empty"):
+        JanusMerger(inputs["base"], inputs["adapter"], str(empty), fast_config(), progress=False).run()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle"])
+def test_damaged_adapter_files(inputs, tmp_path, damage):
+    import pickle
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(inputs["adapter"], adapter)
+    weights = adapter / "adapter_model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:50])
+    else:  # a pickle that would run code when loaded, in place of the weights
+        weights.unlink()
+
+        class Payload:
+            def __reduce__(self):
+                return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+        (adapter / "adapter_model.bin").write_bytes(pickle.dumps(Payload()))
+    before = tree_digest(adapter)
+    with pytest.raises(JanusError, match="corrupt, truncated or not a plain tensor file"):
+        JanusMerger(inputs["base"], str(adapter), inputs["replay"], fast_config(), progress=False).run()
+    assert not (tmp_path / "pwned").exists() and tree_digest(adapter) == before
+
+
+def test_output_below_a_file_is_refused_up_front(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(JanusError, match="is not a directory"):
+        check_output_dir(tmp_path / "file" / "out")

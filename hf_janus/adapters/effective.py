@@ -167,11 +167,27 @@ def _subtract_initial(module: nn.Module, name: str, initial: dict[str, Tensor], 
         base.weight.data = (base.weight.data.to(torch.float32) - product.to(base.weight.device)).to(base.weight.dtype)
 
 
-def _load_initial_adapter(initial_adapter: Union[str, os.PathLike], token: Union[str, bool, None]) -> dict[str, Tensor]:
-    """The factors (A0, B0) of the adapter as saved right after initialization, keyed as PEFT saves them."""
+def read_adapter_weights(path: str, name: str) -> dict[str, Tensor]:
+    """PEFT's ``load_peft_weights``, with a corrupt, truncated or refused file reported as such. (PEFT reads
+    ``.bin`` files with ``torch.load(weights_only=True)``, which refuses pickles that would run code.)"""
     from peft.utils import load_peft_weights
 
-    return load_peft_weights(resolve_adapter(initial_adapter, token=token).path, device="cpu")
+    try:
+        return load_peft_weights(path, device="cpu")
+    except JanusError:
+        raise
+    except Exception as err:
+        raise JanusError(
+            f"cannot read the weights of adapter {name!r} in {path!r} ({type(err).__name__}: {str(err)[:200]}): the "
+            "file is corrupt, truncated or not a plain tensor file (pickles that would run code are refused). Save "
+            "or download the adapter again"
+        ) from err
+
+
+def _load_initial_adapter(initial_adapter: Union[str, os.PathLike], token: Union[str, bool, None]) -> dict[str, Tensor]:
+    """The factors (A0, B0) of the adapter as saved right after initialization, keyed as PEFT saves them."""
+    source = resolve_adapter(initial_adapter, token=token)
+    return read_adapter_weights(source.path, source.name)
 
 
 def load_effective_model(
@@ -208,7 +224,6 @@ def load_effective_model(
     """
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils import load_peft_weights
 
     base_name = os.fspath(base_model)
     src = adapter if isinstance(adapter, AdapterSource) else resolve_adapter(adapter, revision, token)
@@ -243,7 +258,7 @@ def load_effective_model(
     if mutating is not None and getattr(config, "use_dora", False):
         raise JanusError(f"adapter {src.name!r} combines DoRA with init_lora_weights={mutating!r}; convert it first")
 
-    weights = load_peft_weights(src.path, device="cpu")
+    weights = read_adapter_weights(src.path, src.name)
     model = load_base_model(base_name, base_revision, torch_dtype, device, token)
     check_adapter_shapes(model, weights, src, base_name)
     del weights

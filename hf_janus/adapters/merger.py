@@ -42,6 +42,7 @@ from hf_janus.config import JanusConfig
 from hf_janus.engine.layers import rule_for, select_layers
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.errors import JanusError
+from hf_janus.io_utils import is_local
 from hf_janus.publish.provenance import ReplayInfo, describe_replay, resolve_repo
 from hf_janus.replay.sources import ReplayOptions, open_replay, tokenize_replay
 
@@ -166,6 +167,11 @@ class JanusMerger:
 
     def run(self) -> RectifiedDelta:
         """Load, merge, rectify. The replay is read first, so that bad replay fails before the model loads."""
+        base = os.path.expanduser(os.fspath(self.base_model))
+        if is_local(base) and not os.path.isdir(base):
+            # Checked first: a missing base would otherwise surface as "no tokenizer" for text replay.
+            raise JanusError(f"base model {os.fspath(self.base_model)!r} is not a directory: pass the folder the base "
+                             "model was saved to (save_pretrained), or its Hub repo id")
         tokenizer = self._load_tokenizer()
         replay, replay_info = self._load_replay(tokenizer)
         effective = load_effective_model(

@@ -117,6 +117,9 @@ def load_replay_dataset(source: str, split: Optional[str] = None, revision: Opti
                     f"replay file {source!r} has an unsupported extension {ext or '(none)'}; use one of "
                     f"{', '.join(sorted(_BUILDERS))}, a datasets directory or a Hub dataset id"
                 )
+            if os.path.getsize(path) == 0:
+                raise JanusError(f"replay file {source!r} is empty: write the past-task samples into it (one JSON "
+                                 "object per line for .jsonl, rows with a header for .csv)")
             return datasets.load_dataset(_BUILDERS[ext], data_files=path, split=split or "train")
         if os.path.isdir(path):
             if _is_saved_dataset(path):
