@@ -69,3 +69,19 @@ def tuned_llama():
     model = build_tiny("llama")
     reference = fine_tune(model)
     return model, reference
+
+
+def fail_capture(monkeypatch, at: int, exc: BaseException) -> None:
+    """Make the rectifier's ``at``-th Jacobian capture raise ``exc`` (a failure in the middle of a run)."""
+    from hf_janus.engine.rectifier import Rectifier
+
+    calls = {"n": 0}
+    real = Rectifier._capture
+
+    def failing(self, tag):
+        calls["n"] += 1
+        if calls["n"] == at:
+            raise exc
+        return real(self, tag)
+
+    monkeypatch.setattr(Rectifier, "_capture", failing)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import random_replay
+from conftest import fail_capture, random_replay
 from merge_fixtures import fast_config, save_base, text_rows, train_adapter, write_jsonl
 
 from hf_janus import JanusConfig, JanusError, JanusMerger
@@ -202,16 +202,7 @@ def test_exit_passes_through_and_oom_gets_the_hint(monkeypatch, tuned_llama, exc
 
     model, reference = tuned_llama
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    calls = {"n": 0}
-    real = Rectifier._capture
-
-    def failing(self, tag):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise exc
-        return real(self, tag)
-
-    monkeypatch.setattr(Rectifier, "_capture", failing)
+    fail_capture(monkeypatch, 2, exc)
     expected = SystemExit if kind is SystemExit else RectificationError
     with pytest.raises(expected) as info:
         Rectifier(model, reference, random_replay(4), JanusConfig(rank=4), progress=False).run()

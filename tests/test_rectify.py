@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny, fine_tune, random_replay
+from conftest import build_tiny, fail_capture, fine_tune, random_replay
 
 from hf_janus import JanusConfig, JanusError, RectificationError, RectificationReport, rectify
 from hf_janus.engine.layers import resolve_target_modules, rule_for
@@ -389,16 +389,7 @@ def test_max_steps_takes_final_unchecked_step(monkeypatch, tuned_llama):
 def test_failure_restores_finetuned_weights(monkeypatch, tuned_llama, exc):
     model, reference = tuned_llama
     finetuned = copy.deepcopy(model.state_dict())
-    calls = {"n": 0}
-    real = Rectifier._capture
-
-    def failing(self, tag):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise exc
-        return real(self, tag)
-
-    monkeypatch.setattr(Rectifier, "_capture", failing)
+    fail_capture(monkeypatch, 3, exc)
     expected = KeyboardInterrupt if isinstance(exc, KeyboardInterrupt) else RectificationError
     with pytest.raises(expected) as info:
         rectify(model, reference, random_replay(4), JanusConfig(tau=0.999, rank=4), progress=False)
