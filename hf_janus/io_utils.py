@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import tempfile
-from contextlib import contextmanager
-import logging
 from collections.abc import Mapping
+from contextlib import contextmanager
 from typing import Iterator, NamedTuple, Optional, Union
 
 from hf_janus.errors import JanusError
