@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 from typing import Any, Optional, Sequence
 
 from hf_janus import __version__
 from hf_janus.config import JanusConfig
+from hf_janus.engine.step_control import STEP_CONTROLS
 from hf_janus.replay.sources import ReplayOptions
 
 
@@ -33,7 +33,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold τ (default: 0.95)")
     p.add_argument("--rank", type=int, default=32, help="sequence compression rank r (default: 32)")
-    p.add_argument("--step-control", choices=("adaptive", "paper"), default="adaptive",
+    p.add_argument("--step-control", choices=STEP_CONTROLS, default="adaptive",
                    help="step-size controller (default: adaptive; paper = Algorithm 1)")
     p.add_argument("--max-evaluations", type=int, default=DEMO_MAX_EVALUATIONS,
                    help="Jacobian-evaluation budget of each of the two rectifications, so that the demo ends in "
@@ -182,15 +182,15 @@ def _run_merge(args: argparse.Namespace) -> int:
     from hf_janus.adapters.refactor import parse_rank_spec, validate_rank_spec
     from hf_janus.io_utils import check_output_dir
     from hf_janus.publish.hub import push_folder
+    from hf_janus.replay.sources import parse_replay_spec
 
     rank = parse_rank_spec(args.rank) if args.output_format == "adapter" else "same"
     validate_rank_spec(rank, args.energy)
     if args.refine_iterations < 0:
         raise ValueError(f"--refine-iterations must be >= 0, got {args.refine_iterations}")
     # Fail before the expensive part, and never over an input: a replay given as a file, the base or the adapter.
-    replay_file = args.replay.split(":")[0] if os.path.exists(args.replay.split(":")[0]) else args.replay
     output = check_output_dir(args.output, args.overwrite, {"base model": args.base, "adapter": args.adapter,
-                                                            "replay data": replay_file})
+                                                            "replay data": parse_replay_spec(args.replay)[0]})
     merger = JanusMerger(
         args.base, args.adapter, args.replay, merge_config(args), revision=args.revision, torch_dtype=args.dtype,
         device=args.device, base_revision=args.base_revision, initial_adapter=args.initial_adapter,

@@ -46,8 +46,9 @@ class JanusConfig:
         min_alpha: smallest step size tried; a step that would shrink below it is taken at ``min_alpha``
             and flagged in the report.
         step_control: how the step size α of each trial is chosen (the acceptance test c̄ ≥ τ on the whole
-            replay is the same for both). ``"adaptive"`` (default): predicts the largest α that passes from the
-            trials already made (``hf_janus.engine.step_control``), so that most steps cost one or two trials.
+            replay is the same for both). ``"adaptive"`` (default): looks for the paper's step (the largest α on
+            the grid 1, β, β², ... that passes) but jumps to the grid point predicted from the trials already made
+            (``hf_janus.engine.step_control``), so that most steps cost one or two trials.
             ``"paper"``: the paper's Algorithm 1, α=1 at every step, shrunk by β until accepted.
         max_evaluations: budget in Jacobian evaluations (the capture at θ0 counts as one). When the next trial
             would exceed it, the loop stops at the last accepted point (θ0 if no step was accepted yet), the report

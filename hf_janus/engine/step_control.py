@@ -62,7 +62,6 @@ class StepController(ABC):
     def __init__(self, tau: float, beta: float, min_alpha: float):
         self.tau, self.beta, self.min_alpha = tau, beta, min_alpha
         self.proj_norm = 0.0
-        self._last_length = 0.0
         self._steps = 0
         self._trials = 0
         # The grid 1, β, β², ... as Algorithm 1 computes it (repeated products), down to the first point whose next
@@ -85,7 +84,6 @@ class StepController(ABC):
         decision = self._decide(alpha, cbar, forced_ok or self.is_floor(alpha))
         if decision.action != "try":
             self._steps += 1
-            self._last_length = (alpha if decision.action == "accept" else self._kept_alpha()) * self.proj_norm
         return decision
 
     def is_floor(self, alpha: float) -> bool:
@@ -98,20 +96,15 @@ class StepController(ABC):
     @abstractmethod
     def _decide(self, alpha: float, cbar: float, forced_ok: bool) -> Decision: ...
 
-    def _kept_alpha(self) -> float:
-        raise NotImplementedError
-
     def estimated_remaining_evaluations(self, alpha: float, steps_left: int) -> Optional[int]:
-        """A rough count of the Jacobian evaluations still to come after a step accepted at ``alpha``, for the
-        progress bar: the remaining update (about ``(1 − α)`` of this step's) in steps as long as the last one,
-        times the trials a step has cost so far. None before the first step ends."""
+        """A rough count of the Jacobian evaluations still to come after a step taken at ``alpha``, for the
+        progress bar: the remaining update (about ``(1 − α)`` of this step's) in steps as long as this one
+        (``α`` of it), times the trials a step has cost so far. None before the first step ends."""
         if self._steps == 0:
             return None
         if alpha >= 1.0 or steps_left <= 0:
             return 0
-        remaining = (1.0 - alpha) * self.proj_norm
-        steps = min(steps_left, max(1, math.ceil(remaining / self._last_length))) if self._last_length > 0 \
-            else steps_left
+        steps = min(steps_left, max(1, math.ceil((1.0 - alpha) / alpha))) if alpha > 0 else steps_left
         return max(1, round(steps * self._trials / self._steps))
 
 
@@ -168,10 +161,6 @@ class AdaptiveStepController(StepController):
                 self.p = min(max(p, P_RANGE[0]), P_RANGE[1])
                 return
 
-    def _kept_alpha(self) -> float:
-        assert self._kept is not None
-        return self.grid[self._kept]
-
     def _accept(self, j: int, gap: float, kept: bool = False) -> Decision:
         self._reference = (self.grid[j] * self.proj_norm, gap)
         return Decision("accept_kept" if kept else "accept")
@@ -194,11 +183,9 @@ class AdaptiveStepController(StepController):
             return self._accept(j + 1, self._passed[j + 1], kept=True)
         if forced_ok:
             return self._accept(j, gap)
+        # A pass is only ever followed by the grid point above it, so a failure with a pass below is the kept
+        # case above: going down, every grid point below j is still untried.
         target = max(j + 1, self._predict_index(length, gap, TARGET_SHARE))
-        # never jump past a grid point already known to pass
-        known = [i for i in self._passed if i > j]
-        if known:
-            target = min(target, min(known))
         return Decision("try", self.grid[min(target, len(self.grid) - 1)])
 
 
