@@ -166,6 +166,30 @@ def test_resume_never_uses_a_snapshot_from_outside_the_checkpoint(tmp_path):
             resume_from_checkpoint=str(checkpoint))
 
 
+def test_resume_refuses_a_snapshot_saved_with_other_weights(tmp_path):
+    """A checkpoint whose snapshot was written by another run (here: run B's copied into run A's checkpoint) is
+    refused: its fingerprint does not match the weights loaded for resuming."""
+    import shutil
+
+    for run, seed in (("a", 0), ("b", 3)):
+        model = build_tiny("llama", seed=seed, vocab=VOCAB)
+        make_trainer(tmp_path / run, model, [JanusCallback(replay_data(), FAST)], max_steps=2,
+                     save_strategy="steps", save_steps=2).train()
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-2"
+    shutil.copyfile(tmp_path / "b" / "out" / "checkpoint-2" / SNAPSHOT_NAME, checkpoint / SNAPSHOT_NAME)
+    resumed = build_tiny("llama", seed=5, vocab=VOCAB)
+    seen = []
+
+    class StepProbe(TrainerCallback):
+        def on_step_begin(self, *args, **kwargs):
+            seen.append(1)
+
+    with pytest.raises(JanusError, match="does not belong to the weights being resumed"):
+        make_trainer(tmp_path / "a", resumed, [JanusCallback(replay_data(), FAST), StepProbe()], max_steps=4).train(
+            resume_from_checkpoint=str(checkpoint))
+    assert not seen  # refused at train begin, before any step
+
+
 def test_on_error_warn_keeps_finetuned_weights(tmp_path):
     model = build_tiny("llama", vocab=VOCAB)
     probe = Probe()

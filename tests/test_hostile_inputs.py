@@ -12,7 +12,7 @@ import torch
 from conftest import fail_capture, random_replay
 from merge_fixtures import fast_config, save_base, text_rows, train_adapter, write_jsonl
 
-from hf_janus import JanusConfig, JanusError, JanusMerger
+from hf_janus import JanusConfig, JanusError, JanusMerger, RectificationError, rectify
 from hf_janus.cli import main
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.io_utils import atomic_output_dir, check_output_dir
@@ -326,3 +326,85 @@ def test_output_below_a_file_is_refused_up_front(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(JanusError, match="is not a directory"):
         check_output_dir(tmp_path / "file" / "out")
+
+
+# ---- cases that held before the audit: bad configs, missing layers, NaN/Inf, bad replay, interruptions ----------
+
+def _nan_in(model, reference, key="model.layers.1.mlp.up_proj.weight"):
+    with torch.no_grad():
+        model.get_parameter(key)[0, 0] = float("nan")
+    return reference
+
+
+def _inf_reference(model, reference, key="model.layers.0.self_attn.k_proj.weight"):
+    return {**reference, key: torch.full_like(reference[key], float("inf"))}
+
+
+def _other_architecture(model, reference):
+    from conftest import build_tiny
+
+    return build_tiny("gpt2")
+
+
+def _peft_wrapped(model, reference):
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    return reference
+
+
+REPLAY = random_replay(4)
+# (case, change to (model, reference) -> reference, replay, config, expected error, message fragment)
+RECTIFY_CASES = [
+    ("nan-in-finetuned", _nan_in, REPLAY, None, JanusError, "up_proj.*NaN"),
+    ("inf-in-reference", _inf_reference, REPLAY, None, JanusError, "reference weight.*k_proj.*NaN/Inf"),
+    ("reference-missing-layer", lambda m, r: {k: v for k, v in r.items() if "layers.1.mlp" not in k}, REPLAY, None,
+     JanusError, "missing key.*layers.1.mlp"),
+    ("reference-other-architecture", _other_architecture, REPLAY, None, JanusError, "reference"),
+    ("reference-wrong-shape", lambda m, r: {k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in r.items()},
+     REPLAY, None, JanusError, "shape .* does not match"),
+    ("unsupported-target", None, REPLAY, JanusConfig(target_modules=["embed_tokens"]), JanusError,
+     "cannot rectify.*embed_tokens.*Embedding"),
+    ("unknown-target", None, REPLAY, JanusConfig(target_modules=["nonexistent"]), JanusError,
+     "'nonexistent' matches no module"),
+    ("peft-model", _peft_wrapped, REPLAY, None, JanusError, "PEFT adapter layer.*JanusMerger"),
+    ("config-not-a-JanusConfig", None, REPLAY, {"tau": 0.9}, JanusError, "JanusConfig"),
+    ("empty-replay", None, [], None, JanusError, "replay is empty"),
+    ("untokenized-replay", None, [{"text": "hello"}], None, JanusError, "input_ids.*tokenize"),
+    ("nothing-counted", None, [{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}], None, JanusError,
+     "no token that counts"),
+    ("mask-length", None, [{"input_ids": [1, 2, 3, 4]}, {"input_ids": [1, 2], "attention_mask": [1]}], None,
+     JanusError, "replay sample 1: attention_mask has length 1"),
+]
+
+
+@pytest.mark.parametrize("change,replay,config,error,fragment", [case[1:] for case in RECTIFY_CASES],
+                         ids=[case[0] for case in RECTIFY_CASES])
+def test_bad_rectify_inputs_are_refused_and_the_model_kept(tuned_llama, change, replay, config, error, fragment):
+    model, reference = tuned_llama
+    if change is not None:
+        reference = change(model, reference)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [(p.requires_grad, model.training) for p in model.parameters()]
+    with pytest.raises(error, match=fragment):
+        rectify(model, reference, replay, config if config is not None else JanusConfig(rank=4), progress=False)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for key, value in after.items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True)
+    assert [(p.requires_grad, model.training) for p in model.parameters()] == flags
+
+
+@pytest.mark.parametrize("exc", [FloatingPointError("injected NaN"), KeyboardInterrupt()], ids=["nan", "interrupt"])
+def test_interrupted_rectification_restores_the_finetuned_weights(monkeypatch, tuned_llama, exc):
+    model, reference = tuned_llama
+    finetuned = {k: v.clone() for k, v in model.state_dict().items()}
+    fail_capture(monkeypatch, 3, exc)
+    expected = KeyboardInterrupt if isinstance(exc, KeyboardInterrupt) else RectificationError
+    with pytest.raises(expected) as info:
+        rectify(model, reference, random_replay(4), JanusConfig(tau=0.999, rank=4), progress=False)
+    if expected is RectificationError:
+        assert "injected NaN" in str(info.value) and "restored" in str(info.value)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, finetuned[key]), key
+    assert all(p.requires_grad for p in model.parameters())

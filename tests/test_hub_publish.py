@@ -376,6 +376,8 @@ def test_callback_with_trainer_pushes_a_rectified_adapter_with_its_record(hub, t
     files = set(HfApi().list_repo_files("me/callback-janus"))
     assert {"adapter_model.safetensors", "adapter_config.json", REPORT_NAME, "README.md"} <= files
     assert SNAPSHOT_NAME not in files  # θ0 stays local
+    # Trainer's own upload would take training_args.bin, a pickle holding args.hub_token; the hooks skip it
+    assert os.path.isfile(os.path.join(args.output_dir, "training_args.bin")) and "training_args.bin" not in files
     published = load_report("me/callback-janus")
     assert published.kind == "adapter" and published.alphas == janus.report.alphas
     assert published.rectification.output["format"] == "adapter"
@@ -383,3 +385,83 @@ def test_callback_with_trainer_pushes_a_rectified_adapter_with_its_record(hub, t
     assert BLOCK_BEGIN in text
     reloaded = PeftModel.from_pretrained(hub_base(), "me/callback-janus").eval()
     assert torch.equal(logits(reloaded, IDS), logits(model.eval(), IDS))
+
+
+def test_checkpoints_pushed_to_the_hub_carry_no_theta0(hub, tmp_path, caplog):
+    """With hub_strategy='checkpoint' Trainer uploads each checkpoint folder whole, so θ0 is kept out of them
+    (and resuming such a run is refused at train begin, said up front)."""
+    from huggingface_hub import HfApi
+    from transformers import Trainer, TrainingArguments
+
+    from hf_janus import JanusCallback
+    from hf_janus.integrations.snapshot import SNAPSHOT_NAME
+
+    data = [{"input_ids": torch.randint(0, 48, (10,)).tolist()} for _ in range(8)]
+
+    def collate(rows):
+        ids = torch.tensor([r["input_ids"] for r in rows])
+        return {"input_ids": ids, "labels": ids}
+
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
+                             learning_rate=5e-3, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True,
+                             disable_tqdm=True, remove_unused_columns=False, push_to_hub=True,
+                             hub_model_id="me/checkpointed-janus", hub_strategy="checkpoint", seed=0)
+    janus = JanusCallback(random_replay(6), fast_config())
+    trainer = Trainer(model=hub_base().train(), args=args, train_dataset=data, data_collator=collate,
+                      callbacks=[janus])
+    janus.trainer = trainer
+    with caplog.at_level("WARNING", logger="hf_janus"):
+        trainer.train()
+    trainer.push_to_hub(commit_message="rectified")
+    assert "θ0 is never published" in caplog.text
+    files = set(HfApi().list_repo_files("me/checkpointed-janus"))
+    assert "last-checkpoint/model.safetensors" in files  # the checkpoint was pushed ...
+    assert not any(name.endswith(SNAPSHOT_NAME) for name in files)  # ... without θ0
+    assert not os.path.exists(os.path.join(args.output_dir, "checkpoint-2", SNAPSHOT_NAME))
+    assert janus.report is not None
+
+
+def test_merger_against_a_refusing_or_offline_hub_names_the_fix(hub, tmp_path, monkeypatch):
+    """Loading from the Hub with a wrong token, or offline: a JanusError naming the repo and the fix, before
+    anything is written."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    api = HfApi()
+    api.create_repo("me/private-lora", private=True, exist_ok=True)
+    api.upload_folder(repo_id="me/private-lora", folder_path=snapshot_download("me/tiny-lora"))
+    with pytest.raises(JanusError, match=r"'me/private-lora': the repo does not exist or you have no access.*token="):
+        JanusMerger("me/tiny-base", "me/private-lora", random_replay(6), fast_config(), token="hf_wrong",
+                    progress=False).run()
+    # offline with an empty cache: no retries, unlike a dead server (huggingface_hub backs off ~23 s per call)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(JanusError, match=r"could not reach the Hugging Face Hub .* 'me/tiny-lora'.*HF_HUB_OFFLINE"):
+        JanusMerger("me/tiny-base", "me/tiny-lora", random_replay(6), fast_config(), progress=False).run()
+    assert not os.listdir(tmp_path)
+
+
+def test_hub_unreachable_tells_no_answer_from_an_answer():
+    import importlib
+
+    from huggingface_hub.errors import (HfHubHTTPError, HTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError)
+
+    from hf_janus.errors import hub_unreachable
+
+    def wrapped(outer, inner):
+        try:
+            try:
+                raise inner
+            except BaseException as err:
+                raise outer from err
+        except BaseException as err:
+            return err
+
+    http = importlib.import_module(HTTPError.__module__.split(".")[0])  # huggingface_hub's HTTP client
+    response = http.Response(401, request=http.Request("GET", "http://hub/api/models/x"))
+    assert hub_unreachable(OfflineModeIsEnabled("offline"))
+    assert hub_unreachable(wrapped(LocalEntryNotFoundError("not cached"), http.ConnectError("refused")))
+    assert hub_unreachable(wrapped(LocalEntryNotFoundError("not cached"), ConnectionRefusedError(111, "refused")))
+    assert not hub_unreachable(HfHubHTTPError("401", response=response))
+    assert not hub_unreachable(RepositoryNotFoundError("missing", response=response))
+    assert not hub_unreachable(LocalEntryNotFoundError("not cached"))

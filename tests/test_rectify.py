@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny, fail_capture, fine_tune, random_replay
+from conftest import build_tiny, fine_tune, random_replay
 
-from hf_janus import JanusConfig, JanusError, RectificationError, RectificationReport, rectify
+from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.layers import resolve_target_modules, rule_for
 from hf_janus.engine.rectifier import Rectifier
 
@@ -383,61 +383,7 @@ def test_max_steps_takes_final_unchecked_step(monkeypatch, tuned_llama):
     assert report.steps[-1].forced and not report.converged and "max_steps" in report.stop_reason
 
 
-# ---- failures leave the model at θ̂ ----------------------------------------------------------------------
-
-@pytest.mark.parametrize("exc", [FloatingPointError("injected NaN"), KeyboardInterrupt()])
-def test_failure_restores_finetuned_weights(monkeypatch, tuned_llama, exc):
-    model, reference = tuned_llama
-    finetuned = copy.deepcopy(model.state_dict())
-    fail_capture(monkeypatch, 3, exc)
-    expected = KeyboardInterrupt if isinstance(exc, KeyboardInterrupt) else RectificationError
-    with pytest.raises(expected) as info:
-        rectify(model, reference, random_replay(4), JanusConfig(tau=0.999, rank=4), progress=False)
-    if expected is RectificationError:
-        assert "injected NaN" in str(info.value) and "restored" in str(info.value)
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, finetuned[key]), key
-    assert all(p.requires_grad for p in model.parameters())
-
-
-def test_nan_in_finetuned_weights_is_rejected(tuned_llama):
-    model, reference = tuned_llama
-    with torch.no_grad():
-        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
-    with pytest.raises(JanusError, match="up_proj.*NaN"):
-        rectify(model, reference, random_replay(4), progress=False)
-
-
-def test_nan_in_reference_is_rejected(tuned_llama):
-    model, reference = tuned_llama
-    reference = dict(reference)
-    reference["model.layers.0.self_attn.k_proj.weight"] = torch.full_like(
-        reference["model.layers.0.self_attn.k_proj.weight"], float("inf"))
-    with pytest.raises(JanusError, match="reference weight.*k_proj.*NaN/Inf"):
-        rectify(model, reference, random_replay(4), progress=False)
-
-
-# ---- bad inputs ---------------------------------------------------------------------------------------
-
-def test_empty_replay(tuned_llama):
-    model, reference = tuned_llama
-    with pytest.raises(JanusError, match="replay is empty"):
-        rectify(model, reference, [], progress=False)
-
-
-def test_replay_without_input_ids(tuned_llama):
-    model, reference = tuned_llama
-    with pytest.raises(JanusError, match="input_ids.*tokenize"):
-        rectify(model, reference, [{"text": "hello"}], progress=False)
-
-
-def test_replay_without_counted_tokens(tuned_llama):
-    model, reference = tuned_llama
-    replay = [{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}]
-    with pytest.raises(JanusError, match="no token that counts"):
-        rectify(model, reference, replay, progress=False)
-    assert model.training is False
-
+# ---- replay batching, reference forms (refusals of bad input: test_hostile_inputs.py) -----------------
 
 def test_replay_samples_are_grouped_by_length():
     from hf_janus.replay.prepare import prepare_replay
@@ -451,36 +397,6 @@ def test_replay_samples_are_grouped_by_length():
     assert widths == [max(counted[i:i + 3]) for i in range(0, len(counted), 3)]
 
 
-def test_replay_error_names_the_users_sample_index(tuned_llama):
-    model, reference = tuned_llama
-    replay = [{"input_ids": [1, 2, 3, 4]}, {"input_ids": [1, 2], "attention_mask": [1]}, {"input_ids": [5]}]
-    with pytest.raises(JanusError, match="replay sample 1: attention_mask has length 1"):
-        rectify(model, reference, replay, progress=False)
-
-
-def test_replay_length_mismatch(tuned_llama):
-    model, reference = tuned_llama
-    with pytest.raises(JanusError, match="attention_mask has length 2"):
-        rectify(model, reference, [{"input_ids": [1, 2, 3], "attention_mask": [1, 1]}], progress=False)
-
-
-def test_reference_missing_keys(tuned_llama):
-    model, reference = tuned_llama
-    partial = {k: v for k, v in reference.items() if "layers.1.mlp" not in k}
-    with pytest.raises(JanusError, match="missing key.*layers.1.mlp"):
-        rectify(model, partial, random_replay(4), progress=False)
-
-
-def test_reference_of_other_architecture(tuned_llama):
-    model, _ = tuned_llama
-    other = build_tiny("gpt2")
-    with pytest.raises(JanusError, match="reference"):
-        rectify(model, other, random_replay(4), progress=False)
-    wider = {k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in model.state_dict().items()}
-    with pytest.raises(JanusError, match="shape .* does not match"):
-        rectify(model, wider, random_replay(4), progress=False)
-
-
 def test_reference_model_equals_state_dict(tuned_llama):
     model, reference = tuned_llama
     ref_model = build_reference(model, reference)
@@ -489,26 +405,3 @@ def test_reference_model_equals_state_dict(tuned_llama):
     rectify(b, ref_model, random_replay(4), JanusConfig(tau=0.0), progress=False)
     for key, value in a.state_dict().items():
         assert torch.equal(value, b.state_dict()[key])
-
-
-def test_unsupported_and_unknown_targets(tuned_llama):
-    model, reference = tuned_llama
-    with pytest.raises(JanusError, match="cannot rectify.*embed_tokens.*Embedding"):
-        rectify(model, reference, random_replay(4), JanusConfig(target_modules=["embed_tokens"]), progress=False)
-    with pytest.raises(JanusError, match="'nonexistent' matches no module"):
-        rectify(model, reference, random_replay(4), JanusConfig(target_modules=["nonexistent"]), progress=False)
-
-
-def test_peft_model_is_pointed_elsewhere(tuned_llama):
-    from peft import LoraConfig, get_peft_model
-
-    model, reference = tuned_llama
-    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(JanusError, match="PEFT adapter layer.*JanusMerger"):
-        rectify(peft_model, reference, random_replay(4), progress=False)
-
-
-def test_bad_config_type(tuned_llama):
-    model, reference = tuned_llama
-    with pytest.raises(JanusError, match="JanusConfig"):
-        rectify(model, reference, random_replay(4), config={"tau": 0.9}, progress=False)

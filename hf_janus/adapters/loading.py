@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from hf_janus.engine.layers import rule_for
-from hf_janus.errors import JanusError
+from hf_janus.errors import JanusError, hub_error
 from hf_janus.io_utils import hub_cache_snapshot, looks_like_local_path
 
 logger = logging.getLogger(__name__)
@@ -69,14 +69,6 @@ class AdapterSource:
 
 
 # ---- resolving and validating inputs ---------------------------------------------------------------------
-def _hub_error(what: str, name: str, revision: Optional[str], err: Exception) -> JanusError:
-    rev = f" at revision {revision!r}" if revision else ""
-    return JanusError(
-        f"could not fetch {what} {name!r}{rev} from the Hugging Face Hub ({type(err).__name__}: {err}). Check the "
-        f"repo id and revision, log in (`hf auth login`) for a private repo, or pass a local directory"
-    )
-
-
 def resolve_adapter(adapter: Union[str, os.PathLike], revision: Optional[str] = None,
                     token: Union[str, bool, None] = None) -> AdapterSource:
     """Find the adapter (local directory or Hub repo via ``snapshot_download``) and read its ``PeftConfig``."""
@@ -99,7 +91,8 @@ def resolve_adapter(adapter: Union[str, os.PathLike], revision: Optional[str] = 
                 allow_patterns=[ADAPTER_CONFIG_NAME, *ADAPTER_WEIGHT_NAMES, "README.md"],
             )
         except Exception as err:  # RepositoryNotFoundError, RevisionNotFoundError, offline, HTTP errors
-            raise _hub_error("adapter", name, revision, err) from err
+            raise hub_error("fetch the adapter", name, err, revision=revision,
+                            alternative="or pass a local directory") from err
     if not os.path.isfile(os.path.join(local, ADAPTER_CONFIG_NAME)):
         hint = ""
         if os.path.isfile(os.path.join(local, "config.json")):
@@ -198,7 +191,8 @@ def load_base_model(base_model: Union[str, os.PathLike], revision: Optional[str]
     except Exception as err:
         if os.path.isdir(path):
             raise JanusError(f"could not load the base model from {name!r}: {type(err).__name__}: {err}") from err
-        raise _hub_error("base model", name, revision, err) from err
+        raise hub_error("fetch the base model", name, err, revision=revision,
+                        alternative="or pass a local directory") from err
     if device is not None:
         model.to(device)
     return model.eval()

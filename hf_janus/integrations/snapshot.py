@@ -3,31 +3,60 @@ every checkpoint so that a resumed run still rectifies against the weights it st
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from typing import Optional
 
+import torch
 from torch import Tensor, nn
 
 from hf_janus.adapters.live_peft import effective_weights
 from hf_janus.engine.layers import resolve_target_modules
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_replace
-from hf_janus.parallel.sharding import check_sharding, full_weight
+from hf_janus.parallel.sharding import check_sharding, full_weight, is_sharded, is_zero3_param
 
 logger = logging.getLogger(__name__)
 
 # The leading "_" keeps it out of trainer.push_to_hub() uploads (Trainer ignores "_*" there).
 SNAPSHOT_NAME = "_janus_theta0.safetensors"
 SNAPSHOT_PLACES = ("cpu", "disk")
+#: Metadata key of a checkpoint's snapshot: the :func:`weights_fingerprint` of the weights saved with it.
+FINGERPRINT_KEY = "janus.checkpoint_fingerprint"
+_FINGERPRINT_SAMPLES = 257
 
 
-def save_safetensors(tensors: dict[str, Tensor], path: str) -> None:
+def save_safetensors(tensors: dict[str, Tensor], path: str, metadata: Optional[dict[str, str]] = None) -> None:
     """Write a safetensors file atomically (:func:`~hf_janus.io_utils.atomic_replace`)."""
     from safetensors.torch import save_file
 
     with atomic_replace(path) as tmp:
-        save_file(tensors, tmp)
+        save_file(tensors, tmp, metadata=metadata)
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """A digest of the names, shapes and a few evenly spaced values of every trainable parameter.
+
+    It binds a checkpoint's θ0 snapshot to the weights saved in that checkpoint: resuming loads those weights,
+    so a snapshot of another run (another run's checkpoint in the same ``output_dir``, or a checkpoint resumed
+    from elsewhere) gives another digest. A sample rather than every byte keeps it to milliseconds at 7B. The
+    values of sharded parameters (FSDP2, ZeRO-3) are left out: each rank holds a different piece, and the
+    layout may change between runs; their names and shapes still count.
+    """
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+        if is_sharded(param) or is_zero3_param(param) or param.is_meta or param.numel() == 0:
+            continue
+        flat = param.detach().reshape(-1)
+        count = min(flat.numel(), _FINGERPRINT_SAMPLES)
+        # integer spacing: float indices lose precision past 2**24 elements
+        index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
+        digest.update(flat[index].to(torch.float64).cpu().numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
 
 
 def plain_targets_theta0(model: nn.Module, target_modules, exclude_modules) -> dict[str, Tensor]:
@@ -73,24 +102,39 @@ class Theta0Snapshot:
         logger.info("JANUS: θ0 snapshot of %d layers, %.1f MiB, kept on %s", len(theta0), self.nbytes / 2**20,
                     self.place)
 
-    def resume(self, output_dir: str, global_step: int) -> None:
+    def resume(self, output_dir: str, global_step: int, fingerprint: str) -> None:
         """Load the snapshot the checkpoint of step ``global_step`` carries.
 
-        Only the checkpoint's own copy is trusted: every checkpoint written with ``JanusCallback`` has one. A
-        snapshot elsewhere (``output_dir``) may belong to another run into the same folder, and rectifying
-        against a stale θ0 gives a wrong result without a word, so it is never used as a fallback.
+        Only the checkpoint's own copy is trusted, and only when it was saved with the weights now loaded
+        (``fingerprint``, :func:`weights_fingerprint` of the resumed model): rectifying against a stale θ0 gives
+        a wrong result without a word. A snapshot elsewhere (``output_dir``) may belong to another run into the
+        same folder, so it is never used as a fallback.
         """
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         path = os.path.join(output_dir, f"checkpoint-{global_step}", SNAPSHOT_NAME)
+        restart = ("Start the run from scratch, or rectify afterwards with hf_janus.rectify and the weights the "
+                   "run started from")
         if not os.path.isfile(path):
             raise JanusError(
                 f"resuming at step {global_step}, but the checkpoint has no θ0 snapshot ({path} is missing): it "
-                "was not written with JanusCallback, and a snapshot from another run cannot be told apart from this "
-                "run's. Start the run from scratch, or rectify afterwards with hf_janus.rectify and the original "
-                "weights"
+                "was not written with JanusCallback (or its checkpoints were pushed to the Hub, which keeps θ0 out "
+                f"of them), and a snapshot from another run cannot be told apart from this run's. {restart}"
             )
-        theta0 = load_file(path, device="cpu")
+        with safe_open(path, framework="pt", device="cpu") as fh:
+            stored = (fh.metadata() or {}).get(FINGERPRINT_KEY)
+            theta0 = {name: fh.get_tensor(name) for name in fh.keys()}
+        if stored is None:
+            logger.warning("JANUS: the θ0 snapshot %s carries no fingerprint (written by an older hf-janus), so it "
+                           "cannot be checked against the resumed weights; it is used as it is", path)
+        elif stored != fingerprint:
+            raise JanusError(
+                f"the θ0 snapshot {path} does not belong to the weights being resumed: it was saved with other "
+                "weights (a checkpoint of another run into the same output_dir, or resume_from_checkpoint pointing "
+                f"outside output_dir, whose checkpoint-{global_step} is then read). Resume from a checkpoint this "
+                f"run wrote in output_dir={output_dir!r}, or set output_dir to the folder holding the checkpoint. "
+                f"{restart}"
+            )
         self.nbytes = _nbytes(theta0)
         if self.place == "disk":
             self._path, self._tensors = path, None
@@ -112,9 +156,10 @@ class Theta0Snapshot:
         """Whether θ0 is held in host memory (else it is read from its file when needed)."""
         return self._tensors is not None
 
-    def save_to_checkpoint(self, folder: str) -> None:
-        """Put θ0 into a checkpoint folder so that resuming from it finds the weights the run started from."""
-        save_safetensors(self.tensors(), os.path.join(folder, SNAPSHOT_NAME))
+    def save_to_checkpoint(self, folder: str, fingerprint: str) -> None:
+        """Put θ0 into a checkpoint folder so that resuming from it finds the weights the run started from;
+        ``fingerprint`` (:func:`weights_fingerprint` of the weights saved there) binds it to that checkpoint."""
+        save_safetensors(self.tensors(), os.path.join(folder, SNAPSHOT_NAME), {FINGERPRINT_KEY: fingerprint})
 
     def tensors(self) -> dict[str, Tensor]:
         """``{"<layer>.weight": θ0}`` on the CPU (read from disk for ``place="disk"``)."""

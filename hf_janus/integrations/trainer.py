@@ -25,11 +25,14 @@ from hf_janus.config import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError, RectificationError
-from hf_janus.integrations.snapshot import SNAPSHOT_NAME, Theta0Snapshot
+from hf_janus.integrations.snapshot import SNAPSHOT_NAME, Theta0Snapshot, weights_fingerprint
 from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3, is_zero3_param
 from hf_janus.publish.record import REPORT_NAME
 
 logger = logging.getLogger(__name__)
+
+# Trainer uploads these checkpoint folders whole (no ignore patterns), so θ0 must stay out of them.
+_PUSHED_CHECKPOINTS = ("checkpoint", "all_checkpoints")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -37,6 +40,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
     from accelerate.utils import extract_model_from_parallel
 
     return extract_model_from_parallel(model)
+
+
+def _checkpoints_pushed(args: TrainingArguments) -> bool:
+    return bool(getattr(args, "push_to_hub", False)) and getattr(args, "hub_strategy", None) in _PUSHED_CHECKPOINTS
 
 
 def _wait_for_everyone() -> None:
@@ -136,18 +143,24 @@ class JanusCallback(TrainerCallback):
         peft_layers = self._check_supported(model, args)
         if state.global_step > 0:
             # Resumed: the weights now are mid-training, θ0 must come from the checkpoint.
-            self.snapshot.resume(args.output_dir, state.global_step)
+            self.snapshot.resume(args.output_dir, state.global_step, weights_fingerprint(model))
             logger.info("JANUS: resumed at step %d with the θ0 snapshot from the checkpoint", state.global_step)
             return
+        if _checkpoints_pushed(args):
+            logger.warning("JANUS: hub_strategy=%r uploads every checkpoint folder whole, so the θ0 snapshot is kept "
+                           "out of them (θ0 is never published): resuming this run will be refused. Use "
+                           "hub_strategy='every_save' or 'end' to keep resuming possible", str(args.hub_strategy))
         self.snapshot.take(model, peft_layers, self.config.target_modules, self.config.exclude_modules,
                          args.output_dir, is_writer=args.process_index == 0)
         if self.snapshot.place == "disk":
             _wait_for_everyone()  # the other ranks read the file rank 0 wrote
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                model: Optional[nn.Module] = None, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if state.is_world_process_zero and os.path.isdir(folder):
-            self.snapshot.save_to_checkpoint(folder)
+        if state.is_world_process_zero and os.path.isdir(folder) and not _checkpoints_pushed(args):
+            # the model still holds exactly the weights just saved in the folder
+            self.snapshot.save_to_checkpoint(folder, weights_fingerprint(_unwrap(model)))
 
     def _discard_snapshot(self, args: TrainingArguments, state: TrainerState) -> None:
         if self.snapshot.place == "disk":

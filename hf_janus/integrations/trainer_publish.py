@@ -2,13 +2,64 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, Optional, Union
 
 from hf_janus.engine.report import RectificationReport
 from hf_janus.publish.files import detect_kind, write_publication_files
+from hf_janus.publish.hub import NEVER_PUBLISHED
 from hf_janus.publish.provenance import ReplayInfo, RepoRef, describe_model, describe_replay
 from hf_janus.publish.record import build_report
 from hf_janus.publish.weights_meta import weight_files_present
+
+logger = logging.getLogger(__name__)
+
+
+def _skipping(kwargs: dict) -> dict:
+    return {**kwargs, "ignore_patterns": [*(kwargs.get("ignore_patterns") or []), *NEVER_PUBLISHED]}
+
+
+class _SkippingApi:
+    """An ``HfApi`` whose ``upload_folder`` also ignores :data:`NEVER_PUBLISHED` (everything else passes through)."""
+
+    def __init__(self, api: Any):
+        self._api = api
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+    def upload_folder(self, *args: Any, **kwargs: Any) -> Any:
+        return self._api.upload_folder(*args, **_skipping(kwargs))
+
+
+@contextlib.contextmanager
+def _uploads_skip_pickles() -> Iterator[None]:
+    """While ``Trainer.push_to_hub`` runs, make its upload skip pickles: it ignores only ``_*`` and ``checkpoint-*``,
+    so ``training_args.bin`` would go up, and that pickle holds ``args.hub_token`` in clear.
+
+    ``Trainer`` exposes no ignore list, so the module's ``hf_api`` (transformers >= 5) or ``upload_folder``
+    (4.x) is swapped for the call and put back after. The upload's arguments are bound during the call even
+    with ``blocking=False``, so the swap covers it.
+    """
+    import transformers.trainer as trainer_module
+
+    if hasattr(trainer_module, "hf_api"):
+        name, real = "hf_api", trainer_module.hf_api
+        replacement: Any = lambda: _SkippingApi(real())  # noqa: E731
+    elif hasattr(trainer_module, "upload_folder"):  # pragma: no cover - transformers 4.x, not in CI
+        name, real = "upload_folder", trainer_module.upload_folder
+        replacement = lambda *args, **kwargs: real(*args, **_skipping(kwargs))  # noqa: E731
+    else:  # pragma: no cover - a transformers that uploads another way
+        logger.warning("JANUS: this transformers version uploads in a way hf-janus does not know; "
+                       "trainer.push_to_hub() may upload training_args.bin (a pickle holding hub_token)")
+        yield
+        return
+    setattr(trainer_module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(trainer_module, name, real)
 
 
 def install_trainer_hooks(trainer: Any, report: Union[RectificationReport, Callable[[], Optional[RectificationReport]]],
@@ -21,7 +72,8 @@ def install_trainer_hooks(trainer: Any, report: Union[RectificationReport, Calla
     card. This wraps the two instance methods (nothing on the ``Trainer`` class changes): after
     ``save_model`` and after ``create_model_card``, :func:`write_publication_files` adds the record, merges
     our section and tags into the card the Trainer wrote, and stamps the weight files, so the upload that
-    follows carries them. ``report`` is the report or a callable returning it (``None``: not rectified yet;
+    follows carries them. ``push_to_hub`` is wrapped too, so that its upload skips pickles
+    (``training_args.bin``) as :func:`~hf_janus.publish.hub.push_folder` does. ``report`` is the report or a callable returning it (``None``: not rectified yet;
     the hooks then do nothing). Installing twice only replaces the report source.
     """
     provider = report if callable(report) else (lambda: report)
@@ -31,7 +83,7 @@ def install_trainer_hooks(trainer: Any, report: Union[RectificationReport, Calla
         return
     state = {"provider": provider, "replay": replay, "replay_info": replay_info, "base_model": base_model,
              "token": token, "built": {}}
-    original_save, original_card = trainer.save_model, trainer.create_model_card
+    original_save, original_card, original_push = trainer.save_model, trainer.create_model_card, trainer.push_to_hub
 
     def publish(output_dir: Optional[str]) -> None:
         rect = state["provider"]()
@@ -58,6 +110,10 @@ def install_trainer_hooks(trainer: Any, report: Union[RectificationReport, Calla
         original_card(*args, **kwargs)
         publish(None)  # the Trainer writes the card in args.output_dir, right before uploading it
 
-    trainer.save_model, trainer.create_model_card = save_model, create_model_card
+    def push_to_hub(*args: Any, **kwargs: Any) -> Any:
+        with _uploads_skip_pickles():
+            return original_push(*args, **kwargs)
+
+    trainer.save_model, trainer.create_model_card, trainer.push_to_hub = save_model, create_model_card, push_to_hub
     trainer._janus_publication = state
 

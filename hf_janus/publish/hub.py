@@ -7,7 +7,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Optional, Union
 
-from hf_janus.errors import JanusError
+from hf_janus.errors import JanusError, hub_error
 from hf_janus.io_utils import hub_cache_snapshot, is_local, read_text
 from hf_janus.publish.card import CARD_NAME, render_card
 from hf_janus.publish.files import detect_kind, pipeline_tag
@@ -17,48 +17,6 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from huggingface_hub import CommitInfo
-
-
-def _is_connection_error(err: BaseException) -> bool:
-    """Whether the Hub never answered (no HTTP status): offline mode, or a transport error of the HTTP client."""
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-    if isinstance(err, OfflineModeIsEnabled):
-        return True
-    if isinstance(err, HfHubHTTPError):  # the Hub answered with a status
-        return False
-    try:  # huggingface_hub >= 1 names its HTTP client's (httpx) base error; transport errors derive from it
-        from huggingface_hub.errors import HTTPError as ClientError
-    except ImportError:  # pragma: no cover - huggingface_hub 0.x uses requests
-        from requests import RequestException as ClientError
-    return isinstance(err, (ClientError, ConnectionError, TimeoutError))
-
-
-def _hub_failure(action: str, repo_id: str, err: BaseException, local: Optional[str] = None) -> JanusError:
-    """A JanusError for a failed Hub call: what failed, the likely cause, the fix, and that local files are safe."""
-    from huggingface_hub import constants
-
-    kept = f" The local files in {local!r} were not changed." if local else ""
-    status = getattr(getattr(err, "response", None), "status_code", None)
-    detail = f"{type(err).__name__}: {err}".strip()
-    if status in (401, 403):
-        return JanusError(
-            f"the Hugging Face Hub refused to {action} {repo_id!r} (HTTP {status}: invalid, missing or read-only "
-            f"token). Log in with `hf auth login` or pass token= with write access to this repo.{kept} ({detail})"
-        )
-    if _is_connection_error(err):
-        return JanusError(
-            f"could not reach the Hugging Face Hub at {constants.ENDPOINT} to {action} {repo_id!r} ({detail}). Check "
-            f"the network, HF_ENDPOINT and HF_HUB_OFFLINE, then retry.{kept}"
-        )
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
-
-    if isinstance(err, RevisionNotFoundError):
-        return JanusError(f"could not {action} {repo_id!r}: the revision does not exist ({detail}).{kept}")
-    if isinstance(err, RepositoryNotFoundError):  # GatedRepoError derives from it
-        return JanusError(f"could not {action} {repo_id!r}: the repo does not exist or you have no access to it; "
-                          f"check the id, or pass token= for a private repo ({detail}).{kept}")
-    return JanusError(f"could not {action} {repo_id!r}: {detail}.{kept}")
 
 
 #: Never uploaded: pickles (they run code when loaded; ``training_args.bin`` is one), and, as ``Trainer``'s own
@@ -133,7 +91,7 @@ def push_folder(folder: Union[str, os.PathLike], repo_id: str, *, private: Optio
     except JanusError:
         raise
     except Exception as err:
-        raise _hub_failure(action, repo_id, err, local=folder) from err
+        raise hub_error(action, repo_id, err, local=folder) from err
 
 
 def load_report(repo_id_or_dir: Union[str, os.PathLike], revision: Optional[str] = None,
@@ -174,7 +132,7 @@ def load_report(repo_id_or_dir: Union[str, os.PathLike], revision: Optional[str]
         raise JanusError(f"the Hub repo {name!r}{f' at {revision!r}' if revision else ''} has no {REPORT_NAME}: it "
                          "was not published with hf-janus") from err
     except Exception as err:
-        raise _hub_failure("read the JANUS report of", name, err) from err
+        raise hub_error("read the JANUS report of", name, err, revision=revision) from err
     report = read_record(path)
     snapshot = hub_cache_snapshot(path)
     report.source, report.commit = name, snapshot.sha if snapshot is not None else None
