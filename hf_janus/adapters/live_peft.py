@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from hf_janus.engine.layers import rule_for, select_layers
+from hf_janus.engine.quantized import compute_dtype, dequantized_weight, is_supported_quantized
 from hf_janus.errors import JanusError
 
 logger = logging.getLogger(__name__)
@@ -75,13 +76,26 @@ def active_adapter(module: nn.Module) -> str:
     return active[0]
 
 
+def on_quantized_base(module: nn.Module) -> bool:
+    """Whether the tuner layer adapts a quantized base layer (QLoRA)."""
+    return is_supported_quantized(module.get_base_layer())
+
+
 def effective_params(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
     """The weight and bias PEFT's merge would give this tuner layer (stored layout of the base layer).
 
     Runs PEFT's own ``merge(safe_merge=True)``, which computes into copies, then puts the original tensors
-    back, so any adapter kind PEFT can merge is covered and the layer is left exactly as it was.
+    back, so any adapter kind PEFT can merge is covered and the layer is left exactly as it was. On a quantized
+    base, where merging would requantize, it is the dequantized base plus PEFT's ``get_delta_weight``, in the
+    layer's compute dtype (the LoRA kinds :func:`check_quantized_layers` lets through are exactly that).
     """
     base = module.get_base_layer()
+    if on_quantized_base(module):
+        with torch.no_grad():
+            weight = dequantized_weight(base)
+            weight += module.get_delta_weight(active_adapter(module)).to(weight.dtype)
+        bias = base.bias.detach().clone() if isinstance(getattr(base, "bias", None), Tensor) else None
+        return weight, bias
     weight = base.weight.data
     bias = base.bias.data if isinstance(getattr(base, "bias", None), Tensor) else None
     merged_before = list(getattr(module, "merged_adapters", []))
@@ -103,10 +117,84 @@ def effective_params(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
 
 
 def effective_weights(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
-    """``{"<name>.weight": effective weight on the CPU}`` for the given tuner layers."""
+    """``{"<name>.weight": effective weight on the CPU}`` for the given tuner layers (one layer at a time)."""
     with torch.no_grad():
         return {f"{name}.weight": effective_params(module)[0].to("cpu", copy=True).contiguous()
                 for name, module in layers.items()}
+
+
+def check_quantized_layers(peft_model: nn.Module) -> None:
+    """Refuse adapted layers whose quantized base JANUS cannot read, and adapters on a quantized base that are
+    not plain LoRA, naming the layer, what it is, and what is supported."""
+    from hf_janus.engine.quantized import quantization_of, unsupported_quantized_error
+
+    for name, module in _tuner_layers(inner_model(peft_model)).items():
+        base = module.get_base_layer()
+        if quantization_of(base) is None:
+            continue
+        if not is_supported_quantized(base):
+            raise JanusError(unsupported_quantized_error(name, base))
+        adapter = active_adapter(module)
+        variant = (getattr(module, "lora_variant", {}) or {}).get(adapter)
+        if not hasattr(module, "get_delta_weight") or variant is not None:
+            kind = type(variant).__name__ if variant is not None else type(module).__name__
+            raise JanusError(
+                f"layer {name!r} has a {kind} adapter on a quantized base: on quantized bases hf-janus rectifies "
+                "plain LoRA adapters (rsLoRA and any rank or alpha included; not DoRA or other variants). Train a "
+                "plain LoRA, or train on an unquantized base"
+            )
+
+
+def _adapter_tensors(module: nn.Module) -> dict[str, Tensor]:
+    """The adapter's own parameters of a tuner layer (everything but its base layer), by local name."""
+    return {n: p for n, p in module.named_parameters() if not n.startswith("base_layer.")}
+
+
+def initial_state(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
+    """What θ0 of the adapted layers needs, taken at train begin, on the CPU.
+
+    For a layer on a dense base that is its effective weight (``"<name>.weight"``). For a layer on a quantized
+    base it is only the adapter's own tensors (``"<name>.<local parameter name>"``): the base is frozen, so θ0
+    is rebuilt from it at train end by :func:`theta0_weights`, and the snapshot costs about the adapter's size
+    instead of a dense copy of the model.
+    """
+    out = {}
+    with torch.no_grad():
+        for name, module in layers.items():
+            if on_quantized_base(module):
+                out.update({f"{name}.{local}": p.detach().to("cpu", copy=True).contiguous()
+                            for local, p in _adapter_tensors(module).items()})
+            else:
+                out[f"{name}.weight"] = effective_params(module)[0].to("cpu", copy=True).contiguous()
+    return out
+
+
+def theta0_weights(layers: dict[str, nn.Module], state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``{"<name>.weight": θ0 on the CPU}`` from an :func:`initial_state`: as saved for dense bases; for
+    quantized ones the dequantized base plus the delta of the initial adapter tensors, put in for the
+    computation (one layer at a time) and taken out again."""
+    out = {}
+    for name, module in layers.items():
+        if not on_quantized_base(module):
+            key = f"{name}.weight"
+            if key not in state:
+                raise JanusError(f"the θ0 snapshot has no entry for layer {name!r}: it was taken of another model")
+            out[key] = state[key]
+            continue
+        current = _adapter_tensors(module)
+        missing = [local for local in current if f"{name}.{local}" not in state]
+        if missing:
+            raise JanusError(f"the θ0 snapshot has no initial {missing[0]} of layer {name!r}: it was taken of "
+                             "another adapter")
+        saved = {local: p.data for local, p in current.items()}
+        try:
+            for local, p in current.items():
+                p.data = state[f"{name}.{local}"].to(device=p.device, dtype=p.dtype)
+            out[f"{name}.weight"] = effective_params(module)[0].to("cpu", copy=True).contiguous()
+        finally:
+            for local, p in current.items():
+                p.data = saved[local]
+    return out
 
 
 def _set_child(root: nn.Module, name: str, child: nn.Module) -> None:
@@ -130,8 +218,13 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor]) -> Iterator[nn
         with torch.no_grad():
             for name, module in tuners.items():
                 base = module.get_base_layer()
-                eff_weight, eff_bias = effective_params(module)
                 given = weights.get(f"{name}.weight")
+                if on_quantized_base(module):
+                    # a dense stand-in, built one layer at a time; the quantized base is left untouched
+                    saved[name] = (module, None, None)
+                    _set_child(model, name, _dense_linear(module, given))
+                    continue
+                eff_weight, eff_bias = effective_params(module)
                 if given is not None:
                     eff_weight = given
                 bias = base.bias.data if eff_bias is not None else None
@@ -144,7 +237,23 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor]) -> Iterator[nn
     finally:
         for name, (module, weight, bias) in saved.items():
             base = module.get_base_layer()
-            base.weight.data = weight
+            if weight is not None:
+                base.weight.data = weight
             if bias is not None:
                 base.bias.data = bias
             _set_child(model, name, module)
+
+
+def _dense_linear(module: nn.Module, weight: Optional[Tensor]) -> nn.Linear:
+    """An ``nn.Linear`` computing what the tuner layer on a quantized base computes, holding ``weight`` (its
+    effective weight when ``None``) in the base's compute dtype, on its device."""
+    base = module.get_base_layer()
+    if weight is None:
+        weight = effective_params(module)[0]
+    bias = base.bias if isinstance(getattr(base, "bias", None), Tensor) else None
+    dense = nn.Linear(base.in_features, base.out_features, bias=bias is not None, device="meta")
+    device, dtype = base.weight.device, compute_dtype(base)
+    dense.weight = nn.Parameter(weight.to(device=device, dtype=dtype, copy=True), requires_grad=False)
+    if bias is not None:
+        dense.bias = nn.Parameter(bias.detach().to(device=device, dtype=dtype, copy=True), requires_grad=False)
+    return dense

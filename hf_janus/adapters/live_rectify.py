@@ -11,7 +11,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from hf_janus.adapters.live_peft import adapted_linear_layers, effective_weights, inner_model, plain_view
+from hf_janus.adapters.live_peft import (
+    adapted_linear_layers,
+    check_quantized_layers,
+    effective_weights,
+    inner_model,
+    on_quantized_base,
+    plain_view,
+    theta0_weights,
+)
 from hf_janus.adapters.loading import is_mutating_init
 from hf_janus.adapters.lora_write import (
     LoraState,
@@ -54,7 +62,16 @@ def check_live_peft(model: nn.Module, config: JanusConfig, output: PeftOutput) -
 
     Returns the adapted linear layers JANUS will rectify.
     """
+    check_quantized_layers(model)
     layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
+    quantized = [name for name, module in layers.items() if on_quantized_base(module)]
+    if quantized and output.format == "merged":
+        raise JanusError(
+            f"peft_output='merged' writes the rectified weights into the base layers, but {quantized[0]!r} (and "
+            f"{len(quantized) - 1} more) are quantized: requantizing would round the update away. Use "
+            "peft_output='adapter' (a rectified adapter on the unchanged quantized base), or rectify the saved "
+            "adapter against the full-precision base with JanusMerger and save_full()"
+        )
     if output.format == "adapter":
         check_adapter_writable(layers)
         init = getattr(model.peft_config.get(model.active_adapter), "init_lora_weights", True)
@@ -75,19 +92,21 @@ class LivePeftRun(NamedTuple):
     rectifier: Rectifier  # the finished engine run (replay split, layers), for inspection
 
 
-def rectify_live_peft(model: nn.Module, theta0: dict[str, Tensor], replay: Any, config: JanusConfig,
+def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any, config: JanusConfig,
                       output: PeftOutput, *, progress: bool = True) -> LivePeftRun:
     """Rectify the effective weights of the adapted layers of ``model``, then keep them as ``output`` asks.
 
-    ``theta0``: ``{"<layer>.weight": effective weight at train begin}``. Everything that can fail (capture,
-    projection, re-factorization) runs before the model is changed for good: on failure the tuner layers and
-    their weights are exactly as training left them.
+    ``initial``: what :func:`~hf_janus.adapters.live_peft.initial_state` took at train begin (θ0 itself for
+    layers on a dense base, the initial adapter tensors for layers on a quantized one). Everything that can
+    fail (capture, projection, re-factorization) runs before the model is changed for good: on failure the
+    tuner layers and their weights are exactly as training left them.
 
     Returns:
         A :class:`LivePeftRun`: the report, the model to use from now on (``model`` itself for
         ``format="adapter"``, the merged plain model for ``format="merged"``) and the rectifier.
     """
     layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
+    theta0 = theta0_weights(layers, initial)
     finetuned = effective_weights(layers)
     # Only the adapted layers moved during training: they are the targets, whatever "all-linear" says.
     config = dataclasses.replace(config, target_modules=list(layers), exclude_modules=None)
@@ -114,11 +133,8 @@ def _write_adapter(model: nn.Module, layers: dict[str, nn.Module], result: Recti
         for name, layer in result.layers.items():
             module = layers[name]
             originals[name] = LoraState.capture(module)
-            base = module.get_base_layer()
-            w_base = layer.rule.to_matrix(base.weight.detach()).float().to(layer.rectified.device)
-            reference = layer.reference
             written.append(write_lora(
-                module, name, layer.rectified.detach().float(), reference - w_base, layer.rect_delta(),
+                module, name, layer.rectified.detach().float(), layer.reference, layer.rect_delta(),
                 output.rank, output.energy, jacobian=layer.jacobian, reference_norm=layer.reference_norm(),
             ))
     except Exception:

@@ -72,12 +72,13 @@ class WrittenLayer:
     rank_changed: bool
 
 
-def write_lora(module: nn.Module, name: str, target: Tensor, offset: Tensor, delta_rect: Tensor, rank: RankSpec,
+def write_lora(module: nn.Module, name: str, target: Tensor, reference: Tensor, delta_rect: Tensor, rank: RankSpec,
                energy: float = 0.99, jacobian: Any = None, reference_norm: Optional[float] = None) -> WrittenLayer:
     """Re-factorize one rectified layer into its LoRA adapter so the effective weight becomes ``target``.
 
-    ``target``, ``offset`` and ``delta_rect`` are ``(d_out, d_in)`` float matrices: the rectified effective
-    weight, ``θ0 − W_base`` (zero for LoRA, ``s·B0A0`` for PiSSA-like inits) and ``ΔW_rect``. The adapter
+    ``target``, ``reference`` and ``delta_rect`` are ``(d_out, d_in)`` float matrices: the rectified effective
+    weight, θ0 and ``ΔW_rect``; ``offset = θ0 − W_base`` is zero for LoRA, ``s·B0A0`` for PiSSA-like inits. The
+    base weight ``W_base`` is read here, dequantized for a quantized base (once per layer). The adapter
     must hold ``D = offset + ΔW_rect = target − W_base``; it gets the best rank-k approximation of ``D``
     (truncated SVD), split evenly between ``B`` and ``A``. For DoRA the magnitude is then set to the row
     norms of ``W_base + D_k`` so that the effective weight is exactly ``W_base + D_k``.
@@ -85,10 +86,9 @@ def write_lora(module: nn.Module, name: str, target: Tensor, offset: Tensor, del
     adapter = active_adapter(module)
     kind = _lora_kind(module, adapter)
     base = module.get_base_layer()
-    rule = rule_for(base)
-    w_base = rule.to_matrix(base.weight.detach()).to(torch.float64)
-    d = (target.to(torch.float64) - w_base).to(torch.float64)
-    offset64 = offset.to(device=d.device, dtype=torch.float64)
+    w_base = rule_for(base).weight(base).to(device=target.device, dtype=torch.float64)
+    d = target.to(torch.float64) - w_base
+    offset64 = reference.to(device=d.device, dtype=torch.float64) - w_base
     delta64 = delta_rect.to(device=d.device, dtype=torch.float64)
     u_s, vh, s = truncate(d, min(d.shape))
     k = choose_rank(s, rank, energy, same_rank=int(module.r[adapter]), name=name)

@@ -26,6 +26,7 @@ from hf_janus.engine.compression import (
     sequence_basis,
     trim_rank,
 )
+from hf_janus.engine.quantized import differentiable_quantized
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.timing import PhaseTimer, synchronize
 from hf_janus.errors import JanusError
@@ -65,7 +66,8 @@ def frozen_eval(model: nn.Module) -> Iterator[None]:
     for p, _ in flags:
         p.requires_grad_(False)
     try:
-        yield
+        with differentiable_quantized(model):
+            yield
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)

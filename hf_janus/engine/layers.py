@@ -12,6 +12,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
+from hf_janus.engine.quantized import SUPPORTED_QUANTIZED, dequantized_weight, quantization_of
 from hf_janus.errors import JanusError
 from hf_janus.parallel.sharding import full_weight, write_full_
 
@@ -23,13 +24,23 @@ class LayerRule:
     name: str
     to_matrix: Callable[[Tensor], Tensor]  # stored weight -> (d_out, d_in) view
     from_matrix: Callable[[Tensor], Tensor]  # (d_out, d_in) -> stored layout
+    quantized: bool = False  # read by dequantizing (:mod:`.quantized`), never written
 
     def weight(self, module: nn.Module) -> Tensor:
-        """The whole weight, detached; gathered when FSDP shards it (a collective, see :mod:`.sharding`)."""
+        """The whole weight, detached; gathered when FSDP shards it (a collective, see :mod:`.sharding`), and
+        dequantized (this layer only) when it is quantized."""
+        if self.quantized:
+            return dequantized_weight(module)
         return self.to_matrix(full_weight(module.weight))
 
     def set_weight(self, module: nn.Module, matrix: Tensor) -> None:
         """Write a whole ``(d_out, d_in)`` matrix; under FSDP every rank passes the same one."""
+        if self.quantized:
+            raise JanusError(
+                f"cannot write a rectified weight into a quantized layer ({self.name}): requantizing would round "
+                "the update away. Rectify the adapter trained on it (JanusCallback, JanusMerger), or load the model "
+                "unquantized"
+            )
         write_full_(module.weight, self.from_matrix(matrix))
 
 
@@ -41,7 +52,18 @@ def register_layer_rule(module_type: type, rule: LayerRule) -> None:
     _RULES[module_type] = rule
 
 
+_QUANTIZED_RULES = {key: LayerRule(name, lambda w: w, lambda m: m, quantized=True)
+                    for key, name in SUPPORTED_QUANTIZED.items()}
+
+
 def rule_for(module: nn.Module) -> Optional[LayerRule]:
+    """The rule of ``module``'s type; ``None`` for layers JANUS cannot rectify, quantized ones of other backends
+    included (many subclass ``nn.Linear`` with a packed weight)."""
+    quantized = _QUANTIZED_RULES.get((type(module).__module__.split(".")[0], type(module).__name__))
+    if quantized is not None:
+        return quantized
+    if quantization_of(module) is not None:
+        return None
     for module_type, rule in _RULES.items():
         if type(module) is module_type:
             return rule
@@ -52,7 +74,7 @@ def rule_for(module: nn.Module) -> Optional[LayerRule]:
 
 
 def supported_layer_names() -> list[str]:
-    return [rule.name for rule in _RULES.values()]
+    return [rule.name for rule in (*_RULES.values(), *_QUANTIZED_RULES.values())]
 
 
 register_layer_rule(nn.Linear, LayerRule("torch.nn.Linear", lambda w: w, lambda m: m))

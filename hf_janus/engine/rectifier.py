@@ -232,6 +232,13 @@ class Rectifier:
         # Under FSDP and ZeRO-3 each read below is a collective: every rank walks the same layers in the same order.
         for name, module in modules.items():
             rule = rule_for(module)
+            if rule.quantized:
+                raise JanusError(
+                    f"layer {name!r} is quantized ({rule.name}): rectify() writes rectified weights into the model's "
+                    "layers, and requantizing would round the update away. For a LoRA adapter trained on a quantized "
+                    "base (QLoRA) use JanusCallback or JanusMerger, which write the update into the adapter; or load "
+                    "the model unquantized, or leave these layers out with exclude_modules"
+                )
             stored = full_weight(module.weight)
             _check_finite(stored, f"fine-tuned weight of {name!r}")
             ref = _reference_weight(reference, name, module, rule)

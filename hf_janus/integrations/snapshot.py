@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from hf_janus.adapters.live_peft import effective_weights
+from hf_janus.adapters.live_peft import initial_state
 from hf_janus.engine.layers import resolve_target_modules
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_replace
@@ -83,13 +83,15 @@ class Theta0Snapshot:
 
     def take(self, model: nn.Module, peft_layers: Optional[dict[str, nn.Module]], target_modules, exclude_modules,
              output_dir: str, is_writer: bool) -> None:
-        """Snapshot the target layers of ``model``: the effective weights of ``peft_layers`` for a PEFT model.
+        """Snapshot the target layers of ``model``: for a PEFT model the
+        :func:`~hf_janus.adapters.live_peft.initial_state` of ``peft_layers`` (their effective weights, or only
+        the adapter's tensors for layers on a quantized base).
 
         With ``place="disk"`` one process (``is_writer``) writes the file and the others read the same one, so
         ``output_dir`` must be shared; the caller waits for every process before the file is read.
         """
         if peft_layers is not None:
-            theta0 = effective_weights(peft_layers)
+            theta0 = initial_state(peft_layers)
         else:
             theta0 = plain_targets_theta0(model, target_modules, exclude_modules)
         self.nbytes = _nbytes(theta0)

@@ -103,7 +103,9 @@ class JanusCallback(TrainerCallback):
         return self.snapshot.nbytes
 
     def theta0(self) -> dict[str, Tensor]:
-        """The pre-training weights of the target layers (loaded from disk when ``snapshot="disk"``)."""
+        """What the snapshot holds (loaded from disk when ``snapshot="disk"``): the pre-training weights of the
+        target layers, ``"<layer>.weight"``; for adapted layers on a quantized base, the adapter's initial
+        tensors instead (θ0 is rebuilt from them and the frozen base at train end)."""
         return self.snapshot.tensors()
 
     def _check_supported(self, model: nn.Module, args: TrainingArguments) -> Optional[dict[str, nn.Module]]:
@@ -137,10 +139,18 @@ class JanusCallback(TrainerCallback):
 
     # ---- Trainer events -----------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       model: Optional[nn.Module] = None, **kwargs: Any) -> None:
+                       model: Optional[nn.Module] = None, processing_class: Any = None, **kwargs: Any) -> None:
+        # Everything that can be checked is checked here, before the first optimizer step: a refusal at train
+        # end would cost the whole training run.
         check_sharding(model)  # before unwrapping: an FSDP1 wrapper would be peeled off like DDP's
         model = _unwrap(model)
         peft_layers = self._check_supported(model, args)
+        try:
+            self._check_replay(model, processing_class)
+        except JanusError as err:
+            if self.on_error == "raise":
+                raise
+            logger.warning("JANUS: the rectification at train end will be skipped: %s", err)
         if state.global_step > 0:
             # Resumed: the weights now are mid-training, θ0 must come from the checkpoint.
             self.snapshot.resume(args.output_dir, state.global_step, weights_fingerprint(model))
@@ -205,6 +215,14 @@ class JanusCallback(TrainerCallback):
             install_trainer_hooks(self.trainer, lambda: self.report, replay=self.replay)
 
     # ---- helpers ------------------------------------------------------------------------------------
+    def _check_replay(self, model: nn.Module, tokenizer: Any) -> None:
+        """Tokenize (if needed) and validate the replay now, as the rectification will read it."""
+        from hf_janus.replay.prepare import check_vocabulary, prepare_replay
+
+        batches = prepare_replay(self._replay(tokenizer), self.config.replay_batch_size)
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        check_vocabulary(batches, getattr(embeddings, "num_embeddings", None))
+
     def _replay(self, tokenizer: Any) -> Any:
         """Tokenize a text replay with the trainer's tokenizer; tokenized data is used as given."""
         replay = self.replay

@@ -1,0 +1,258 @@
+"""QLoRA: a LoRA adapter trained with ``JanusCallback`` on a bitsandbytes 4-bit or 8-bit base (CPU kernels).
+
+The rectified update must lie in the null space of explicit per-sample Jacobians (``torch.func``) taken at the
+*dequantized* base weights; the quantized base must come out untouched; the adapter must reload with stock
+``PeftModel.from_pretrained`` on a freshly quantized base; and what cannot work is refused at train begin.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from merge_fixtures import save_base
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_janus import JanusCallback, JanusConfig, JanusError
+
+bnb = pytest.importorskip("bitsandbytes")
+
+QUANTIZATIONS = {
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
+    "fp4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True,
+                       bnb_4bit_compute_dtype=torch.float32),
+    "int8": dict(load_in_8bit=True),
+}
+EXACT = JanusConfig(tau=0.0, rank=None, replay_batch_size=4)  # single step, no compression: J0 ΔW = 0 exactly
+TARGETS = ["q_proj", "v_proj", "up_proj"]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    # hidden 64: bitsandbytes quantizes in blocks of 64 values
+    return save_base(tmp_path_factory.mktemp("qlora") / "base", hidden_size=64, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2)
+
+
+def quantized_base(base_dir, quant):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=BitsAndBytesConfig(**QUANTIZATIONS[quant]),
+                                                device_map="cpu")
+
+
+def lora_model(base_dir, quant, **lora):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    return get_peft_model(quantized_base(base_dir, quant),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, **lora))
+
+
+def samples(n, length=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(4, 40, (length,), generator=gen).tolist()} for _ in range(n)]
+
+
+def collate(rows):
+    ids = torch.tensor([r["input_ids"] for r in rows])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+class StepProbe(TrainerCallback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_begin(self, *args, **kwargs):
+        self.steps += 1
+
+
+def train(model, tmp_path, callbacks, steps=3):
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
+                             learning_rate=2e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                             remove_unused_columns=False, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=samples(16, seed=1), data_collator=collate,
+                      callbacks=callbacks)
+    for cb in callbacks:
+        if isinstance(cb, JanusCallback):
+            cb.trainer = trainer
+    trainer.train()
+    return trainer
+
+
+def base_state(model):
+    """Every tensor of every quantized base layer (packed weights and quantization statistics)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
+            out[f"{name}.weight"] = module.weight.data.clone()
+            quant_state = getattr(module.weight, "quant_state", None)
+            if quant_state is not None:
+                out[f"{name}.absmax"] = quant_state.absmax.clone()
+            # bitsandbytes moves an 8-bit layer's row scales from the weight to the layer's state at its first forward
+            scb = getattr(module.weight, "SCB", None)
+            if scb is None:
+                scb = getattr(getattr(module, "state", None), "SCB", None)
+            if scb is not None:
+                out[f"{name}.SCB"] = scb.clone()
+    return out
+
+
+def effective(model):
+    """``{plain layer name: dequantized base + LoRA delta}`` of the adapted layers."""
+    from hf_janus.adapters.live_peft import adapted_linear_layers, effective_params
+
+    return {name: effective_params(m)[0].double() for name, m in adapted_linear_layers(model).items()}
+
+
+def dequantized_layers(model):
+    """``{plain layer name: dequantized weight}`` of every quantized layer of ``model`` (a PeftModel or not)."""
+    from hf_janus.engine.quantized import dequantized_weight
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {name: dequantized_weight(m).double() for name, m in inner.named_modules()
+            if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+
+
+def explicit_jacobians(base_dir, dequantized, weights, replay):
+    """Per-sample loss gradients w.r.t. each layer in ``weights`` of the dense float64 model whose quantized
+    layers hold their ``dequantized`` weights and whose target layers hold ``weights`` (torch.func, one sample
+    at a time): ``{layer: (m, d_out, d_in)}``."""
+    from torch.func import functional_call, grad
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64).eval()
+    params = {k: v.detach() for k, v in dense.named_parameters()}
+    params.update({f"{name.replace('.base_layer', '')}.weight": w for name, w in dequantized.items()})
+    params.update({f"{name}.weight": w for name, w in weights.items()})
+    targets = {f"{name}.weight": w for name, w in weights.items()}
+
+    def loss(target_params, ids):
+        out = functional_call(dense, {**params, **target_params}, kwargs={"input_ids": ids, "labels": ids})
+        return out.loss
+
+    rows = {name: [] for name in weights}
+    for sample in replay:
+        ids = torch.tensor([sample["input_ids"]])
+        g = grad(loss)(targets, ids)
+        for name in weights:
+            rows[name].append(g[f"{name}.weight"])
+    return {name: torch.stack(r) for name, r in rows.items()}
+
+
+@pytest.mark.parametrize("quant", list(QUANTIZATIONS))
+def test_qlora_rectified_update_is_in_the_null_space_at_the_dequantized_base(base_dir, tmp_path, quant):
+    from hf_janus.adapters.live_peft import adapted_linear_layers
+    from hf_janus.engine.quantized import dequantized_weight
+
+    model = lora_model(base_dir, quant)
+    replay = samples(6, seed=2)
+    base_before = base_state(model)
+    dequantized = dequantized_layers(model)
+    theta0 = {name: dequantized_weight(m.get_base_layer()).double()  # B0 = 0: θ0 is the dequantized base
+              for name, m in adapted_linear_layers(model).items()}
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    janus = JanusCallback(replay, EXACT, adapter_rank=64)  # rank 64 = min(d_out, d_in): the update fits exactly
+    train(model, tmp_path, [janus])
+    assert janus.report is not None and janus.report.output["format"] == "adapter"
+    rectified = effective(model)
+
+    jac = explicit_jacobians(base_dir, dequantized, theta0, replay)
+    for name, w0 in theta0.items():
+        delta = rectified[name] - w0
+        assert float(delta.norm()) > 0, name
+        j = jac[name].reshape(len(replay), -1)
+        residual = float((j @ delta.reshape(-1)).norm() / (j.norm() * delta.norm()))
+        update = janus.rectifier.result.layers[name].delta().double()
+        before = float((j @ update.reshape(-1)).norm() / (j.norm() * update.norm()))
+        if quant == "int8":
+            # LLM.int8 also quantizes the activations (per row, to 1/127): the layers compute a slightly different
+            # function than their dequantized weights, so the null space of the model as it computes, which the
+            # engine sees, is that of the dequantized weights only up to that noise (measured: 7.7e-5 vs 1.8e-2).
+            assert residual < 0.02 * before, f"{name}: {residual:.2e} vs {before:.2e} before rectification"
+        else:
+            assert residual < 1e-6, f"{name}: |J0 ΔW_rect| / (|J0| |ΔW_rect|) = {residual:.2e} ({before:.2e} before)"
+
+    # the quantized base is exactly what it was
+    after = base_state(model)
+    assert after.keys() == base_before.keys() and after
+    for key, value in base_before.items():
+        assert torch.equal(after[key], value), key
+    # θ0 was kept as the adapter's initial tensors, not as dense weights
+    assert janus.snapshot_bytes == adapter_bytes
+
+
+def test_qlora_adapter_reloads_on_a_freshly_quantized_base(base_dir, tmp_path):
+    from peft import PeftModel
+
+    model = lora_model(base_dir, "nf4")
+    janus = JanusCallback(samples(6, seed=2), EXACT)
+    trainer = train(model, tmp_path, [janus])
+    trainer.save_model(str(tmp_path / "adapter"))
+    ids = torch.tensor([samples(1, seed=9)[0]["input_ids"]])
+    reloaded = PeftModel.from_pretrained(quantized_base(base_dir, "nf4"), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model.eval()(input_ids=ids).logits,
+                                   rtol=0, atol=1e-5)
+
+
+def test_qlora_dequantizes_one_layer_at_a_time(base_dir, tmp_path, monkeypatch):
+    """No whole-model dequantization: the snapshot at train begin dequantizes nothing, and at any time at most
+    one dequantized base weight is alive (tracked by its storage, which views and in-place updates share)."""
+    import peft.utils.integrations as integrations
+
+    real, alive, calls = integrations.dequantize_module_weight, weakref.WeakSet(), []
+
+    def counting(module):
+        weight = real(module)
+        alive.add(weight.untyped_storage())
+        calls.append(len(alive))
+        return weight
+
+    monkeypatch.setattr(integrations, "dequantize_module_weight", counting)
+
+    class AtTrainBegin(TrainerCallback):
+        def on_step_begin(self, *args, **kwargs):
+            self.calls = self.__dict__.get("calls", len(calls))
+
+    model = lora_model(base_dir, "nf4")
+    begin = AtTrainBegin()
+    janus = JanusCallback(samples(6, seed=2), EXACT)
+    train(model, tmp_path, [janus, begin])
+    assert janus.report is not None
+    assert begin.calls == 0  # θ0 snapshot: the adapter's tensors only
+    assert calls and max(calls) == 1, f"dequantized weights alive at once: {max(calls)}"
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("merged", "peft_output='merged'.*quantized.*requantizing"),
+    ("dora", "Dora.*on a quantized base.*plain LoRA"),
+    ("unknown-quantization", "cannot dequantize.*Supported quantized bases"),
+])
+def test_unsupported_setups_are_refused_at_train_begin(base_dir, tmp_path, case, fragment):
+    if case == "unknown-quantization":
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
+                               LoraConfig(r=4, target_modules=TARGETS))
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        # a layer whose weight is stored as integers, as other quantization libraries do
+        layer.weight = torch.nn.Parameter(layer.weight.data.to(torch.int8), requires_grad=False)
+    else:
+        model = lora_model(base_dir, "nf4", use_dora=case == "dora")
+    probe = StepProbe()
+    janus = JanusCallback(samples(6, seed=2), EXACT, peft_output="merged" if case == "merged" else "adapter")
+    with pytest.raises(JanusError, match=fragment):
+        train(model, tmp_path, [probe, janus])
+    assert probe.steps == 0  # before any optimizer step
+
+
+def test_rectify_refuses_quantized_target_layers(base_dir):
+    from hf_janus import rectify
+
+    model = quantized_base(base_dir, "nf4")
+    reference = {}
+    with pytest.raises(JanusError, match="is quantized.*requantizing.*JanusCallback or JanusMerger"):
+        rectify(model, reference, samples(4), EXACT, progress=False)
