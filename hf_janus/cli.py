@@ -88,6 +88,13 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
                      help="dtype to load the base model in (default: the checkpoint's; float32 is the most exact)")
     src.add_argument("--device", default=None,
                      help="device for the model and the Jacobians, e.g. cuda:0 (default: cpu)")
+    quant = src.add_mutually_exclusive_group()
+    quant.add_argument("--load-in-4bit", action="store_true",
+                       help="load the base in 4 bits with bitsandbytes (nf4, double quantization, computing in --dtype "
+                            "or float32), to rectify a QLoRA adapter against the base it was trained on; --format "
+                            "adapter only. For other settings use JanusMerger(quantization_config=...)")
+    quant.add_argument("--load-in-8bit", action="store_true",
+                       help="load the base in 8 bits with bitsandbytes (LLM.int8); --format adapter only")
 
     rep = p.add_argument_group("replay (samples of the past task to protect)")
     rep.add_argument("--replay", required=True, metavar="DATASET[:SPLIT]",
@@ -184,6 +191,9 @@ def _run_merge(args: argparse.Namespace) -> int:
     from hf_janus.publish.hub import push_folder
     from hf_janus.replay.sources import parse_replay_spec
 
+    if (args.load_in_4bit or args.load_in_8bit) and args.output_format != "adapter":
+        raise ValueError("--load-in-4bit/--load-in-8bit rectify against a quantized base, which gives an adapter "
+                         "only: use --format adapter, or drop the flag to get full weights from the full-precision base")
     rank = parse_rank_spec(args.rank) if args.output_format == "adapter" else "same"
     validate_rank_spec(rank, args.energy)
     if args.refine_iterations < 0:
@@ -195,7 +205,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         args.base, args.adapter, args.replay, merge_config(args), revision=args.revision, torch_dtype=args.dtype,
         device=args.device, base_revision=args.base_revision, initial_adapter=args.initial_adapter,
         allow_base_mismatch=args.allow_base_mismatch, replay_options=replay_options(args),
-        progress=not args.no_progress,
+        progress=not args.no_progress, quantization_config=_quantization_config(args),
     )
     delta = merger.run()
     if args.output_format == "adapter":
@@ -244,3 +254,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _quantization_config(args: argparse.Namespace) -> Any:
+    """The ``BitsAndBytesConfig`` of ``--load-in-4bit``/``--load-in-8bit`` (None without them)."""
+    if not (args.load_in_4bit or args.load_in_8bit):
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ValueError("--load-in-4bit/--load-in-8bit need bitsandbytes: pip install 'hf-janus[qlora]'") from err
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if args.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = getattr(torch, args.dtype) if args.dtype not in (None, "auto") else torch.float32
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute)

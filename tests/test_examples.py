@@ -63,6 +63,17 @@ def test_finetune_lora_callback_and_merger(tmp_path):
     assert merger["rectified"] < merger["finetuned"]
 
 
+def test_finetune_qlora_callback_and_merger(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "qlora"
+    results = run_example("finetune_lora.py", out, "--lora-rank", "4", "--load-in-4bit")
+    assert "QLoRA r=4 fine-tuned" in results["table"]
+    merger = results["merger_replay_loss"]
+    assert merger["rectified"] < merger["finetuned"]
+    for sub in ("adapter-rectified", "adapter-merger-rectified"):
+        assert (out / sub / "adapter_model.safetensors").is_file()
+
+
 def test_finetune_pissa(tmp_path):
     out = tmp_path / "pissa"
     results = run_example("finetune_pissa.py", out, "--lora-rank", "4")

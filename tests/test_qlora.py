@@ -256,3 +256,59 @@ def test_rectify_refuses_quantized_target_layers(base_dir):
     reference = {}
     with pytest.raises(JanusError, match="is quantized.*requantizing.*JanusCallback or JanusMerger"):
         rectify(model, reference, samples(4), EXACT, progress=False)
+
+
+# ---- JanusMerger / hf-janus merge against a quantized base ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qlora_adapter(base_dir, tmp_path_factory):
+    """A LoRA adapter trained (without JanusCallback) on the nf4 base, saved as PEFT saves it."""
+    root = tmp_path_factory.mktemp("qlora-adapter")
+    model = lora_model(base_dir, "nf4")
+    train(model, root, [])
+    model.save_pretrained(root / "adapter")
+    return str(root / "adapter")
+
+
+def test_merger_rectifies_a_qlora_adapter_against_its_quantized_base(base_dir, qlora_adapter, tmp_path):
+    from peft import PeftModel
+    from transformers import BitsAndBytesConfig
+
+    from hf_janus import JanusMerger
+
+    replay = samples(6, seed=2)
+    delta = JanusMerger(base_dir, qlora_adapter, replay, EXACT, progress=False,
+                        quantization_config=BitsAndBytesConfig(**QUANTIZATIONS["nf4"])).run()
+    assert delta.report.rectification.num_jacobian_evals >= 1
+    with pytest.raises(JanusError, match="save_full.*quantized base.*save_adapter"):
+        delta.save_full(tmp_path / "full")
+    out = delta.save_adapter(tmp_path / "rectified", rank=64)
+    reloaded = PeftModel.from_pretrained(quantized_base(base_dir, "nf4"), out).eval()
+    rectified = effective(reloaded)
+    # The reloaded adapter on a fresh quantized base holds the rectified weights (compared as weights: on CPUs
+    # with AVX512-BF16 bitsandbytes' eval kernel computes in bf16, so logits differ from a dense model's at 1e-3).
+    for name, weight in rectified.items():
+        torch.testing.assert_close(weight, delta.model.get_submodule(name).weight.double(), rtol=0, atol=1e-5)
+    # and the update it carries lies in the null space of the replay's Jacobian at the dequantized base
+    dequantized = dequantized_layers(reloaded)
+    theta0 = {name: dequantized[f"{name}.base_layer"] for name in rectified}
+    jac = explicit_jacobians(base_dir, dequantized, theta0, replay)
+    for name, w0 in theta0.items():
+        j, d = jac[name].reshape(len(replay), -1), (rectified[name] - w0).reshape(-1)
+        assert float((j @ d).norm() / (j.norm() * d.norm())) < 1e-5, name
+
+
+def test_cli_merge_with_load_in_4bit(base_dir, qlora_adapter, tmp_path, capsys):
+    from merge_fixtures import text_rows, write_jsonl
+
+    from hf_janus import load_report
+    from hf_janus.cli import main
+
+    replay = write_jsonl(tmp_path / "past.jsonl", text_rows(6))
+    common = ["merge", "--base", base_dir, "--adapter", qlora_adapter, "--replay", replay, "--tau", "0",
+              "--compression-rank", "0", "--no-progress", "--load-in-4bit"]
+    assert main([*common, "--output", str(tmp_path / "full"), "--format", "full"]) == 2
+    assert "--format adapter" in capsys.readouterr().err and not (tmp_path / "full").exists()
+    assert main([*common, "--output", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert load_report(tmp_path / "out").kind == "adapter"

@@ -231,6 +231,12 @@ class RectifiedDelta:
                   max_shard_size: Union[int, str, None] = None) -> str:
         """Save base + ``ΔW_rect`` with ``save_pretrained`` (safetensors), sharded like the base model
         (``max_shard_size`` overrides), with the base model's tokenizer when it has one."""
+        if self._effective.quantized:
+            raise JanusError(
+                "save_full() is not available for a quantized base: its other layers are quantized and the adapted "
+                "ones dense, a mixture no loader expects. Save the rectified adapter (save_adapter), or rectify "
+                "against the full-precision base (without quantization_config) to get full weights"
+            )
         check_output_dir(path, overwrite, self.inputs)
         shard = max_shard_size if max_shard_size is not None else self._max_shard_size
         self._report.output_format = "full"

@@ -34,7 +34,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +49,9 @@ from hf_janus.adapters.loading import (
     load_base_model,
     resolve_adapter,
 )
+from hf_janus.adapters.live_peft import check_quantized_layers, dense_stand_in, on_quantized_base
 from hf_janus.engine.layers import rule_for
+from hf_janus.engine.quantized import dequantized_weight
 from hf_janus.errors import JanusError
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class EffectiveModel:
     base_revision: Optional[str] = None
     modules_to_save: list[str] = field(default_factory=list)  # qualified names of fully trained modules
     changes_bias: bool = False  # the adapter also trains biases (bias != "none" or lora_bias)
+    quantized: bool = False  # the base is quantized: adapted layers are dense stand-ins, the rest stays quantized
 
     @property
     def linear_layers(self) -> list[str]:
@@ -109,7 +112,7 @@ def _describe(name: str, module: nn.Module) -> AdaptedLayer:
     rule = rule_for(base)
     if rule is not None:
         layer_type = "linear"
-        shape = list(rule.to_matrix(base.weight).shape)
+        shape = list(rule.matrix_shape(base))
     elif isinstance(base, nn.Embedding):
         layer_type, shape = "embedding", list(base.weight.shape)
     else:
@@ -202,6 +205,7 @@ def load_effective_model(
     allow_base_mismatch: bool = False,
     token: Union[str, bool, None] = None,
     progress: bool = True,
+    quantization_config: Any = None,
 ) -> EffectiveModel:
     """Load ``base_model`` once, merge ``adapter`` into it layer by layer, keep ``θ0`` of the adapted layers.
 
@@ -216,6 +220,10 @@ def load_effective_model(
         initial_adapter: the adapter as saved right after initialization, for unconverted PiSSA/OLoRA/
             CorDA/LoRA-GA/LoftQ adapters (see the module docstring).
         allow_base_mismatch: warn instead of failing when the adapter names another base model.
+        quantization_config: load the base quantized (a ``BitsAndBytesConfig``, as ``from_pretrained`` takes
+            it), to rectify a QLoRA adapter against the base it was trained on. θ0 of an adapted layer is then
+            its dequantized base weight, and the adapted layers become dense stand-ins holding dequantized base +
+            ``ΔW`` (one layer at a time); the other layers stay quantized.
 
     Raises:
         JanusError: for a missing adapter config or weights, a wrong base model (ids or shapes), an
@@ -259,7 +267,7 @@ def load_effective_model(
         raise JanusError(f"adapter {src.name!r} combines DoRA with init_lora_weights={mutating!r}; convert it first")
 
     weights = read_adapter_weights(src.path, src.name)
-    model = load_base_model(base_name, base_revision, torch_dtype, device, token)
+    model = load_base_model(base_name, base_revision, torch_dtype, device, token, quantization_config)
     check_adapter_shapes(model, weights, src, base_name)
     del weights
 
@@ -275,10 +283,18 @@ def load_effective_model(
             "the adapter was trained on"
         ) from err
 
+    check_quantized_layers(peft_model)
     reference: dict[str, Tensor] = {}
     layers: dict[str, AdaptedLayer] = {}
     tuners = [(n, m) for n, m in peft_model.named_modules() if isinstance(m, BaseTunerLayer)]
     tuners = [(n, m) for n, m in tuners if hasattr(m, "get_base_layer") and m.get_base_layer() is not m]
+    quantized = [n for n, m in tuners if on_quantized_base(m)]
+    if quantized and (mutating is not None or initial is not None):
+        raise JanusError(
+            f"adapter {src.name!r} was initialized with init_lora_weights={mutating!r} on a quantized base: its "
+            "residual base cannot be rebuilt from quantized weights. Rectify it against the full-precision base "
+            "(without quantization_config)"
+        )
     with torch.no_grad():
         for qualified, module in tqdm(tuners, desc="Reading adapted layers", disable=not progress, leave=False):
             name = qualified.removeprefix(PEFT_PREFIX)
@@ -286,6 +302,11 @@ def load_effective_model(
             if name in layers:
                 continue
             layers[name] = info
+            if on_quantized_base(module):
+                reference[name + ".weight"] = dequantized_weight(module.get_base_layer()).cpu()
+                # PEFT's merge would requantize (and round ΔW away): a dense stand-in holds W0 + ΔW instead
+                peft_model.get_base_model().set_submodule(name, dense_stand_in(module, None))
+                continue
             if info.layer_type in ("linear", "embedding"):
                 reference[name + ".weight"] = module.get_base_layer().weight.detach().clone().cpu()
             if reconstruct and info.layer_type != "other":
@@ -309,4 +330,5 @@ def load_effective_model(
     return EffectiveModel(
         model=merged, reference=reference, layers=layers, adapter=src, base_model=base_name,
         base_revision=base_revision, modules_to_save=modules_to_save, changes_bias=changes_bias,
+        quantized=bool(quantized),
     )

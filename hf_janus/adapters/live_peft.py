@@ -222,7 +222,7 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor]) -> Iterator[nn
                 if on_quantized_base(module):
                     # a dense stand-in, built one layer at a time; the quantized base is left untouched
                     saved[name] = (module, None, None)
-                    _set_child(model, name, _dense_linear(module, given))
+                    _set_child(model, name, dense_stand_in(module, given))
                     continue
                 eff_weight, eff_bias = effective_params(module)
                 if given is not None:
@@ -244,7 +244,7 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor]) -> Iterator[nn
             _set_child(model, name, module)
 
 
-def _dense_linear(module: nn.Module, weight: Optional[Tensor]) -> nn.Linear:
+def dense_stand_in(module: nn.Module, weight: Optional[Tensor]) -> nn.Linear:
     """An ``nn.Linear`` computing what the tuner layer on a quantized base computes, holding ``weight`` (its
     effective weight when ``None``) in the base's compute dtype, on its device."""
     base = module.get_base_layer()

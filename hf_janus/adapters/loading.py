@@ -170,8 +170,12 @@ def resolve_dtype(dtype: DTypeLike) -> Union[torch.dtype, str, None]:
 
 def load_base_model(base_model: Union[str, os.PathLike], revision: Optional[str] = None,
                     torch_dtype: DTypeLike = None, device: Union[str, torch.device, None] = None,
-                    token: Union[str, bool, None] = None) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` with errors that name the model and the fix."""
+                    token: Union[str, bool, None] = None, quantization_config: Any = None) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` with errors that name the model and the fix.
+
+    ``quantization_config`` (e.g. a ``BitsAndBytesConfig``) is passed on as ``from_pretrained`` takes it; the
+    quantized model is then placed by ``device_map`` (``device``, else ``"auto"``) instead of moved after.
+    """
     from transformers import AutoModelForCausalLM
 
     name = os.fspath(base_model)
@@ -186,6 +190,10 @@ def load_base_model(base_model: Union[str, os.PathLike], revision: Optional[str]
     dtype = resolve_dtype(torch_dtype)
     if dtype is not None:
         kwargs["dtype"] = dtype
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+        kwargs["device_map"] = str(device) if device is not None else "auto"
+        device = None  # quantized layers cannot be moved after loading
     try:
         model = AutoModelForCausalLM.from_pretrained(path if os.path.isdir(path) else name, **kwargs)
     except Exception as err:
@@ -207,8 +215,7 @@ def _layer_dims(module: nn.Module) -> Optional[tuple[int, int]]:
     """(d_out, d_in) of a linear-like layer, (num_embeddings, dim) of an embedding."""
     rule = rule_for(module)
     if rule is not None:
-        d_out, d_in = rule.to_matrix(module.weight).shape
-        return int(d_out), int(d_in)
+        return rule.matrix_shape(module)
     if isinstance(module, nn.Embedding):
         return int(module.num_embeddings), int(module.embedding_dim)
     return None

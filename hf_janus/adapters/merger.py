@@ -112,6 +112,9 @@ class JanusMerger:
             format, columns, ``max_length``, ``num_samples``, split).
         token: Hub token (default: the logged-in one).
         progress: show progress bars.
+        quantization_config: load the base quantized, as ``from_pretrained`` takes it (a
+            ``BitsAndBytesConfig``): rectify a QLoRA adapter against the quantized base it was trained on. The
+            result can then be saved as an adapter only (see the README's QLoRA section).
     """
 
     def __init__(self, base_model: Union[str, os.PathLike], adapter: Union[str, os.PathLike], replay: Any,
@@ -120,7 +123,7 @@ class JanusMerger:
                  base_revision: Optional[str] = None, initial_adapter: Union[str, os.PathLike, None] = None,
                  allow_base_mismatch: bool = False, tokenizer: Any = None,
                  replay_options: Optional[ReplayOptions] = None, token: Union[str, bool, None] = None,
-                 progress: bool = True):
+                 progress: bool = True, quantization_config: Any = None):
         if config is not None and not isinstance(config, JanusConfig):
             raise JanusError(f"config must be a JanusConfig, got {type(config).__name__}")
         if replay is None:
@@ -141,6 +144,7 @@ class JanusMerger:
         self.replay_options = replay_options if replay_options is not None else ReplayOptions()
         self.token = token
         self.progress = progress
+        self.quantization_config = quantization_config
 
     def _load_tokenizer(self) -> Any:
         if self.tokenizer is not None:
@@ -178,6 +182,7 @@ class JanusMerger:
             self.base_model, self.adapter, revision=self.revision, base_revision=self.base_revision,
             torch_dtype=self.torch_dtype, device=self.device, initial_adapter=self.initial_adapter,
             allow_base_mismatch=self.allow_base_mismatch, token=self.token, progress=self.progress,
+            quantization_config=self.quantization_config,
         )
         targets = _select_targets(effective, self.config)
         config = dataclasses.replace(self.config, target_modules=list(targets), exclude_modules=None)

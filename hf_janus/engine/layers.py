@@ -33,6 +33,13 @@ class LayerRule:
             return dequantized_weight(module)
         return self.to_matrix(full_weight(module.weight))
 
+    def matrix_shape(self, module: nn.Module) -> tuple[int, int]:
+        """``(d_out, d_in)`` without reading the weight (a quantized layer stores it packed)."""
+        if self.quantized:
+            return int(module.out_features), int(module.in_features)
+        d_out, d_in = self.to_matrix(module.weight).shape
+        return int(d_out), int(d_in)
+
     def set_weight(self, module: nn.Module, matrix: Tensor) -> None:
         """Write a whole ``(d_out, d_in)`` matrix; under FSDP every rank passes the same one."""
         if self.quantized:
