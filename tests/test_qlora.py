@@ -312,3 +312,23 @@ def test_cli_merge_with_load_in_4bit(base_dir, qlora_adapter, tmp_path, capsys):
     assert main([*common, "--output", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
     assert load_report(tmp_path / "out").kind == "adapter"
+
+
+def test_rectify_takes_a_quantized_reference_model(base_dir):
+    """θ0 given as the quantized base model: read by dequantizing, as the same θ0 given as dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_janus import rectify
+
+    reference = quantized_base(base_dir, "nf4")
+    theta0 = {f"{name}.weight": w.float() for name, w in dequantized_layers(reference).items()}
+    runs = []
+    for ref in (reference, theta0):
+        model = AutoModelForCausalLM.from_pretrained(base_dir)  # "fine-tuned": the full-precision weights
+        rectify(model, ref, samples(4), EXACT, progress=False)
+        runs.append(model.state_dict())
+    for key, value in runs[0].items():
+        assert torch.equal(value, runs[1][key]), key
+    original = AutoModelForCausalLM.from_pretrained(base_dir).state_dict()
+    assert not torch.equal(runs[0]["model.layers.0.self_attn.q_proj.weight"],
+                           original["model.layers.0.self_attn.q_proj.weight"])  # the rectification did something

@@ -98,12 +98,15 @@ def _reference_weight(reference: Reference, name: str, module: nn.Module, rule: 
     """θ0 of one layer in the module's native layout."""
     if isinstance(reference, nn.Module):
         ref_module = dict(reference.named_modules()).get(name)
-        if ref_module is None or rule_for(ref_module) is None:
+        ref_rule = rule_for(ref_module) if ref_module is not None else None
+        if ref_rule is None:
             raise JanusError(
                 f"the reference model has no linear layer {name!r}: pass the pre-fine-tuning model of the same "
                 f"architecture as {type(module).__name__}'s owner, or a state dict of its weights"
             )
-        weight = ref_module.weight
+        # a quantized reference (the base a model was fine-tuned from, loaded in 4 or 8 bits): θ0 is its
+        # dequantized weight, in the model's layout
+        weight = rule.from_matrix(ref_rule.weight(ref_module)) if ref_rule.quantized else ref_module.weight
     elif isinstance(reference, Mapping):
         key = name + ".weight" if name + ".weight" in reference else name
         if key not in reference:
