@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from hf_janus.engine.compression import COMPRESSION_CHOICES
-from hf_janus.engine.step_control import STEP_CONTROLS
+from hf_janus.engine.step_control import FINAL_STEPS, STEP_CONTROLS
 from hf_janus.serialization import known_fields
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -42,7 +42,12 @@ class JanusConfig:
             embedding (``lm_head``) is always excluded from ``"all-linear"``.
         replay_batch_size: how many replay samples go through one forward/backward pass.
         max_steps: upper bound on rectification steps; when it is reached the remaining update is
-            projected in one unchecked step and the report says so.
+            projected in one unchecked step (kept as ``final_step`` says) and the report says so.
+        final_step: what the unchecked final step at ``max_steps`` may do. ``"guarded"`` (default): it is kept
+            only if the replay loss there is no higher than at the last accepted point; otherwise that point is
+            returned and ``report.discarded_final_step`` says what was left out, so the forced step never undoes
+            the work. ``"paper"``: always kept, as the paper's Algorithm 1 (all of the update's remaining
+            projection, whatever it costs on the replay).
         min_alpha: smallest step size tried; a step that would shrink below it is taken at ``min_alpha``
             and flagged in the report.
         step_control: how the step size α of each trial is chosen (the acceptance test c̄ ≥ τ on the whole
@@ -80,6 +85,9 @@ class JanusConfig:
         "help": "layers never rectified (names/suffixes)", "nargs": "+"})
     replay_batch_size: int = field(default=8, metadata={"help": "replay samples per forward/backward"})
     max_steps: int = field(default=50, metadata={"help": "maximum rectification steps"})
+    final_step: str = field(default="guarded", metadata={
+        "help": "the unchecked final step at max_steps: guarded (kept only if the replay loss is no higher than at "
+                "the last accepted point) or paper (always kept)", "choices": FINAL_STEPS})
     min_alpha: float = field(default=1e-3, metadata={"help": "smallest step size α tried"})
     step_control: str = field(default="adaptive", metadata={
         "help": "how each trial's step size is chosen: adaptive (predicted from the trials so far) or paper "
@@ -137,6 +145,7 @@ class JanusConfig:
                "min_alpha", self.min_alpha, "a float in (0, 1]")
         _check(self.step_control in STEP_CONTROLS, "step_control", self.step_control,
                " or ".join(repr(c) for c in STEP_CONTROLS))
+        _check(self.final_step in FINAL_STEPS, "final_step", self.final_step, " or ".join(repr(c) for c in FINAL_STEPS))
         _check(self.max_evaluations is None or (_is_int(self.max_evaluations) and self.max_evaluations >= 2),
                "max_evaluations", self.max_evaluations, "None or an int >= 2 (θ0's capture and one trial)")
         _check(self.max_seconds is None

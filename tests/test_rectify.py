@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -344,7 +345,8 @@ def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_
     built = []
     original = ghost.per_sample_gradients
     monkeypatch.setattr(ghost, "per_sample_gradients", lambda *a, **k: built.append(1) or original(*a, **k))
-    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4, step_control="paper")
+    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4, step_control="paper",
+                      final_step="paper")  # every trial stays in report.steps
     runs = []
     for keep in (True, False):
         if not keep:
@@ -377,10 +379,46 @@ def test_min_alpha_forces_step_and_says_so(monkeypatch, tuned_llama):
 def test_max_steps_takes_final_unchecked_step(monkeypatch, tuned_llama):
     model, reference = tuned_llama
     scripted(monkeypatch, [0.1, 0.99, 0.1])
-    report = rectify(model, reference, random_replay(4),
-                     JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4, step_control="paper"), progress=False)
+    report = rectify(model, reference, random_replay(4), JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4,
+                     step_control="paper", final_step="paper"), progress=False)
     assert report.alphas == [0.5, 1.0]
     assert report.steps[-1].forced and not report.converged and "max_steps" in report.stop_reason
+    assert report.discarded_final_step is None
+
+
+def scripted_losses(monkeypatch, losses):
+    """Replace the whole-replay loss the final-step guard compares by a script, per capture tag."""
+    monkeypatch.setattr(Rectifier, "_whole_loss", lambda self, result: losses[result.tag])
+
+
+@pytest.mark.parametrize("worse", [True, False])
+def test_guarded_final_step_never_undoes_the_work(monkeypatch, tuned_llama, worse):
+    """final_step='guarded' (the default): the unchecked step at max_steps is kept only if the replay loss does
+    not rise above the last accepted point's; otherwise that point is returned and the report says so."""
+    model, reference = tuned_llama
+    finetuned = copy.deepcopy(model.state_dict())
+    cfg = JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4, step_control="paper")
+    scripted(monkeypatch, [0.1, 0.99, 0.1])
+    scripted_losses(monkeypatch, {"s0t1": 0.5, "s1t0": 0.7 if worse else 0.4})
+    report = rectify(model, reference, random_replay(4), cfg, progress=False)
+    if not worse:
+        assert report.alphas == [0.5, 1.0] and report.steps[-1].forced and report.discarded_final_step is None
+        return
+    assert report.alphas == [0.5] and not report.converged
+    assert report.discarded_final_step == {"alpha": 1.0, "mean_cosine": 0.1, "replay_loss": 0.7,
+                                           "kept_replay_loss": 0.5}
+    assert "which is returned" in report.stop_reason and report.num_jacobian_evals == 4
+    assert [t.accepted for t in report.steps[0].trials] == [False, True]
+    # the weights are those of the last accepted point: what a budget ending the loop there leaves
+    guarded = copy.deepcopy(model.state_dict())
+    model.load_state_dict(finetuned)
+    scripted(monkeypatch, [0.1, 0.99])
+    stopped = rectify(model, reference, random_replay(4), dataclasses.replace(cfg, max_evaluations=3),
+                      progress=False)
+    assert stopped.alphas == [0.5] and stopped.stopped_early
+    assert stopped.replay_loss["rectified"] == report.replay_loss["rectified"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, guarded[key]), key
 
 
 # ---- replay batching, reference forms (refusals of bad input: test_hostile_inputs.py) -----------------

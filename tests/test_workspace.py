@@ -137,7 +137,7 @@ def test_rectification_is_identical_with_and_without_buffer_reuse(monkeypatch, t
         return view
 
     monkeypatch.setattr(Workspace, "take", counting_take)
-    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4)
+    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4, final_step="paper")
     runs = []
     for cap in (256 << 20, 0):
         monkeypatch.setattr(Workspace, "__init__", lambda self, max_bytes=cap: _ORIGINAL_INIT(self, max_bytes))

@@ -400,6 +400,19 @@ class Rectifier:
                     cbar = self.world.from_rank0(cbar)  # every replica must take the same decision
                     decision = controller.decide(alpha, cbar, forced_ok=final_allowed)
                     accepted = decision.action == "accept"
+                    if (accepted and final_allowed and not cbar >= cfg.tau and cfg.final_step == "guarded"
+                            and self._replay_worse(trial, last_capture)):
+                        # The unchecked final step would undo part of the repair: the last accepted point is kept.
+                        accepted = False
+                        report.discarded_final_step = {"alpha": alpha, "mean_cosine": cbar,
+                                                       "replay_loss": self._whole_loss(trial),
+                                                       "kept_replay_loss": self._whole_loss(last_capture)}
+                        record.trials.append(TrialRecord(step, alpha, cbar, per_layer, False, trial.loss))
+                        self.store.drop(tag)
+                        if kept is not None:
+                            self.store.drop(kept.tag)
+                        self._show_trial(bar, report, record, cfg.tau, 0)
+                        break
                     record.trials.append(TrialRecord(step, alpha, cbar, per_layer, accepted, trial.loss))
                     logger.info("JANUS step %d trial α=%.4g: mean cosine %.5f (τ=%.3g) -> %s; replay loss %.5f",
                                 step, alpha, cbar, cfg.tau, decision.action if decision.action != "try"
@@ -424,7 +437,16 @@ class Rectifier:
                                      controller.estimated_remaining_evaluations(alpha, cfg.max_steps - step - 1))
                     break
                 if not any(t.accepted for t in record.trials):
-                    # The budget ran out inside the step: θ_t, the last accepted point, is what the model keeps.
+                    # The budget ran out inside the step, or its unchecked final step was left out: θ_t, the last
+                    # accepted point, is what the model keeps.
+                    if report.discarded_final_step is not None:
+                        found = report.discarded_final_step
+                        report.stop_reason = (
+                            f"max_steps reached: the unchecked final step (α={found['alpha']:.4g}, mean cosine "
+                            f"{found['mean_cosine']:.4f}) raised the replay loss to {found['replay_loss']:.5g}, above "
+                            f"{found['kept_replay_loss']:.5g} at the last accepted point, which is returned "
+                            "(final_step='paper' keeps it)")
+                        logger.warning("JANUS: %s", report.stop_reason)
                     self._release_current()
                     for layer in self.layers:
                         layer.proj, layer.trial_eig = None, None
@@ -507,6 +529,15 @@ class Rectifier:
         bar.set_postfix(step=record.step, trial=len(record.trials), alpha=f"{trial.alpha:.3g}",
                         cos=f"{trial.mean_cosine:.4f}{'≥' if trial.mean_cosine >= tau else '<'}τ={tau:g}",
                         loss=f"{trial.replay_loss:.4f}")
+
+    def _whole_loss(self, result: CaptureResult) -> float:
+        """The replay loss of a capture over the whole replay (every rank's share; a collective when distributed)."""
+        return self._combine_losses(result).loss if self.world.active else result.loss
+
+    def _replay_worse(self, trial: CaptureResult, current: CaptureResult) -> bool:
+        """Whether ``trial`` has a higher replay loss than ``current`` (NaN counts as higher), the same answer on
+        every rank."""
+        return not self._whole_loss(trial) <= self._whole_loss(current)
 
     def _combine_losses(self, result: CaptureResult) -> CaptureResult:
         """Per-sample replay losses of every rank, in rank order."""

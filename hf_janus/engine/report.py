@@ -68,6 +68,10 @@ class RectificationReport:
     stop_reason: str = ""
     # True when a budget (max_evaluations / max_seconds) ended the loop: the weights are the last accepted point.
     stopped_early: bool = False
+    # Set when the unchecked final step at max_steps was left out (final_step="guarded") because it raised the
+    # replay loss above the last accepted point's, which was returned: its alpha, mean_cosine, replay_loss and
+    # the returned point's replay loss (kept_replay_loss).
+    discarded_final_step: Optional[dict[str, float]] = None
     # What callers did with the rectified weights afterwards (e.g. the callback's PEFT write-back:
     # format, per-layer rank, kept energy and residual after re-factorization); empty for plain rectify().
     output: dict[str, Any] = field(default_factory=dict)
