@@ -18,7 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from hf_janus.engine.layers import rule_for, select_layers
-from hf_janus.engine.quantized import compute_dtype, dequantized_weight, is_supported_quantized
+from hf_janus.engine.quantized import (
+    compute_dtype,
+    dequantized_weight,
+    is_supported_quantized,
+    quantization_of,
+    unsupported_quantized_error,
+)
 from hf_janus.errors import JanusError
 
 logger = logging.getLogger(__name__)
@@ -126,8 +132,6 @@ def effective_weights(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
 def check_quantized_layers(peft_model: nn.Module) -> None:
     """Refuse adapted layers whose quantized base JANUS cannot read, and adapters on a quantized base that are
     not plain LoRA, naming the layer, what it is, and what is supported."""
-    from hf_janus.engine.quantized import quantization_of, unsupported_quantized_error
-
     for name, module in _tuner_layers(inner_model(peft_model)).items():
         base = module.get_base_layer()
         if quantization_of(base) is None:
@@ -209,7 +213,8 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor]) -> Iterator[nn
     weight and bias (``weights["<name>.weight"]`` where given); on exit everything is as before.
 
     Inside, the model is an ordinary transformers model that computes exactly what the PEFT model
-    computes and that :class:`~hf_janus.Rectifier` can work on, with the plain model's module names.
+    computes and that :class:`~hf_janus.Rectifier` can work on, with the plain model's module names. A layer on
+    a quantized base is swapped for a :func:`dense_stand_in` instead (its base is never written).
     """
     model = inner_model(peft_model)
     tuners = _tuner_layers(model)
