@@ -527,7 +527,7 @@ def explicit_model_projection(model: torch.nn.Module, weights: dict[str, Tensor]
     start = time.perf_counter()
     jac = {name: torch.empty(m, w.numel(), dtype=torch.float32) for name, w in weights.items()}
     for i, batch in enumerate(batches):
-        loss, _ = token_summed_loss(model, batch, i)
+        loss, _, _ = token_summed_loss(model, batch, i)
         grads = torch.autograd.grad(loss.sum(), params)
         for name, g in zip(names, grads):
             jac[name][i] = g.reshape(-1)

@@ -68,6 +68,10 @@ class JanusConfig:
             released gradient buffers are also held for reuse between captures (``ghost.Workspace``).
         cache: ``"memory"`` or a directory where compressed captures are stored between passes.
         seed: seed for anything random (replay order is never shuffled; samples are grouped by length).
+        constraint_temperature: softmax temperature T of the per-sample replay loss whose Jacobian JANUS keeps
+            unchanged (``J₀ΔW = 0``). 1 (default) is the paper's loss. T > 1 softens confident predictions so
+            they keep a gradient where the past task is well fit (an experiment of the well-fit-past-task
+            study; the replay loss reported and compared stays at T = 1).
     """
 
     tau: float = field(default=0.95, metadata={
@@ -107,6 +111,8 @@ class JanusConfig:
     cache: str = field(default="memory", metadata={
         "help": "memory, or a directory where compressed captures are kept between passes"})
     seed: int = field(default=0, metadata={"help": "seed for anything random"})
+    constraint_temperature: float = field(default=1.0, metadata={
+        "help": "softmax temperature of the replay loss whose per-sample Jacobian is kept (1 = the paper's)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.gram_dtype, str):
@@ -121,6 +127,9 @@ class JanusConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field outside its valid range."""
         _check(isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0, "tau", self.tau, "a float in [0, 1]")
+        _check(isinstance(self.constraint_temperature, (int, float)) and not isinstance(self.constraint_temperature, bool)
+               and math.isfinite(self.constraint_temperature) and self.constraint_temperature > 0,
+               "constraint_temperature", self.constraint_temperature, "a float > 0")
         _check(isinstance(self.beta, (int, float)) and 0.0 < self.beta < 1.0, "beta", self.beta, "a float in (0, 1)")
         _check(
             self.rank is None or (isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1),

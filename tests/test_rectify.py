@@ -443,3 +443,49 @@ def test_reference_model_equals_state_dict(tuned_llama):
     rectify(b, ref_model, random_replay(4), JanusConfig(tau=0.0), progress=False)
     for key, value in a.state_dict().items():
         assert torch.equal(value, b.state_dict()[key])
+
+
+# ---- constraint_temperature: the Jacobian of the loss at softmax temperature T ------------------------------
+
+def tempered_jacobians(model, weights, replay, temperature):
+    """Explicit per-sample gradients (torch.func) of the summed next-token cross-entropy at softmax
+    ``temperature``, w.r.t. each layer weight in ``weights``, at those weights: ``{layer: (m, d_out, d_in)}``."""
+    from torch.func import functional_call, grad
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(target_params, ids):
+        logits = functional_call(model, {**params, **target_params}, kwargs={"input_ids": ids}).logits
+        return F.cross_entropy(logits[0, :-1] / temperature, ids[0, 1:], reduction="sum")
+
+    rows = {name: [] for name in weights}
+    for sample in replay:
+        g = grad(loss)({f"{n}.weight": w for n, w in weights.items()}, torch.tensor([sample["input_ids"]]))
+        for name in weights:
+            rows[name].append(g[f"{name}.weight"])
+    return {name: torch.stack(r) for name, r in rows.items()}
+
+
+def test_constraint_temperature_keeps_the_tempered_jacobian(tuned_llama):
+    """With constraint_temperature=T the rectified update lies in the null space of the per-sample Jacobians of
+    the loss at temperature T (explicit, torch.func), which the paper's constraint (T=1) does not give."""
+    model, reference = tuned_llama
+    replay = random_replay(5)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
+    theta0 = {n: reference[f"{n}.weight"].double() for n in names}
+    probe = copy.deepcopy(model).double().eval()
+    jac = tempered_jacobians(probe, theta0, replay, temperature=4.0)
+    residuals = {}
+    for temperature in (4.0, 1.0):
+        rectified = copy.deepcopy(model)
+        report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=None, constraint_temperature=temperature),
+                         progress=False)
+        assert report.converged
+        worst = 0.0
+        for n in names:
+            delta = rectified.get_submodule(n).weight.detach().double() - theta0[n]
+            j = jac[n].reshape(len(replay), -1)
+            worst = max(worst, float((j @ delta.reshape(-1)).norm() / (j.norm() * delta.norm())))
+        residuals[temperature] = worst
+    assert residuals[4.0] < 1e-6, residuals
+    assert residuals[1.0] > 100 * residuals[4.0], residuals

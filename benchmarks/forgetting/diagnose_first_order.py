@@ -8,7 +8,8 @@ loosely fit past task to a well-fit one:
 
 - θ0's per-sample replay losses and per-sample gradient norms (over the adapted layers);
 - the first-order prediction Σᵢ gᵢ·ΔW of the replay loss rise against the actual rise L(θ̂) − L(θ0);
-- how much of the rise single-step JANUS (τ=0, no compression) undoes, and its first-order residual.
+- how much of the rise single-step JANUS (τ=0, no compression) undoes, and its first-order residual;
+- the same with ``constraint_temperature`` T > 1 (the loss at a softer softmax as the constraint).
 
 Each model: pretrain on the replayed QA pairs (``--pretrain-steps``), then a LoRA r=8 on every linear layer is
 trained on GSM8K and merged (θ̂). Replay loss = mean per-token NLL of the replayed samples.
@@ -82,15 +83,26 @@ def run_case(pretrain_steps: int, args) -> dict:
     grad_norms = torch.tensor([sum(float(g[n].pow(2).sum()) for n in names) ** 0.5 for g in grads0])
     rise = losses1 - losses0
 
-    rectified = copy.deepcopy(tuned)
     reference = theta0.state_dict()
+    r0, r1 = replay_loss(theta0, replay), replay_loss(tuned, replay)
+    by_temperature = {}
+    for temperature in args.temperatures:
+        rectified = copy.deepcopy(tuned)
+        start = time.perf_counter()
+        rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=None, replay_batch_size=16,
+                                                          constraint_temperature=temperature), progress=False)
+        r = replay_loss(rectified, replay)
+        by_temperature[str(temperature)] = {"replay_loss": r, "undone_share": (r1 - r) / (r1 - r0) if r1 != r0 else None,
+                                            "seconds": time.perf_counter() - start}
+    rectified = copy.deepcopy(tuned)
     start = time.perf_counter()
     report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=None, replay_batch_size=16),
                      progress=False)
     seconds = time.perf_counter() - start
-    r0, r1, r2 = replay_loss(theta0, replay), replay_loss(tuned, replay), replay_loss(rectified, replay)
+    r2 = replay_loss(rectified, replay)
     residual = max((s.residual for s in report.layers if s.residual is not None), default=None)
     return {
+        "single_step_by_constraint_temperature": by_temperature,
         "pretrain_steps": pretrain_steps,
         "replay_loss": {"theta0": r0, "finetuned": r1, "single_step_janus": r2},
         "per_sample_loss_theta0": {"mean": float(losses0.mean()), "min": float(losses0.min()),
@@ -112,6 +124,8 @@ def main(argv=None) -> None:
     ap.add_argument("--finetune-steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate")
     ap.add_argument("--m", type=int, default=16, help="replay samples")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[2.0, 4.0, 8.0],
+                    help="constraint_temperature values for single-step JANUS (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="two short cases")
     args = ap.parse_args(argv)
     if args.quick:
@@ -129,6 +143,14 @@ def main(argv=None) -> None:
               f"{r['per_sample_grad_norm_theta0']['mean']:.3g} | {'-' if share is None else format(share, '.3f')} | "
               f"{r['first_order_correlation']:.2f} | {'-' if undone is None else format(100 * undone, '.1f') + '%'} | "
               f"{'-' if residual is None else format(residual, '.1e')} |")
+    print("\nSingle-step JANUS, share of the replay loss rise undone, by constraint_temperature:")
+    print("| pretrain steps | T=1 | " + " | ".join(f"T={t:g}" for t in args.temperatures) + " |")
+    print("|---|---|" + "---|" * len(args.temperatures))
+    for r in rows:
+        cells = [f"{100 * r['single_step_undone_share']:.1f}%"]
+        cells += [f"{100 * r['single_step_by_constraint_temperature'][str(t)]['undone_share']:.1f}%"
+                  for t in args.temperatures]
+        print(f"| {r['pretrain_steps']} | " + " | ".join(cells) + " |")
     RESULTS.mkdir(exist_ok=True)
     target = RESULTS / ("first_order_quick.json" if args.quick else "first_order.json")
     target.write_text(json.dumps({"args": vars(args), "cases": rows}, indent=2) + "\n")

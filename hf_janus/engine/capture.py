@@ -83,14 +83,22 @@ def _forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     return logits
 
 
-def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int = 0) -> tuple[Tensor, Tensor]:
+def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int = 0,
+                      temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample next-token cross-entropy summed over counted tokens (the paper's un-reduced loss).
 
-    Returns ``(sample_loss (B,), sample_tokens (B,))``.
+    Returns ``(sample_loss (B,), sample_tokens (B,), constrained (B,))``: ``constrained`` is the same loss at
+    softmax ``temperature`` (``sample_loss`` itself at 1), the function whose per-sample Jacobian JANUS keeps
+    unchanged; ``sample_loss`` is always at temperature 1, the replay loss reported and compared.
     """
     logits = _forward_logits(model, batch)
     targets = loss_targets(batch).to(logits.device)
     shifted = logits[:, :-1].float()
+
+    def summed_cross_entropy(scores: Tensor) -> Tensor:
+        return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                               reduction="none").view(targets.shape).sum(dim=1)
+
     per_token = F.cross_entropy(
         shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(targets.shape)
@@ -108,7 +116,8 @@ def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int
             f"the replay loss is NaN/Inf for sample(s) {[offset + i for i in bad][:10]}: the model weights or "
             "inputs produce non-finite logits"
         )
-    return sample_loss, tokens
+    constrained = sample_loss if temperature == 1.0 else summed_cross_entropy(shifted / temperature)
+    return sample_loss, tokens, constrained
 
 
 def _to_device(batch: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
@@ -121,7 +130,7 @@ def replay_losses(model: nn.Module, batches: list[dict[str, Tensor]], tag: str =
     losses, counts, offset = [], [], 0
     with frozen_eval(model), torch.no_grad():
         for batch in batches:
-            loss, tokens = token_summed_loss(model, _to_device(batch, device), offset)
+            loss, tokens, _ = token_summed_loss(model, _to_device(batch, device), offset)
             losses.append(loss.double().cpu())
             counts.append(tokens.cpu())
             offset += loss.numel()
@@ -250,11 +259,13 @@ def capture_factors(
     rank: Optional[int],
     timer: PhaseTimer,
     compression: str = "auto",
+    temperature: float = 1.0,
 ) -> CaptureResult:
     """Capture the compressed Jacobian factors of every target layer at the model's current weights.
 
     ``targets`` maps a layer name to ``(module, d_in, d_out)``. Factors go to ``store`` under ``tag``.
-    ``compression`` is :class:`~hf_janus.JanusConfig`'s field of that name.
+    ``compression`` and ``temperature`` are :class:`~hf_janus.JanusConfig`'s ``compression`` and
+    ``constraint_temperature``: the factors are those of the per-sample loss at that softmax temperature.
     """
     device = model_device(model)
     method = resolve_method(compression, device)
@@ -273,8 +284,8 @@ def capture_factors(
                 compression_before = timer.seconds["compression"]
                 synchronize(device)
                 start = time.perf_counter()
-                sample_loss, tokens = token_summed_loss(model, batch, offset)
-                total = sample_loss.sum()
+                sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, temperature)
+                total = constrained.sum()
                 if not total.requires_grad:
                     raise JanusError("no target layer lies on the path to the loss; check target_modules")
                 total.backward()
