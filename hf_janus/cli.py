@@ -240,22 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
 _SUBCOMMANDS = [_add_demo, _add_merge]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except (ValueError, RuntimeError, OSError) as err:
-        print(f"hf-janus {args.command}: error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
 def _quantization_config(args: argparse.Namespace) -> Any:
     """The ``BitsAndBytesConfig`` of ``--load-in-4bit``/``--load-in-8bit`` (None without them)."""
     if not (args.load_in_4bit or args.load_in_8bit):
@@ -272,3 +256,19 @@ def _quantization_config(args: argparse.Namespace) -> Any:
     compute = getattr(torch, args.dtype) if args.dtype not in (None, "auto") else torch.float32
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"hf-janus {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -95,13 +95,11 @@ def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int
     targets = loss_targets(batch).to(logits.device)
     shifted = logits[:, :-1].float()
 
-    def summed_cross_entropy(scores: Tensor) -> Tensor:
+    def per_token_loss(scores: Tensor) -> Tensor:
         return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                               reduction="none").view(targets.shape).sum(dim=1)
+                               reduction="none").view(targets.shape)
 
-    per_token = F.cross_entropy(
-        shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(targets.shape)
+    per_token = per_token_loss(shifted)
     tokens = (targets != IGNORE_INDEX).sum(dim=1)
     empty = (tokens == 0).nonzero().flatten().tolist()
     if empty:
@@ -116,7 +114,7 @@ def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int
             f"the replay loss is NaN/Inf for sample(s) {[offset + i for i in bad][:10]}: the model weights or "
             "inputs produce non-finite logits"
         )
-    constrained = sample_loss if temperature == 1.0 else summed_cross_entropy(shifted / temperature)
+    constrained = sample_loss if temperature == 1.0 else per_token_loss(shifted / temperature).sum(dim=1)
     return sample_loss, tokens, constrained
 
 
