@@ -124,9 +124,12 @@ def effective_params(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
 
 def effective_weights(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
     """``{"<name>.weight": effective weight on the CPU}`` for the given tuner layers (one layer at a time)."""
+    return {f"{name}.weight": _effective_on_cpu(module) for name, module in layers.items()}
+
+
+def _effective_on_cpu(module: nn.Module) -> Tensor:
     with torch.no_grad():
-        return {f"{name}.weight": effective_params(module)[0].to("cpu", copy=True).contiguous()
-                for name, module in layers.items()}
+        return effective_params(module)[0].to("cpu", copy=True).contiguous()
 
 
 def check_quantized_layers(peft_model: nn.Module) -> None:
@@ -163,13 +166,12 @@ def initial_state(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
     instead of a dense copy of the model.
     """
     out = {}
-    with torch.no_grad():
-        for name, module in layers.items():
-            if on_quantized_base(module):
-                out.update({f"{name}.{local}": p.detach().to("cpu", copy=True).contiguous()
-                            for local, p in _adapter_tensors(module).items()})
-            else:
-                out[f"{name}.weight"] = effective_params(module)[0].to("cpu", copy=True).contiguous()
+    for name, module in layers.items():
+        if on_quantized_base(module):
+            out.update({f"{name}.{local}": p.detach().to("cpu", copy=True).contiguous()
+                        for local, p in _adapter_tensors(module).items()})
+        else:
+            out[f"{name}.weight"] = _effective_on_cpu(module)
     return out
 
 
@@ -194,7 +196,7 @@ def theta0_weights(layers: dict[str, nn.Module], state: dict[str, Tensor]) -> di
         try:
             for local, p in current.items():
                 p.data = state[f"{name}.{local}"].to(device=p.device, dtype=p.dtype)
-            out[f"{name}.weight"] = effective_params(module)[0].to("cpu", copy=True).contiguous()
+            out[f"{name}.weight"] = _effective_on_cpu(module)
         finally:
             for local, p in current.items():
                 p.data = saved[local]

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from hf_janus.engine.quantized import SUPPORTED_QUANTIZED, dequantized_weight, quantization_of
+from hf_janus.engine.quantized import SUPPORTED_QUANTIZED, dequantized_weight, layer_key, quantization_of
 from hf_janus.errors import JanusError
 from hf_janus.parallel.sharding import full_weight, write_full_
 
@@ -66,7 +66,7 @@ _QUANTIZED_RULES = {key: LayerRule(name, lambda w: w, lambda m: m, quantized=Tru
 def rule_for(module: nn.Module) -> Optional[LayerRule]:
     """The rule of ``module``'s type; ``None`` for layers JANUS cannot rectify, quantized ones of other backends
     included (many subclass ``nn.Linear`` with a packed weight)."""
-    quantized = _QUANTIZED_RULES.get((type(module).__module__.split(".")[0], type(module).__name__))
+    quantized = _QUANTIZED_RULES.get(layer_key(module))
     if quantized is not None:
         return quantized
     if quantization_of(module) is not None:

@@ -25,7 +25,9 @@ SUPPORTED_QUANTIZED = {
 _PACKED_ATTRIBUTES = ("qweight", "W_q", "codes")
 
 
-def _key(module: nn.Module) -> tuple[str, str]:
+def layer_key(module: nn.Module) -> tuple[str, str]:
+    """``(top-level package, class name)`` of a layer: how quantized layer types are told apart without
+    importing their libraries."""
     return type(module).__module__.split(".")[0], type(module).__name__
 
 
@@ -35,7 +37,7 @@ def quantization_of(module: nn.Module) -> Optional[str]:
     Covers the layer types PEFT can adapt: bitsandbytes, HQQ, torchao (a tensor subclass as the weight of an
     ``nn.Linear``), GPTQ, AWQ, EETQ, AQLM, and any layer whose weight is stored as integers.
     """
-    key = _key(module)
+    key = layer_key(module)
     if key in SUPPORTED_QUANTIZED:
         return SUPPORTED_QUANTIZED[key]
     if key[0] == "bitsandbytes":
@@ -53,7 +55,7 @@ def quantization_of(module: nn.Module) -> Optional[str]:
 
 
 def is_supported_quantized(module: nn.Module) -> bool:
-    return _key(module) in SUPPORTED_QUANTIZED
+    return layer_key(module) in SUPPORTED_QUANTIZED
 
 
 def unsupported_quantized_error(name: str, module: nn.Module) -> str:
@@ -101,7 +103,7 @@ def differentiable_quantized(model: nn.Module) -> Iterator[None]:
     """
     switched = []
     for module in model.modules():
-        if _key(module) == ("bitsandbytes", "Linear4bit") and getattr(module, "support_avx512bf16_for_cpu", False):
+        if layer_key(module) == ("bitsandbytes", "Linear4bit") and getattr(module, "support_avx512bf16_for_cpu", False):
             if getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False):
                 module.state_dict()
             module.support_avx512bf16_for_cpu = False

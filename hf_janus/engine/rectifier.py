@@ -402,13 +402,10 @@ class Rectifier:
                     cbar = self.world.from_rank0(cbar)  # every replica must take the same decision
                     decision = controller.decide(alpha, cbar, forced_ok=final_allowed)
                     accepted = decision.action == "accept"
-                    if (accepted and final_allowed and not cbar >= cfg.tau and cfg.final_step == "guarded"
-                            and self._replay_worse(trial, last_capture)):
+                    if accepted and final_allowed and not cbar >= cfg.tau and cfg.final_step == "guarded":
+                        report.discarded_final_step = self._undoing_final_step(alpha, cbar, trial, last_capture)
+                    if report.discarded_final_step is not None:
                         # The unchecked final step would undo part of the repair: the last accepted point is kept.
-                        accepted = False
-                        report.discarded_final_step = {"alpha": alpha, "mean_cosine": cbar,
-                                                       "replay_loss": self._whole_loss(trial),
-                                                       "kept_replay_loss": self._whole_loss(last_capture)}
                         record.trials.append(TrialRecord(step, alpha, cbar, per_layer, False, trial.loss))
                         self.store.drop(tag)
                         if kept is not None:
@@ -536,10 +533,14 @@ class Rectifier:
         """The replay loss of a capture over the whole replay (every rank's share; a collective when distributed)."""
         return self._combine_losses(result).loss if self.world.active else result.loss
 
-    def _replay_worse(self, trial: CaptureResult, current: CaptureResult) -> bool:
-        """Whether ``trial`` has a higher replay loss than ``current`` (NaN counts as higher), the same answer on
-        every rank."""
-        return not self._whole_loss(trial) <= self._whole_loss(current)
+    def _undoing_final_step(self, alpha: float, cbar: float, trial: CaptureResult,
+                            current: CaptureResult) -> Optional[dict[str, float]]:
+        """The record of an unchecked final step whose whole-replay loss is higher than at the last accepted point
+        (NaN counts as higher), or None when it may be kept; the same answer on every rank."""
+        trial_loss, kept_loss = self._whole_loss(trial), self._whole_loss(current)
+        if trial_loss <= kept_loss:
+            return None
+        return {"alpha": alpha, "mean_cosine": cbar, "replay_loss": trial_loss, "kept_replay_loss": kept_loss}
 
     def _combine_losses(self, result: CaptureResult) -> CaptureResult:
         """Per-sample replay losses of every rank, in rank order."""

@@ -92,6 +92,7 @@ class JanusCallback(TrainerCallback):
         self.config = config if config is not None else JanusConfig()
         self.on_error = on_error
         self.trainer = trainer
+        self._tokenized: Any = None  # the replay as checked at train begin (tokenized once)
         self.report: Optional[RectificationReport] = None
         self.rectifier: Optional[Rectifier] = None  # the finished engine run, for inspection
         # The model after train end: the trainer's model, or the merged plain model (peft_output="merged").
@@ -183,7 +184,7 @@ class JanusCallback(TrainerCallback):
         model = _unwrap(model)
         progress = not args.disable_tqdm and state.is_local_process_zero
         try:
-            replay = self._replay(processing_class)
+            replay = self._tokenized if self._tokenized is not None else self._replay(processing_class)
             theta0 = self.theta0()
             if is_peft_model(model):
                 run = rectify_live_peft(model, theta0, replay, self.config, self.peft_output, progress=progress)
@@ -216,12 +217,16 @@ class JanusCallback(TrainerCallback):
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _check_replay(self, model: nn.Module, tokenizer: Any) -> None:
-        """Tokenize (if needed) and validate the replay now, as the rectification will read it."""
+        """Tokenize (if needed) and validate the replay now, as the rectification will read it; the tokenized
+        replay is kept for train end."""
         from hf_janus.replay.prepare import check_vocabulary, prepare_replay
 
-        batches = prepare_replay(self._replay(tokenizer), self.config.replay_batch_size)
+        self._tokenized = None  # not a previous run's
+        replay = self._replay(tokenizer)
+        batches = prepare_replay(replay, self.config.replay_batch_size)
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         check_vocabulary(batches, getattr(embeddings, "num_embeddings", None))
+        self._tokenized = replay
 
     def _replay(self, tokenizer: Any) -> Any:
         """Tokenize a text replay with the trainer's tokenizer; tokenized data is used as given."""
