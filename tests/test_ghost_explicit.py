@@ -572,3 +572,71 @@ def test_cross_gram_rejects_other_layer_shape(path):
     other = LayerJacobian(_A, _X, path=path)
     with pytest.raises(ValueError, match="same layer shape"):
         lj.cross_gram(other)
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixed precision (JanusConfig.ghost_matmul="float32"): float32 products, float64 sums, one refinement sweep
+# --------------------------------------------------------------------------------------------------
+
+
+def _rel(got: Tensor, want: Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", PATHS)
+def test_float32_products_match_explicit_jacobian(kind, path):
+    """Gram, cross-Gram, JVP and VJP within float32 rounding of J's, and the refined projection's null-space
+    residual ||J P ΔW|| / ||J ΔW|| at most 1e-6 (the 80 GB GPU issue's target), with J from torch.func."""
+    p, q = two_weight_points(kind, m=12, T=6, d_in=24, d_out=20)
+    mixed = LayerJacobian(p.x, p.a, path=path, matmul_dtype=torch.float32)
+    other = LayerJacobian(q.x, q.a, path=path, matmul_dtype=torch.float32)
+    assert mixed.refines and mixed.gram().dtype == DT
+    assert _rel(mixed.gram(), p.jac @ p.jac.T) < 1e-6
+    assert _rel(mixed.cross_gram(other), p.jac @ q.jac.T) < 1e-6
+    torch.manual_seed(5)
+    delta = torch.randn(p.d_out, p.d_in, dtype=DT)
+    v = torch.randn(p.m, dtype=DT)
+    assert _rel(mixed.jvp(delta), p.jac @ delta.reshape(-1)) < 1e-6
+    assert _rel(mixed.vjp(v).reshape(-1), p.jac.T @ v) < 1e-6
+    assert torch.equal(mixed.precise_jvp(delta), LayerJacobian(p.x, p.a, path="ghost").jvp(delta))
+
+    eig = eig_psd(mixed.gram(), RCOND)
+    proj = project(mixed, delta, eig)
+    assert proj.dtype == torch.float32
+    assert float((p.jac @ proj.double().reshape(-1)).norm()) <= 1e-6 * float((p.jac @ delta.reshape(-1)).norm())
+    exact = project(LayerJacobian(p.x, p.a, path=path), delta, eig_psd(p.jac @ p.jac.T, RCOND))
+    assert _rel(proj, exact) < 1e-5
+
+
+def test_float32_products_accumulate_long_rows_in_float64():
+    """A materialized Gram whose rows are longer than one accumulation chunk sums the chunks in float64."""
+    torch.manual_seed(0)
+    flat = torch.randn(9, 3 * ghost._ACCUMULATION_CHUNK + 17)
+    want = flat.double() @ flat.double().T
+    got = ghost.symmetric_gram(flat, block_rows=4, dtype=DT)
+    assert got.dtype == DT
+    assert _rel(got, want) < 1e-6
+    # Products already in the accumulation dtype are one matrix product, as before.
+    assert torch.equal(ghost.symmetric_gram(flat.double(), block_rows=4), ghost.symmetric_gram(flat.double(),
+                                                                                                block_rows=4, dtype=DT))
+
+
+def test_float64_products_do_not_refine():
+    lj = LayerJacobian(_X, _A, path="ghost")
+    assert not lj.refines and lj.matmul_dtype == DT
+    assert not LayerJacobian(_X, _A, dtype=torch.float32, matmul_dtype=torch.float32).refines
+
+
+def test_tensor_cores_are_scoped():
+    """TF32 is switched on only inside the ghost math and only for CUDA float32 products; the user's setting returns."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    with ghost.tensor_cores(torch.device("cuda"), torch.float32):
+        assert matmul.fp32_precision == "tf32"
+    assert matmul.fp32_precision == before
+    with ghost.tensor_cores(torch.device("cuda"), torch.float64), ghost.tensor_cores(torch.device("cpu"), torch.float32):
+        assert matmul.fp32_precision == before
+    with pytest.raises(RuntimeError), ghost.tensor_cores(torch.device("cuda"), torch.float32):
+        raise RuntimeError("boom")
+    assert matmul.fp32_precision == before

@@ -43,15 +43,17 @@ def matrices(model, names):
     return {n: rule_for(modules[n]).weight(modules[n]).detach().double() for n in names}
 
 
+@pytest.mark.parametrize("ghost_matmul", ["float32", "float64"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_single_step_equals_explicit_projection(family):
+def test_single_step_equals_explicit_projection(family, ghost_matmul):
     """τ=0, no compression: ΔW_rect = ΔW − Jᵀ(JJᵀ)⁺JΔW with J from per-sample backprop, for every layer."""
     model = build_tiny(family)
     reference = fine_tune(model)
     finetuned = copy.deepcopy(model)
     replay = random_replay(6)
     names = list(resolve_target_modules(model))
-    report = rectify(model, reference, replay, JanusConfig(tau=0.0, rank=None, replay_batch_size=4), progress=False)
+    config = JanusConfig(tau=0.0, rank=None, replay_batch_size=4, ghost_matmul=ghost_matmul)
+    report = rectify(model, reference, replay, config, progress=False)
 
     jac = explicit_jacobians(finetuned, reference, replay, names)
     ref_w = {n: w for n, w in matrices(build_reference(finetuned, reference), names).items()}
@@ -65,6 +67,25 @@ def test_single_step_equals_explicit_projection(family):
         assert (J @ got).norm() <= 1e-3 * (J @ delta).norm() + 1e-9, n
     assert report.num_jacobian_evals == 2 and report.converged and len(report.steps) == 1
     assert all(layer.residual is None or layer.residual < 1e-3 for layer in report.layers)
+
+
+def test_float32_ghost_products_take_the_float64_path_steps(tuned_llama):
+    """The default float32 products (float64 sums, refined projections) against every product in float64, on the
+    multi-step loop: the same trials, cosines to 1e-6, and the same rectified weights to float32 rounding."""
+    model, reference = tuned_llama
+    runs = {}
+    for matmul in ("float32", "float64"):
+        copy_ = copy.deepcopy(model)
+        report = rectify(copy_, reference, random_replay(12), JanusConfig(rank=4, replay_batch_size=4, tau=0.99,
+                                                                         ghost_matmul=matmul), progress=False)
+        runs[matmul] = (report, matrices(copy_, list(resolve_target_modules(copy_))))
+    (fast, fast_w), (exact, exact_w) = runs["float32"], runs["float64"]
+    assert fast.num_jacobian_evals == exact.num_jacobian_evals and len(exact.steps) >= 2
+    for a, b in zip(fast.steps, exact.steps):
+        assert [t.alpha for t in a.trials] == [t.alpha for t in b.trials]
+        assert [t.mean_cosine for t in a.trials] == pytest.approx([t.mean_cosine for t in b.trials], abs=1e-6)
+    for name, w in exact_w.items():
+        assert torch.allclose(fast_w[name], w, rtol=0, atol=1e-6 * float(w.abs().max())), name
 
 
 def build_reference(model, reference):

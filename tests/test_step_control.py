@@ -88,6 +88,8 @@ def test_config_validates_the_new_fields():
         JanusConfig(max_evaluations=1)
     with pytest.raises(ValueError, match="max_seconds"):
         JanusConfig(max_seconds=-5)
+    with pytest.raises(ValueError, match="ghost_matmul"):
+        JanusConfig(ghost_matmul="bfloat16")
     assert JanusConfig.from_dict(JanusConfig(max_evaluations=7, step_control="paper").to_dict()).max_evaluations == 7
 
 

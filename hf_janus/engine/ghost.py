@@ -13,17 +13,28 @@ With factors ``X`` (m x r x d_in) and ``A`` (m x r x d_out):
 Two exact paths compute the same numbers: the ghost path (cost ~ m² r² (d_in + d_out)) and the
 materialized path that builds the m per-sample gradients (cost ~ m r d_in d_out + m² d_in d_out,
 memory m d_in d_out). :func:`choose_path` picks the cheaper one per layer.
+
+Precision. Every function takes ``dtype`` (float64 by default: what Grams, JVPs and eigendecompositions are
+accumulated and returned in) and ``matmul_dtype``, the dtype of the large matrix products. With
+``matmul_dtype=float32`` the products run in float32 (TF32 tensor cores on CUDA inside :func:`tensor_cores`)
+while every sum over samples, rank slots or chunks of the inner dimension is accumulated in ``dtype``;
+:func:`project_with_jvp` then adds one refinement sweep whose residual JVP is computed in ``dtype``, so the
+projection's null-space residual stays at float64 level (``tests/test_ghost_precision.py``). Hopper GPUs run
+float64 products ~15x slower than TF32, and a CPU runs float32 about twice as fast as float64.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Iterator, Literal, Optional
 
 import torch
 from torch import Tensor
 
 Path = Literal["ghost", "materialized"]
+
+GHOST_MATMULS = ("float32", "float64")  # JanusConfig.ghost_matmul
 
 # The materialized path's FLOPs are dearer than the ghost path's: building the per-sample gradients is a
 # memory-bound batched product (inner dimension r) writing m x d_out x d_in float64 values, and they are
@@ -37,6 +48,34 @@ _GRAM_BLOCK_ELEMS = 1 << 24
 # Factor rows per row block of a symmetric Gram: more blocks skip more of the lower triangle (the saving is
 # (1 - 1/blocks)/2 of the products) but make smaller matrix products; 256 rows keep them efficient.
 _SYMMETRIC_BLOCK_ROWS = 256
+
+
+# Columns per chunk of the inner dimension of a materialized Gram or JVP whose products run in a lower dtype than
+# the accumulation: each chunk's partial result is summed in the accumulation dtype, so a float32 product never
+# accumulates more than this many terms (per-sample gradient rows have d_in·d_out elements, up to 45M at 7B).
+_ACCUMULATION_CHUNK = 1 << 14
+
+
+@contextmanager
+def tensor_cores(device: torch.device, matmul_dtype: torch.dtype) -> Iterator[None]:
+    """Let CUDA run the float32 products of the ghost math on TF32 tensor cores, whatever the user's global setting.
+
+    Why: float64 and plain float32 products run on Hopper's CUDA cores, ~15x and ~7x slower than TF32. The
+    accumulations and the refinement sweep in float64 keep the results at float64 accuracy. The user's setting is
+    restored afterwards; elsewhere (CPU, float64 products) this does nothing.
+    """
+    if torch.device(device).type != "cuda" or matmul_dtype != torch.float32:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    # torch >= 2.9 names the setting fp32_precision and deprecates allow_tf32
+    knob, tf32 = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
+    before = getattr(matmul, knob)
+    setattr(matmul, knob, tf32)
+    try:
+        yield
+    finally:
+        setattr(matmul, knob, before)
 
 
 def _check_factors(x: Tensor, a: Tensor) -> None:
@@ -68,14 +107,16 @@ def per_sample_gradients(x: Tensor, a: Tensor, dtype: torch.dtype = torch.float6
 
 def ghost_gram(
     x1: Tensor, a1: Tensor, x2: Optional[Tensor] = None, a2: Optional[Tensor] = None,
-    dtype: torch.dtype = torch.float64,
+    dtype: torch.dtype = torch.float64, matmul_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """(Cross-)Gram ``J1 J2ᵀ`` of shape ``(m1, m2)`` without forming either Jacobian.
 
     Without ``x2``/``a2`` the Gram ``J1 J1ᵀ`` is symmetric: only the blocks on and above the diagonal are
     computed (row blocks of about :data:`_SYMMETRIC_BLOCK_ROWS` factor rows) and mirrored, which saves up
-    to half of the dominant products.
+    to half of the dominant products. The ``(XXᵀ)`` and ``(AAᵀ)`` blocks are products in ``matmul_dtype``
+    (default ``dtype``); their elementwise product is summed over rank slots in ``dtype``.
     """
+    mm = matmul_dtype or dtype
     _check_factors(x1, a1)
     symmetric = x2 is None
     if symmetric:
@@ -88,8 +129,8 @@ def ghost_gram(
         )
     m1, r1, _ = x1.shape
     m2, r2, _ = x2.shape
-    x2f = x2.to(dtype).reshape(m2 * r2, -1)
-    a2f = a2.to(dtype).reshape(m2 * r2, -1)
+    x2f = x2.to(mm).reshape(m2 * r2, -1)
+    a2f = a2.to(mm).reshape(m2 * r2, -1)
     chunk = max(1, _GRAM_BLOCK_ELEMS // max(1, r1 * m2 * r2))
     if symmetric:
         chunk = min(chunk, max(1, -(-_SYMMETRIC_BLOCK_ROWS // max(1, r1))))
@@ -101,47 +142,69 @@ def ghost_gram(
             rows_x, rows_a = x2f[start * r2: stop * r2], a2f[start * r2: stop * r2]
             col0 = start
         else:
-            rows_x = x1[start:stop].to(dtype).reshape(-1, x1.shape[-1])
-            rows_a = a1[start:stop].to(dtype).reshape(-1, a1.shape[-1])
+            rows_x = x1[start:stop].to(mm).reshape(-1, x1.shape[-1])
+            rows_a = a1[start:stop].to(mm).reshape(-1, a1.shape[-1])
             col0 = 0
         xx = rows_x @ x2f[col0 * r2:].T
         aa = rows_a @ a2f[col0 * r2:].T
-        block = (xx * aa).reshape(stop - start, r1, m2 - col0, r2).sum(dim=(1, 3))
+        block = (xx * aa).reshape(stop - start, r1, m2 - col0, r2).sum(dim=(1, 3), dtype=dtype)
         out[start:stop, col0:] = block
         if symmetric and stop < m2:
             out[stop:, start:stop] = block[:, stop - start:].T
     return out
 
 
-def symmetric_gram(flat: Tensor, block_rows: int = 64) -> Tensor:
-    """``flat @ flat.T`` from the row blocks on and above the diagonal, mirrored below.
+def symmetric_gram(flat: Tensor, block_rows: int = 64, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``flat @ flat.T`` from the row blocks on and above the diagonal, mirrored below, in ``dtype``.
 
     Skips (1 - 1/blocks)/2 of the products: the Gram of 256 materialized rows of 16-32K weights took 25%
-    less time on a 2-core CPU with 64-row blocks (smaller blocks made the products less efficient).
+    less time on a 2-core CPU with 64-row blocks (smaller blocks made the products less efficient). With
+    ``dtype`` above ``flat``'s, the products are accumulated in ``dtype`` chunk by chunk of the inner dimension.
     """
     m = flat.shape[0]
-    out = torch.empty(m, m, dtype=flat.dtype, device=flat.device)
+    dtype = dtype or flat.dtype
+    out = torch.empty(m, m, dtype=dtype, device=flat.device)
     for start in range(0, m, block_rows):
         stop = min(m, start + block_rows)
-        block = flat[start:stop] @ flat[start:].T
+        block = inner_products(flat[start:stop], flat[start:], dtype)
         out[start:stop, start:] = block
         out[stop:, start:stop] = block[:, stop - start:].T
     return out
 
 
-def ghost_jvp(x: Tensor, a: Tensor, delta: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-    """``J rvec(ΔW)`` of shape ``(m,)``; ``delta`` is ``ΔW`` in ``(d_out, d_in)`` layout."""
+def inner_products(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
+    """``left @ right.T`` accumulated in ``dtype``: in one product when the inputs already are ``dtype``, else by
+    chunks of :data:`_ACCUMULATION_CHUNK` columns whose partial products are summed in ``dtype``."""
+    if left.dtype == dtype and right.dtype == dtype:
+        return left @ right.T
+    n = left.shape[1]
+    out = torch.zeros(left.shape[0], right.shape[0], dtype=dtype, device=left.device)
+    for start in range(0, n, _ACCUMULATION_CHUNK):
+        out += (left[:, start:start + _ACCUMULATION_CHUNK] @ right[:, start:start + _ACCUMULATION_CHUNK].T).to(dtype)
+    return out
+
+
+def ghost_jvp(x: Tensor, a: Tensor, delta: Tensor, dtype: torch.dtype = torch.float64,
+              matmul_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``J rvec(ΔW)`` of shape ``(m,)`` in ``dtype``; ``delta`` is ``ΔW`` in ``(d_out, d_in)`` layout.
+
+    ``A ΔW`` is a product in ``matmul_dtype`` (default ``dtype``); the sum over rank slots and inputs is in ``dtype``.
+    """
     _check_delta(x, a, delta)
-    ad = a.to(dtype) @ delta.to(dtype)  # (m, r, d_in)
-    return (ad * x.to(dtype)).sum(dim=(1, 2))
+    mm = matmul_dtype or dtype
+    ad = a.to(mm) @ delta.to(mm)  # (m, r, d_in)
+    return (ad * x.to(mm)).sum(dim=(1, 2), dtype=dtype)
 
 
-def ghost_vjp(x: Tensor, a: Tensor, v: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-    """``Jᵀ v`` as a ``(d_out, d_in)`` matrix: ``Σ_i v_i A_iᵀ X_i``."""
+def ghost_vjp(x: Tensor, a: Tensor, v: Tensor, dtype: torch.dtype = torch.float64,
+              matmul_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``Jᵀ v`` as a ``(d_out, d_in)`` matrix: ``Σ_i v_i A_iᵀ X_i``, one product in ``matmul_dtype`` (default
+    ``dtype``), returned in that dtype (a refinement sweep, not the accumulation, corrects its rounding)."""
     _check_v(x, a, v)
+    mm = matmul_dtype or dtype
     m, r, _ = x.shape
-    av = a.to(dtype) * v.to(dtype).view(m, 1, 1)
-    return av.reshape(m * r, -1).T @ x.to(dtype).reshape(m * r, -1)
+    av = a.to(mm) * v.to(mm).view(m, 1, 1)
+    return av.reshape(m * r, -1).T @ x.to(mm).reshape(m * r, -1)
 
 
 @dataclass
@@ -269,19 +332,22 @@ class Workspace:
 class LayerJacobian:
     """The per-sample Jacobian of one layer at one parameter point, held as factors.
 
-    All products are computed in ``dtype`` (float64 by default); the materialized per-sample gradients
-    are built lazily when the path says so, into a buffer of ``workspace`` when one is given (the caller
-    must then :meth:`release` this Jacobian before the workspace is dropped or cleared).
+    Grams, JVPs and eigendecompositions are accumulated in ``dtype`` (float64 by default), the large products run
+    in ``matmul_dtype`` (default ``dtype``; see the module's "Precision"). The materialized per-sample gradients,
+    in ``matmul_dtype``, are built lazily when the path says so, into a buffer of ``workspace`` when one is given
+    (the caller must then :meth:`release` this Jacobian before the workspace is dropped or cleared).
     """
 
     def __init__(self, x: Tensor, a: Tensor, dtype: torch.dtype = torch.float64, path: Optional[Path] = None,
-                 max_bytes: int = 1 << 30, workspace: Optional[Workspace] = None):
+                 max_bytes: int = 1 << 30, workspace: Optional[Workspace] = None,
+                 matmul_dtype: Optional[torch.dtype] = None):
         _check_factors(x, a)
         self.x, self.a, self.dtype = x, a, dtype
+        self.matmul_dtype = matmul_dtype or dtype
         self.workspace = workspace
         m, r, d_in = x.shape
         d_out = a.shape[-1]
-        self._itemsize = torch.empty((), dtype=dtype).element_size()
+        self._itemsize = torch.empty((), dtype=self.matmul_dtype).element_size()
         self.path: Path = path or choose_path(m, r, d_in, d_out, self._itemsize, max_bytes)
         self._flat: Optional[Tensor] = None
         self._gram: Optional[Tensor] = None
@@ -291,8 +357,13 @@ class LayerJacobian:
         return self.x.shape[0]
 
     @property
+    def refines(self) -> bool:
+        """Whether products run below the accumulation precision, so that projections take a refinement sweep."""
+        return torch.finfo(self.matmul_dtype).eps > torch.finfo(self.dtype).eps
+
+    @property
     def materialized_bytes(self) -> int:
-        """Size of the explicit per-sample gradients ``(m, d_out * d_in)`` in ``dtype``."""
+        """Size of the explicit per-sample gradients ``(m, d_out * d_in)`` in ``matmul_dtype``."""
         return self.num_samples * self.x.shape[-1] * self.a.shape[-1] * self._itemsize
 
     @property
@@ -300,19 +371,19 @@ class LayerJacobian:
         """Explicit Jacobian rows ``(m, d_out * d_in)`` (materialized path only)."""
         if self._flat is None:
             if self.workspace is None:
-                self._flat = per_sample_gradients(self.x, self.a, self.dtype).reshape(self.num_samples, -1)
+                self._flat = per_sample_gradients(self.x, self.a, self.matmul_dtype).reshape(self.num_samples, -1)
             else:
                 m, d_in, d_out = self.num_samples, self.x.shape[-1], self.a.shape[-1]
-                out = self.workspace.take((m, d_out, d_in), self.dtype, self.x.device)
-                self._flat = per_sample_gradients(self.x, self.a, self.dtype, out=out).view(m, -1)
+                out = self.workspace.take((m, d_out, d_in), self.matmul_dtype, self.x.device)
+                self._flat = per_sample_gradients(self.x, self.a, self.matmul_dtype, out=out).view(m, -1)
         return self._flat
 
     def gram(self) -> Tensor:
         if self._gram is None:
             if self.path == "materialized":
-                self._gram = symmetric_gram(self.flat)
+                self._gram = symmetric_gram(self.flat, dtype=self.dtype)
             else:
-                self._gram = ghost_gram(self.x, self.a, dtype=self.dtype)
+                self._gram = ghost_gram(self.x, self.a, dtype=self.dtype, matmul_dtype=self.matmul_dtype)
         return self._gram
 
     def cross_gram(self, other: "LayerJacobian") -> Tensor:
@@ -320,21 +391,28 @@ class LayerJacobian:
         if self.path == "materialized" and other.path == "materialized":
             if self.flat.shape[1] != other.flat.shape[1] or self.x.shape[-1] != other.x.shape[-1]:
                 raise ValueError("cross-Gram needs two Jacobians of the same layer shape")
-            return self.flat @ other.flat.T
-        return ghost_gram(self.x, self.a, other.x, other.a, dtype=self.dtype)
+            return inner_products(self.flat, other.flat.to(self.matmul_dtype), self.dtype)
+        return ghost_gram(self.x, self.a, other.x, other.a, dtype=self.dtype, matmul_dtype=self.matmul_dtype)
 
     def jvp(self, delta: Tensor) -> Tensor:
         _check_delta(self.x, self.a, delta)
         if self.path == "materialized":
-            return self.flat @ delta.to(self.dtype).reshape(-1)
+            return inner_products(self.flat, delta.to(self.matmul_dtype).reshape(1, -1), self.dtype).view(-1)
+        return ghost_jvp(self.x, self.a, delta, self.dtype, self.matmul_dtype)
+
+    def precise_jvp(self, delta: Tensor) -> Tensor:
+        """``J ΔW`` with every product in ``dtype``: the residual of a refinement sweep and of the statistics."""
+        if not self.refines:
+            return self.jvp(delta)
         return ghost_jvp(self.x, self.a, delta, self.dtype)
 
     def vjp(self, v: Tensor) -> Tensor:
+        """``Jᵀ v`` as a ``(d_out, d_in)`` matrix in ``matmul_dtype``."""
         _check_v(self.x, self.a, v)
         d_out, d_in = self.a.shape[-1], self.x.shape[-1]
         if self.path == "materialized":
-            return (v.to(self.dtype) @ self.flat).reshape(d_out, d_in)
-        return ghost_vjp(self.x, self.a, v, self.dtype)
+            return (v.to(self.matmul_dtype) @ self.flat).reshape(d_out, d_in)
+        return ghost_vjp(self.x, self.a, v, self.dtype, self.matmul_dtype)
 
     def release(self) -> None:
         """Drop cached products (the materialized gradients can be large); a workspace buffer goes back."""
@@ -344,14 +422,23 @@ class LayerJacobian:
 
 
 def project(jac: LayerJacobian, delta: Tensor, eig: GramEig) -> Tensor:
-    """JANUS projection ``ΔW - Jᵀ (J Jᵀ)⁺ J ΔW`` onto the null space of ``J``, in ``jac.dtype``."""
+    """JANUS projection ``ΔW - Jᵀ (J Jᵀ)⁺ J ΔW`` onto the null space of ``J``."""
     return project_with_jvp(jac, delta, eig)[0]
 
 
 def project_with_jvp(jac: LayerJacobian, delta: Tensor, eig: GramEig) -> tuple[Tensor, Tensor]:
-    """:func:`project` and the JVP ``J ΔW`` it computed on the way (a JVP costs as much as the VJP)."""
+    """:func:`project` and the JVP ``J ΔW`` it computed on the way (a JVP costs as much as the VJP).
+
+    The projection is returned in ``jac.matmul_dtype`` (the JVP in ``jac.dtype``). When the products run below the
+    accumulation precision, one refinement sweep projects again the residual ``J P ΔW``, computed in ``jac.dtype``:
+    the rounding of the first sweep's products is of the order of their unit roundoff times the update, and the
+    sweep removes it from the row space (iterative refinement), at the cost of one more JVP and VJP.
+    """
     jvp = jac.jvp(delta)
-    return delta.to(jac.dtype) - jac.vjp(eig.solve(jvp)), jvp
+    proj = delta.to(jac.matmul_dtype) - jac.vjp(eig.solve(jvp))
+    if jac.refines:
+        proj = proj - jac.vjp(eig.solve(jac.precise_jvp(proj)))
+    return proj, jvp
 
 
 def mean_cosine(cosines: Tensor) -> Optional[float]:

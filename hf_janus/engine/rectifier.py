@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -27,6 +28,7 @@ from hf_janus.engine.ghost import (
     mean_cosine,
     principal_cosines,
     project_with_jvp,
+    tensor_cores,
 )
 from hf_janus.engine.layers import LayerRule, resolve_target_modules, rule_for
 from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
@@ -281,11 +283,19 @@ class Rectifier:
                 self.store.replace(result.tag, layer.name, *self.world.gather_factors(x, a))
             return self._combine_losses(result)
 
-    def _jacobian(self, layer: _Layer, tag: str, pooled: bool = True) -> LayerJacobian:
+    def _jacobian(self, layer: _Layer, tag: str, pooled: bool = True, exact: bool = False) -> LayerJacobian:
+        """The layer's Jacobian at capture ``tag``; ``exact``: every product in ``gram_dtype`` (for the callers that
+        measure residuals on the result), otherwise in ``config.ghost_matmul``."""
         x, a = self.store.get(tag, layer.name)
+        matmul = self.config.gram_dtype if exact else getattr(torch, self.config.ghost_matmul)
         return LayerJacobian(x.to(layer.current.device), a.to(layer.current.device), dtype=self.config.gram_dtype,
                              path=None, max_bytes=self.config.materialize_max_bytes,
-                             workspace=self.workspace if pooled else None)
+                             workspace=self.workspace if pooled else None, matmul_dtype=matmul)
+
+    @contextmanager
+    def _ghost_phase(self) -> Iterator[None]:
+        with self.timer.phase("ghost"), tensor_cores(self.device, getattr(torch, self.config.ghost_matmul)):
+            yield
 
     def _write_all(self, alpha: Optional[float] = None) -> None:
         reshard(self.model)
@@ -298,7 +308,7 @@ class Rectifier:
         # gradients until the step ends (as many as fit in materialize_max_bytes, in total) instead of
         # rebuilding them for each trial.
         budget = self.config.materialize_max_bytes
-        with self.timer.phase("ghost"):
+        with self._ghost_phase():
             for layer in self.layers:
                 jac = self._jacobian(layer, tag)
                 layer.path = jac.path
@@ -324,7 +334,7 @@ class Rectifier:
 
     def _compare_all(self, current_tag: str, trial_tag: str) -> tuple[float, dict[str, Optional[float]]]:
         per_layer: dict[str, Optional[float]] = {}
-        with self.timer.phase("ghost"):
+        with self._ghost_phase():
             for layer in self.layers:
                 cached = layer.current_jac is not None
                 cur = layer.current_jac if cached else self._jacobian(layer, current_tag)
@@ -483,7 +493,7 @@ class Rectifier:
                 self._write_all()
             phase = "computing per-layer statistics"
             report.layers = self._layer_stats()
-            jacobians = {layer.name: self._jacobian(layer, "c0", pooled=False)
+            jacobians = {layer.name: self._jacobian(layer, "c0", pooled=False, exact=True)
                          for layer in self.layers} if self.keep_reference_factors else {}
             report.replay_loss = {"reference": base.loss, "finetuned": finetuned_loss.loss, "rectified": last_capture.loss}
         except BaseException as err:
@@ -550,7 +560,7 @@ class Rectifier:
 
     def _layer_stats(self) -> list[LayerStats]:
         stats, rounded = [], []
-        with self.timer.phase("ghost"):
+        with self._ghost_phase():
             for layer in self.layers:
                 jac = self._jacobian(layer, "c0")
                 reference = layer.reference
@@ -558,10 +568,10 @@ class Rectifier:
                 written = layer.rule.weight(layer.module).detach()
                 rect = written.to(torch.float32) - reference
                 before = float((layer.jvp0 if layer.jvp0 is not None else jac.jvp(delta)).norm())
-                after = float(jac.jvp(rect).norm())
+                after = float(jac.precise_jvp(rect).norm())
                 if (written.dtype in (torch.bfloat16, torch.float16) and layer.master_backup is None
                         and before > 0 and after > 0.05 * before):
-                    unrounded = float(jac.jvp(layer.current - reference).norm())
+                    unrounded = float(jac.precise_jvp(layer.current - reference).norm())
                     if unrounded < 0.5 * after:
                         rounded.append((layer.name, after / before, unrounded / before, written.dtype))
                 jac.release()
