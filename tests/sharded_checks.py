@@ -86,14 +86,14 @@ def fail_during_backward(patch) -> None:
     import hf_janus.engine.capture as capture
 
     tag = track_capture_tag(patch)
-    original = capture.compress_sequence
+    original = capture.begin_compression
 
-    def compress_sequence(*args, **kwargs):
+    def begin_compression(*args, **kwargs):
         if tag["now"].startswith("s"):  # a trial, on every rank at the same pass
             raise RuntimeError("injected failure in the trial's backward")
         return original(*args, **kwargs)
 
-    patch(capture, "compress_sequence", compress_sequence)
+    patch(capture, "begin_compression", begin_compression)
 
 
 def fail_between_passes(patch) -> None:

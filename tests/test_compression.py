@@ -314,6 +314,8 @@ def test_randomized_is_optimal_when_the_rank_fits_its_sample(T, d_in, d_out, r):
     x_hat, a_hat = compress_sequence(x, a, r, method="randomized")
     assert x_hat.shape == (5, r, d_in) and a_hat.shape == (5, r, d_out)
     torch.testing.assert_close(products(x_hat, a_hat), truncated_svd(products(x, a), r)[0], rtol=1e-8, atol=1e-8)
+    # every sample is long here: the public one-call form is the same computation
+    assert all(torch.equal(u, v) for u, v in zip(randomized_compress(x, a, r), (x_hat, a_hat)))
 
 
 @pytest.mark.parametrize("B, T, d_in, d_out, r", [(6, 96, 64, 80, 8), (6, 200, 48, 40, 8), (4, 64, 100, 120, 4)])
@@ -417,8 +419,8 @@ def test_mixed_batch_factorizes_only_the_long_samples(monkeypatch, method):
     r = 3
     sizes = []
     monkeypatch.setattr(compression, "sequence_basis", lambda t: sizes.append(t.shape[0]) or sequence_basis(t))
-    monkeypatch.setattr(compression, "randomized_compress",
-                        lambda x, a, rank: sizes.append(x.shape[0]) or randomized_compress(x, a, rank))
+    sketch = compression._sketch
+    monkeypatch.setattr(compression, "_sketch", lambda x, a, rank: sizes.append(x.shape[0]) or sketch(x, a, rank))
     x_hat, a_hat = compress_sequence(x, a, r, mask, method=method)
     long = [n > r for n in lengths]
     assert set(sizes) == {sum(long)}  # QR/SVD (or subspace iteration) ran on the 3 long samples only

@@ -17,18 +17,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hf_janus.engine.compression import (
+    Pending,
     SequenceBasis,
+    SequencePlan,
     apply_token_mask,
-    compress_sequence,
+    begin_compression,
+    finish_all,
     merge_calls,
-    needs_compression,
     resolve_method,
     sequence_basis,
-    trim_rank,
 )
 from hf_janus.engine.quantized import differentiable_quantized
 from hf_janus.engine.store import FactorStore
-from hf_janus.engine.timing import PhaseTimer, synchronize
+from hf_janus.engine.timing import PhaseTimer
 from hf_janus.errors import JanusError
 from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
 
@@ -141,16 +142,37 @@ def _result(tag: str, losses: list[Tensor], counts: list[Tensor]) -> CaptureResu
     return CaptureResult(tag, torch.cat(losses), torch.cat(counts))
 
 
-class _SharedInputs:
-    """The inputs of one batch that several target layers read, and their sequence QR, computed once.
+class _BatchContext:
+    """What the hooks of one replay batch share: its compression plans, the inputs several layers read, and the
+    randomized compressions awaiting their batched Ritz step.
 
-    q/k/v projections read one tensor, as do gate/up projections: without sharing, a LLaMA block
-    factorizes 7 inputs where 4 are distinct. Keyed by storage and version so that two different tensors
-    never share; each entry is dropped once its last reader has used it.
+    q/k/v projections read one tensor, as do gate/up projections: without sharing, a LLaMA block factorizes 7 inputs
+    where 4 are distinct. Inputs are keyed by storage and version so that two different tensors never share; each
+    entry is dropped once its last reader has used it.
     """
 
-    def __init__(self) -> None:
+    # Pending randomized sketches held before their eigenproblems run as one batched call: larger batches cost fewer
+    # synchronizations, and this bounds the device memory they hold (~2 MiB per LLaMA-7B layer and sample).
+    PENDING_BYTES = 256 << 20
+
+    def __init__(self, rank: Optional[int], device: torch.device, host_mask: Optional[Tensor] = None,
+                 device_mask: Optional[Tensor] = None):
+        self.rank, self.device = rank, device
+        self.host_mask, self.device_mask = host_mask, device_mask
+        self._plans: dict[int, SequencePlan] = {}
         self._entries: dict[tuple, list] = {}  # key -> [readers left, SequenceBasis or None]
+        self._pending: list[Pending] = []
+        self._pending_bytes = 0
+
+    def plan(self, batch: int, length: int) -> SequencePlan:
+        """The plan for a layer seeing ``length`` positions: the attention mask's when it covers them, else every row."""
+        plan = self._plans.get(length)
+        if plan is None:
+            covers = self.host_mask is not None and tuple(self.host_mask.shape) == (batch, length)
+            plan = self._plans[length] = SequencePlan.from_mask(
+                self.host_mask if covers else None, batch, length, self.rank, self.device,
+                self.device_mask if covers else None)
+        return plan
 
     @staticmethod
     def key(x: Tensor) -> tuple:
@@ -161,28 +183,34 @@ class _SharedInputs:
         self._entries.setdefault(key, [0, None])[0] += 1
         return key
 
-    def basis(self, key: tuple, masked: Tensor, rank: int) -> Optional[SequenceBasis]:
+    def basis(self, key: tuple, masked: Tensor, plan: SequencePlan) -> Optional[SequenceBasis]:
         """The basis for one reader; ``None`` when no other reader shares the input (nothing to save)."""
         entry = self._entries.get(key)
         if entry is None:
             return None
-        if entry[0] <= 1 and entry[1] is None:
-            del self._entries[key]
+        if plan.num_long == 0 or (entry[0] <= 1 and entry[1] is None):
+            del self._entries[key]  # nothing to factorize, or nobody to share with
             return None
         if entry[1] is None:
-            long = masked[needs_compression(masked, rank)]
-            if long.shape[0] == 0:  # every sample fits in r: nothing to factorize
-                del self._entries[key]
-                return None
-            entry[1] = sequence_basis(long)
+            entry[1] = sequence_basis(masked.index_select(0, plan.long_index))
         entry[0] -= 1
         basis = entry[1]
         if entry[0] <= 0:
             del self._entries[key]
         return basis
 
-    def clear(self) -> None:
-        self._entries.clear()
+    def track(self, pending: Pending) -> None:
+        if pending.done:
+            return
+        self._pending.append(pending)
+        self._pending_bytes += pending.pending_bytes
+        if self._pending_bytes > self.PENDING_BYTES:
+            self.finish()
+
+    def finish(self) -> None:
+        """Run the Ritz steps still waiting (one batched call per sketch size)."""
+        finish_all(self._pending)
+        self._pending, self._pending_bytes = [], 0
 
 
 class _Pending(NamedTuple):
@@ -192,23 +220,29 @@ class _Pending(NamedTuple):
     key: tuple
 
 
+class _Compressed(NamedTuple):
+    """A call's compressed factors (possibly awaiting their Ritz step) and the plan they were made with."""
+
+    factors: Pending
+    plan: SequencePlan
+
+
 class _LayerRecorder:
     """Hooks of one target layer for one batch: pairs each call's input with its output gradient."""
 
     def __init__(self, name: str, rank: Optional[int], timer: PhaseTimer, device: torch.device,
-                 shared: Optional[_SharedInputs] = None, method: str = "exact"):
+                 method: str = "exact"):
         self.name, self.rank, self.timer, self.device, self.method = name, rank, timer, device, method
-        self.shared = shared if shared is not None else _SharedInputs()
-        self.mask: Optional[Tensor] = None
+        self.batch = _BatchContext(rank, device)
         self.calls: list = []
 
-    def reset(self, mask: Tensor) -> None:
-        self.mask, self.calls = mask, []
+    def reset(self, batch: _BatchContext) -> None:
+        self.batch, self.calls = batch, []
 
     def forward_hook(self, module: nn.Module, inputs: tuple, output: Tensor):
         x = inputs[0].detach()
         slot = len(self.calls)
-        self.calls.append(_Pending(x, self.shared.register(inputs[0])))
+        self.calls.append(_Pending(x, self.batch.register(inputs[0])))
         replaced = None
         if not output.requires_grad:
             # The first target layers see inputs that need no grad; make their outputs the graph leaves.
@@ -217,35 +251,47 @@ class _LayerRecorder:
         return replaced
 
     def _on_grad(self, slot: int, grad: Tensor) -> None:
+        # Nothing here reads a value back from the device: this runs for every target layer and batch.
         pending = self.calls[slot]
-        batch = self.mask.shape[0]
+        batch = self.batch.host_mask.shape[0]
         x3 = pending.x.reshape(batch, -1, pending.x.shape[-1]).float()
         a3 = grad.detach().reshape(batch, -1, grad.shape[-1]).float()
-        mask = self.mask if x3.shape[1] == self.mask.shape[1] else None
-        synchronize(self.device)
-        start = time.perf_counter()
-        x3, a3 = apply_token_mask(x3, a3, mask)
-        basis = None
-        if self.method == "exact" and self.rank is not None and x3.shape[1] > self.rank:
-            basis = self.shared.basis(pending.key, x3, self.rank)
-        factors = compress_sequence(x3, a3, self.rank, x_basis=basis, method=self.method)
-        synchronize(self.device)
-        self.timer.add("compression", time.perf_counter() - start)
-        if not (torch.isfinite(factors[0]).all() and torch.isfinite(factors[1]).all()):
-            raise FloatingPointError(
-                f"NaN/Inf in the inputs or output gradients of layer {self.name!r}: check the model weights "
-                "(a diverged fine-tune?) and the replay data"
-            )
-        self.calls[slot] = factors
+        plan = self.batch.plan(batch, x3.shape[1])
+        with self.timer.span("compression"):
+            x3, a3 = apply_token_mask(x3, a3, plan.live)
+            basis = None
+            if self.method == "exact" and self.rank is not None and x3.shape[1] > self.rank:
+                basis = self.batch.basis(pending.key, x3, plan)
+            factors = begin_compression(x3, a3, plan, x_basis=basis, method=self.method)
+            self.batch.track(factors)
+        self.calls[slot] = _Compressed(factors, plan)
 
     def finish(self, batch: int, d_in: int, d_out: int) -> tuple[Tensor, Tensor]:
-        done = [c for c in self.calls if not isinstance(c, _Pending)]
+        """This batch's factors, once :meth:`_BatchContext.finish` has run."""
+        done = [c for c in self.calls if isinstance(c, _Compressed)]
         if not done:
             # The layer did not influence the loss in this batch: its Jacobian rows are zero.
             zeros = torch.zeros(batch, 1, d_in, device=self.device), torch.zeros(batch, 1, d_out, device=self.device)
             return zeros
-        # Zero slots (short samples padded up to r, masked tokens at the end) would cost (slots)² later.
-        return trim_rank(*merge_calls(done, self.rank, self.method))
+        if len(done) == 1:
+            x, a = done[0].factors.factors()
+            slots = done[0].plan.slots  # zero slots (short samples, padding) would cost (slots)² later
+            return x[:, :slots], a[:, :slots]
+        return merge_calls([c.factors.factors() for c in done], self.rank, self.method)
+
+
+def _check_finite(factors: dict[str, tuple[Tensor, Tensor]]) -> None:
+    """Refuse NaN/Inf factors, reading back one flag per batch for all layers."""
+    if not factors:
+        return
+    finite = torch.stack([torch.isfinite(x).all() & torch.isfinite(a).all() for x, a in factors.values()]).cpu()
+    if bool(finite.all()):
+        return
+    name = list(factors)[int((~finite).nonzero()[0])]
+    raise FloatingPointError(
+        f"NaN/Inf in the inputs or output gradients of layer {name!r}: check the model weights (a diverged "
+        "fine-tune?) and the replay data"
+    )
 
 
 def capture_factors(
@@ -267,31 +313,36 @@ def capture_factors(
     """
     device = model_device(model)
     method = resolve_method(compression, device)
-    shared = _SharedInputs()
-    recorders = {name: _LayerRecorder(name, rank, timer, device, shared, method) for name in targets}
+    recorders = {name: _LayerRecorder(name, rank, timer, device, method) for name in targets}
     handles = [module.register_forward_hook(recorders[name].forward_hook) for name, (module, _, _) in targets.items()]
     losses, counts, offset = [], [], 0
     try:
         with frozen_eval(model), torch.enable_grad():
-            for batch in batches:
-                batch = _to_device(batch, device)
+            for host_batch in batches:
+                batch = _to_device(host_batch, device)
                 mask = batch["attention_mask"]
-                shared.clear()
+                context = _BatchContext(rank, device, host_batch["attention_mask"], mask)
                 for rec in recorders.values():
-                    rec.reset(mask)
+                    rec.reset(context)
+                timer.settle()
                 compression_before = timer.seconds["compression"]
-                synchronize(device)
+                timer.synchronize()
                 start = time.perf_counter()
                 sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, temperature)
                 total = constrained.sum()
                 if not total.requires_grad:
                     raise JanusError("no target layer lies on the path to the loss; check target_modules")
                 total.backward()
-                synchronize(device)
+                with timer.span("compression"):
+                    context.finish()
+                factors = {name: recorders[name].finish(mask.shape[0], d_in, d_out)
+                           for name, (_, d_in, d_out) in targets.items()}
+                timer.synchronize()
                 elapsed = time.perf_counter() - start
+                timer.settle()
                 timer.add("forward_backward", elapsed - (timer.seconds["compression"] - compression_before))
-                for name, (_, d_in, d_out) in targets.items():
-                    x, a = recorders[name].finish(mask.shape[0], d_in, d_out)
+                _check_finite(factors)
+                for name, (x, a) in factors.items():
                     store.append(tag, name, x, a)
                 losses.append(sample_loss.detach().double().cpu())
                 counts.append(tokens.cpu())
@@ -300,6 +351,5 @@ def capture_factors(
         for handle in handles:
             handle.remove()
         for rec in recorders.values():
-            rec.calls = []
-        shared.clear()
+            rec.reset(_BatchContext(rank, device))
     return _result(tag, losses, counts)

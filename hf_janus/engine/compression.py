@@ -14,13 +14,18 @@ as their own rows (:func:`needs_compression`).
 On accelerators those per-sample factorizations are many small LAPACK calls, each slow; there
 :func:`randomized_compress` (randomized subspace iteration, batched matrix products) replaces them, at
 an error within 2% of the optimum's (measured in ``tests/test_compression.py``).
+
+Inside a capture nothing is read back from the device: the decisions that set shapes come from the host
+(:class:`SequencePlan`), and the randomized method's eigenproblems of many layers run as one batched call
+(:class:`Pending`, :func:`finish_all`).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -131,6 +136,65 @@ def _live_rows(x: Tensor) -> Tensor:
     return (x != 0).any(dim=-1)
 
 
+@dataclass(frozen=True)
+class SequencePlan:
+    """The data-dependent decisions of compressing one replay batch, made on the host.
+
+    Which samples need factorizing (more than ``rank`` live rows) and how many rank slots the result needs decide
+    tensor shapes, so the host must know them; read back from the device, each would be a host synchronization,
+    and a capture compresses once per target layer and batch (7,168 times per capture at 7B). The capture builds
+    one plan per batch from the attention mask it already holds on the host (:meth:`from_mask`); a standalone call
+    derives it from the data (:meth:`from_rows`, one synchronization).
+    """
+
+    live: Optional[Tensor]  # (B, T) bool on the data's device: rows that may be non-zero; None: every row
+    lengths: Tensor  # (B,) int64 on the host: live rows per sample
+    long_index: Tensor  # int64 on the data's device: the samples with more than ``rank`` live rows
+    num_long: int
+    used_rows: int  # rows up to the last one any sample uses (right padding ends in unused rows)
+    rank: Optional[int]
+    #: Rank slots the factors of this batch need (at least 1): the longest sample's rows, at most ``rank``; without
+    #: compression, the rows up to the last used one. Every later Gram block costs (slots)², so a replay of 16-token
+    #: samples at r=32 would otherwise pay 4x for zeros.
+    slots: int
+
+    @classmethod
+    def from_mask(cls, mask: Optional[Tensor], batch: int, length: int, rank: Optional[int], device: torch.device,
+                  device_mask: Optional[Tensor] = None) -> "SequencePlan":
+        """Plan from a host ``(B, T)`` attention mask (``None``: every one of the ``length`` rows counts);
+        ``device_mask`` is the same mask already on ``device``, if the caller has it."""
+        if mask is None:
+            return cls._build(None, torch.full((batch,), length, dtype=torch.long), length, rank, device)
+        live = (device_mask if device_mask is not None else mask.to(device)).bool()
+        return cls._build(live, mask.bool().sum(dim=1), _used_rows(mask.bool()), rank, device)
+
+    @classmethod
+    def from_rows(cls, x: Tensor, rank: Optional[int]) -> "SequencePlan":
+        """Plan from the non-zero rows of a masked batch ``x`` ``(B, T, d)``; reads them back (one synchronization)."""
+        live = _live_rows(x)
+        host = live.cpu()
+        return cls._build(live, host.sum(dim=1), _used_rows(host), rank, x.device)
+
+    @classmethod
+    def _build(cls, live: Optional[Tensor], lengths: Tensor, used_rows: int, rank: Optional[int],
+               device: torch.device) -> "SequencePlan":
+        long = lengths > rank if rank is not None else torch.zeros_like(lengths, dtype=torch.bool)
+        index = long.nonzero().flatten()  # a host tensor: no synchronization
+        longest = int(lengths.max()) if lengths.numel() else 1
+        slots = max(1, used_rows if rank is None else min(rank, longest))
+        return cls(live, lengths, index.to(device, non_blocking=True), int(index.numel()), used_rows, rank, slots)
+
+    @property
+    def batch(self) -> int:
+        return int(self.lengths.numel())
+
+
+def _used_rows(live: Tensor) -> int:
+    """Host ``(B, T)`` bool -> the number of rows up to the last one that any sample uses."""
+    used = live.any(dim=0).nonzero()
+    return int(used[-1]) + 1 if used.numel() else 0
+
+
 def _compact_rows(x: Tensor, a: Tensor, live: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     """The (at most ``rank``) ``live`` rows of ``x`` and the matching rows of ``a``, moved to the front in order."""
     order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :rank]
@@ -139,6 +203,41 @@ def _compact_rows(x: Tensor, a: Tensor, live: Tensor, rank: int) -> tuple[Tensor
     xs = torch.where(keep, x.gather(1, order.unsqueeze(-1).expand(-1, -1, x.shape[-1])), zero)
     as_ = torch.where(keep, a.gather(1, order.unsqueeze(-1).expand(-1, -1, a.shape[-1])), zero)
     return pad_rank(xs, rank), pad_rank(as_, rank)
+
+
+class Pending:
+    """Compressed factors of one batch whose randomized samples may still await their Ritz step.
+
+    The Ritz step ends in two small eigendecompositions per sample, and on CUDA each ``torch.linalg.eigh`` call
+    checks its status on the host (a synchronization). :func:`finish_all` therefore runs the eigenproblems of
+    many layers' batches as one batched call; :meth:`factors` finishes this one alone.
+    """
+
+    def __init__(self, x_hat: Tensor, a_hat: Tensor, sketch: Optional["_Sketch"] = None,
+                 index: Optional[Tensor] = None):
+        self.x_hat, self.a_hat = x_hat, a_hat
+        self.sketch = sketch  # the long samples' sketch (randomized), or None when done
+        self.index = index  # where the sketched samples go in x_hat / a_hat; None: all of them
+
+    @property
+    def done(self) -> bool:
+        return self.sketch is None
+
+    @property
+    def pending_bytes(self) -> int:
+        return 0 if self.sketch is None else self.sketch.nbytes
+
+    def _complete(self, x_long: Tensor, a_long: Tensor) -> None:
+        if self.index is None:
+            self.x_hat, self.a_hat = x_long, a_long
+        else:
+            self.x_hat.index_copy_(0, self.index, x_long)
+            self.a_hat.index_copy_(0, self.index, a_long)
+        self.sketch = None
+
+    def factors(self) -> tuple[Tensor, Tensor]:
+        finish_all([self])
+        return self.x_hat, self.a_hat
 
 
 def compress_sequence(
@@ -163,6 +262,14 @@ def compress_sequence(
         ``a_hat[i].T @ x_hat[i]`` is the best rank-r approximation of ``a[i].T @ x[i]`` (exactly equal
         when that matrix has rank <= r, e.g. when the sample has at most r valid tokens).
     """
+    _check_inputs(x, a, mask, method)
+    x, a = apply_token_mask(x, a, mask)
+    if rank is None:
+        return x, a
+    return begin_compression(x, a, SequencePlan.from_rows(x, rank), x_basis, method).factors()
+
+
+def _check_inputs(x: Tensor, a: Tensor, mask: Optional[Tensor], method: str) -> None:
     if x.dim() != 3 or a.dim() != 3 or x.shape[:2] != a.shape[:2]:
         raise ValueError(
             f"compress_sequence expects x of shape (B, T, d_in) and a of shape (B, T, d_out) with the same "
@@ -172,32 +279,46 @@ def compress_sequence(
         raise ValueError(f"method must be one of {COMPRESSION_METHODS}, got {method!r}")
     if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
         raise ValueError(f"mask must have shape {tuple(x.shape[:2])} (B, T), got {tuple(mask.shape)}")
-    x, a = apply_token_mask(x, a, mask)
-    T = x.shape[1]
+
+
+def begin_compression(x: Tensor, a: Tensor, plan: SequencePlan, x_basis: Optional[SequenceBasis] = None,
+                      method: str = "exact") -> Pending:
+    """:func:`compress_sequence` of an already masked batch with the decisions of ``plan``, reading nothing back from
+    the device; the randomized method's Ritz step is left to :func:`finish_all` (see :class:`Pending`)."""
+    _check_inputs(x, a, None, method)
+    rank, T = plan.rank, x.shape[1]
     if rank is None:
-        return x, a
+        return Pending(x, a)
     if T <= rank:
         # A rank-r approximation of a matrix with at most r summands is the matrix itself.
-        return pad_rank(x, rank), pad_rank(a, rank)
-    live = _live_rows(x)
-    long = live.sum(dim=1) > rank  # needs_compression(x, rank), with the rows reused below
-    if x_basis is not None and x_basis.reflectors.shape[0] != int(long.sum()):
-        raise ValueError(f"x_basis covers {x_basis.reflectors.shape[0]} samples, but {int(long.sum())} of this "
+        return Pending(pad_rank(x, rank), pad_rank(a, rank))
+    if x_basis is not None and x_basis.reflectors.shape[0] != plan.num_long:
+        raise ValueError(f"x_basis covers {x_basis.reflectors.shape[0]} samples, but {plan.num_long} of this "
                          f"batch need compression: compute it as sequence_basis(x[needs_compression(x, rank)])")
-    if bool(long.all()):
-        return _compress_long(x, a, rank, x_basis, method)
-    # Samples with at most r non-zero rows are exact as their rows; only the others pay for QR + SVD.
-    x_hat, a_hat = _compact_rows(x, a, live, rank)
-    if bool(long.any()):
-        x_hat[long], a_hat[long] = _compress_long(x[long], a[long], rank, x_basis, method)
-    return x_hat, a_hat
+    if plan.num_long == plan.batch:
+        return _begin_long(x, a, rank, x_basis, method, None, Pending(x[:, :0], a[:, :0]))
+    # Samples with at most r live rows are exact as their rows; only the others pay for QR + SVD.
+    live = plan.live if plan.live is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+    out = Pending(*_compact_rows(x, a, live, rank))
+    if plan.num_long == 0:
+        return out
+    index = plan.long_index
+    return _begin_long(x.index_select(0, index), a.index_select(0, index), rank, x_basis, method, index, out)
 
 
-def _compress_long(x: Tensor, a: Tensor, rank: int, x_basis: Optional[SequenceBasis],
-                   method: str) -> tuple[Tensor, Tensor]:
-    T = x.shape[1]
+def _begin_long(x: Tensor, a: Tensor, rank: int, x_basis: Optional[SequenceBasis], method: str,
+                index: Optional[Tensor], out: Pending) -> Pending:
+    """Compress the long samples ``x``, ``a`` (rows ``index`` of ``out``; all of them when ``None``)."""
+    out.index = index
     if method == "randomized":
-        return randomized_compress(x, a, rank)
+        out.sketch = _sketch(x, a, rank)
+    else:
+        out._complete(*_compress_exact(x, a, rank, x_basis))
+    return out
+
+
+def _compress_exact(x: Tensor, a: Tensor, rank: int, x_basis: Optional[SequenceBasis]) -> tuple[Tensor, Tensor]:
+    T = x.shape[1]
     if x_basis is None:
         x_basis = sequence_basis(x)
     elif x_basis.reflectors.shape != (x.shape[0], x.shape[2], T):
@@ -212,23 +333,6 @@ def _compress_long(x: Tensor, a: Tensor, rank: int, x_basis: Optional[SequenceBa
         x_hat = x_basis.apply_q(vh[:, :kept].transpose(1, 2) * root)  # (B, d_in, kept)
         a_hat = a_basis.apply_q(u[:, :, :kept] * root)  # (B, d_out, kept)
     return pad_rank(x_hat.transpose(1, 2), rank), pad_rank(a_hat.transpose(1, 2), rank)
-
-
-def trim_rank(x: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
-    """Drop trailing rank slots that contribute to no sample's gradient (``x_ik = 0`` or ``a_ik = 0``).
-
-    ``compress_sequence`` zero-pads to ``rank`` when a batch has at most ``rank`` tokens (short replay
-    samples), and masked positions are zero rows. Every later Gram block costs (slots)², so a replay of
-    16-token samples at r=32 would pay 4x for zeros. Returns views; at least one slot is kept.
-    """
-    if x.dim() != 3 or a.dim() != 3 or x.shape[:2] != a.shape[:2]:
-        raise ValueError(f"trim_rank expects (B, r, d_in) and (B, r, d_out), got {tuple(x.shape)}, {tuple(a.shape)}")
-    live = ((x != 0).any(dim=2) & (a != 0).any(dim=2)).any(dim=0)  # (r,)
-    nonzero = live.nonzero()
-    keep = int(nonzero[-1]) + 1 if nonzero.numel() else 1
-    if keep == x.shape[1]:
-        return x, a
-    return x[:, :keep], a[:, :keep]
 
 
 def merge_calls(
@@ -302,18 +406,22 @@ def _ritz(w: Tensor, h: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     return whiten @ u, mu.clamp_min(0).sqrt()
 
 
-def randomized_compress(x: Tensor, a: Tensor, rank: int, power_iterations: int = POWER_ITERATIONS,
-                        oversample: int = OVERSAMPLE) -> tuple[Tensor, Tensor]:
-    """Near-optimal rank-``rank`` factors of every ``aᵢᵀ xᵢ`` by randomized subspace iteration (Halko et al.).
+class _Sketch(NamedTuple):
+    """A randomized range sketch of the long samples of one batch, awaiting its Ritz step (:func:`finish_all`)."""
 
-    On a GPU the exact path's per-sample Householder QR and SVD of a T x T core run as one small LAPACK
-    call per sample (tens of ms each at T=512); here everything but two ``(p x p)`` eigendecompositions per
-    sample, done on the CPU in float64, is batched matrix products. With ``p = rank + oversample`` columns
-    the result is the exact rank-``rank`` optimum whenever ``aᵢᵀ xᵢ`` has rank ``<= p`` (e.g. at most p
-    valid tokens), and otherwise within a small factor of its error (``tests/test_compression.py``
-    measures it). ``x`` ``(B, T, d_in)`` and ``a`` ``(B, T, d_out)`` must already be masked; returns
-    ``(B, rank, d_in)`` and ``(B, rank, d_out)``.
-    """
+    y: Tensor  # (B, d_out, p): G Ω after the power iterations
+    by: Tensor  # (B, p, d_in): Yᵀ G
+    w: Tensor  # (B, p, p) float64: Yᵀ Y
+    h: Tensor  # (B, p, p) float64: (Yᵀ G)(Yᵀ G)ᵀ
+    rank: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.y, self.by, self.w, self.h))
+
+
+def _sketch(x: Tensor, a: Tensor, rank: int, power_iterations: int = POWER_ITERATIONS,
+            oversample: int = OVERSAMPLE) -> _Sketch:
     d_in, d_out = x.shape[2], a.shape[2]
     p = min(rank + oversample, x.shape[1], d_in, d_out)
     y = a.mT @ (x @ _omega(d_in, p, x.device, x.dtype))  # (B, d_out, p): G Ω
@@ -322,13 +430,51 @@ def randomized_compress(x: Tensor, a: Tensor, rank: int, power_iterations: int =
         y = a.mT @ (x @ z)
     by = (a @ y).mT @ x  # (B, p, d_in): Yᵀ G
     y64, by64 = y.double(), by.double()
-    w, h = y64.mT @ y64, by64 @ by64.mT
-    basis, sigma = _ritz(w.cpu(), h.cpu(), min(rank, p))
-    basis, sigma = basis.to(x.device), sigma.to(x.device)
+    return _Sketch(y, by, y64.mT @ y64, by64 @ by64.mT, rank)
+
+
+def finish_all(items: list[Pending]) -> None:
+    """Run the Ritz step of every waiting item, as one batched pair of eigendecompositions per sketch size.
+
+    On the device: per-sample eigenproblems sent to the CPU cost a round trip each; batched on the device they cost
+    two synchronizations (``eigh``'s status checks) for all the items at once.
+    """
+    groups: dict[tuple[int, int], list[Pending]] = defaultdict(list)
+    for item in items:
+        if not item.done:
+            p = item.sketch.w.shape[-1]
+            groups[(p, min(item.sketch.rank, p))].append(item)
+    for (_, kept), group in groups.items():
+        basis, sigma = _ritz(torch.cat([g.sketch.w for g in group]), torch.cat([g.sketch.h for g in group]), kept)
+        start = 0
+        for item in group:
+            stop = start + item.sketch.w.shape[0]
+            item._complete(*_ritz_factors(item.sketch, basis[start:stop], sigma[start:stop]))
+            start = stop
+
+
+def _ritz_factors(sketch: _Sketch, basis: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor]:
     live = sigma > sigma[:, :1] * _SIGMA_RCOND
     root = torch.where(live, sigma, torch.ones_like(sigma)).sqrt()
     scale_a = torch.where(live, root, torch.zeros_like(root))
     scale_x = torch.where(live, root.reciprocal(), torch.zeros_like(root))
-    a_hat = (y64 @ basis * scale_a.unsqueeze(1)).mT  # (B, r, d_out)
-    x_hat = (basis.mT @ by64) * scale_x.unsqueeze(2)  # (B, r, d_in)
-    return pad_rank(x_hat.to(x.dtype), rank), pad_rank(a_hat.to(a.dtype), rank)
+    a_hat = (sketch.y.double() @ basis * scale_a.unsqueeze(1)).mT  # (B, r, d_out)
+    x_hat = (basis.mT @ sketch.by.double()) * scale_x.unsqueeze(2)  # (B, r, d_in)
+    dtype = sketch.y.dtype
+    return pad_rank(x_hat.to(dtype), sketch.rank), pad_rank(a_hat.to(dtype), sketch.rank)
+
+
+def randomized_compress(x: Tensor, a: Tensor, rank: int, power_iterations: int = POWER_ITERATIONS,
+                        oversample: int = OVERSAMPLE) -> tuple[Tensor, Tensor]:
+    """Near-optimal rank-``rank`` factors of every ``aᵢᵀ xᵢ`` by randomized subspace iteration (Halko et al.).
+
+    On a GPU the exact path's per-sample Householder QR and SVD of a T x T core run as one small LAPACK
+    call per sample (tens of ms each at T=512); here everything is batched matrix products but the Ritz step's two
+    ``(p x p)`` eigendecompositions per sample, done in float64 on the data's device (batched over many layers by
+    :func:`finish_all` during a capture). With ``p = rank + oversample`` columns
+    the result is the exact rank-``rank`` optimum whenever ``aᵢᵀ xᵢ`` has rank ``<= p`` (e.g. at most p
+    valid tokens), and otherwise within a small factor of its error (``tests/test_compression.py``
+    measures it). ``x`` ``(B, T, d_in)`` and ``a`` ``(B, T, d_out)`` must already be masked; returns
+    ``(B, rank, d_in)`` and ``(B, rank, d_out)``.
+    """
+    return Pending(x[:, :0], a[:, :0], _sketch(x, a, rank, power_iterations, oversample)).factors()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -21,6 +21,39 @@ class PhaseTimer:
     def __init__(self, device: Optional[torch.device] = None):
         self.device = device
         self.seconds: dict[str, float] = defaultdict(float)
+        self._spans: list[tuple[str, Any, Any]] = []  # CUDA event pairs not read yet
+
+    def synchronize(self) -> None:
+        """Wait for the device (the only place the capture does)."""
+        synchronize(self.device)
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Time the work queued inside without waiting for the device: on CUDA a pair of events, read by :meth:`settle`
+        (a synchronization per span would stall every layer's hook); elsewhere the wall-clock time."""
+        if self.device is None or self.device.type != "cuda":
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        try:
+            yield
+        finally:
+            end.record()
+            self._spans.append((name, begin, end))
+
+    def settle(self) -> None:
+        """Add the device time of the spans recorded so far (waits for the device once if there are any)."""
+        if not self._spans:
+            return
+        self.synchronize()
+        for name, begin, end in self._spans:
+            self.seconds[name] += begin.elapsed_time(end) / 1000.0
+        self._spans.clear()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
