@@ -150,8 +150,9 @@ class Instrument:
     figures add up. Accelerator work is synchronized at every boundary (as the engine's own timer does).
     """
 
-    def __init__(self, device: torch.device, verbose: bool = False):
-        self.device, self.verbose = device, verbose
+    def __init__(self, device: torch.device, verbose: bool = False, ops: bool = True):
+        # ops=False: the Rectifier steps only (one synchronization per step, not per operation)
+        self.device, self.verbose, self.ops = device, verbose, ops
         self.seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.cpu: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -221,7 +222,7 @@ class Instrument:
     def __enter__(self) -> "Instrument":
         for module, attr, label in SECTIONS:
             self._wrap(module, attr, self._section_wrapper, label)
-        for module, attr, label in OPS:
+        for module, attr, label in OPS if self.ops else ():
             self._wrap(module, attr, self._op_wrapper, label)
         return self
 

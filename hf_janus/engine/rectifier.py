@@ -31,6 +31,15 @@ from hf_janus.engine.ghost import (
     tensor_cores,
 )
 from hf_janus.engine.layers import LayerRule, resolve_target_modules, rule_for
+from hf_janus.engine.memory_plan import (
+    CAPTURES_ALIVE,
+    LayerShape,
+    MemoryPlan,
+    Workload,
+    measure_in_use_and_capacity,
+    model_dimensions,
+    plan_memory,
+)
 from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.step_control import make_step_controller
@@ -62,7 +71,9 @@ class _Layer:
     module: nn.Module
     rule: LayerRule
     finetuned_backup: Tensor  # exact copy of the whole stored weight (native layout and dtype), for restoring
-    reference_matrix: Tensor  # θ0, (d_out, d_in), in its own dtype: exact, and bf16 takes half the bytes of fp32
+    # θ0, (d_out, d_in), in its own dtype: exact, and bf16 takes half the bytes of fp32. θ0, θ_t and the projection
+    # live where the memory plan put them (the device, or the host when the device cannot hold them all).
+    reference_matrix: Tensor
     current: Tensor  # θ_t, float32
     proj: Optional[Tensor] = None  # Δθ_t,proj, float32
     eig: Optional[GramEig] = None  # eigendecomposition of J_t J_tᵀ
@@ -73,10 +84,9 @@ class _Layer:
     current_jac: Optional[LayerJacobian] = None  # J_t with its materialized rows, kept for the trials of a step
     master_backup: Optional[Tensor] = None  # a ZeRO-3 optimizer's fp32 master copy of a low-precision weight
 
-    @property
-    def reference(self) -> Tensor:
-        """θ0 as float32 (d_out, d_in); no copy for float32 weights."""
-        return self.reference_matrix.float()
+    def reference(self, device: torch.device) -> Tensor:
+        """θ0 as float32 (d_out, d_in) on ``device``; no copy for float32 weights already there."""
+        return self.reference_matrix.to(device, torch.float32)
 
     @property
     def d_out(self) -> int:
@@ -86,8 +96,8 @@ class _Layer:
     def d_in(self) -> int:
         return self.current.shape[1]
 
-    def finetuned(self) -> Tensor:
-        return self.rule.to_matrix(self.finetuned_backup).to(self.current.device, torch.float32)
+    def finetuned(self, device: torch.device) -> Tensor:
+        return self.rule.to_matrix(self.finetuned_backup).to(device, torch.float32)
 
     def write(self, matrix: Tensor) -> None:
         self.rule.set_weight(self.module, matrix)
@@ -218,11 +228,18 @@ class Rectifier:
         except (AttributeError, NotImplementedError):  # not a language model: nothing to check ids against
             embeddings = None
         check_vocabulary(self.batches, getattr(embeddings, "num_embeddings", None))
+        if isinstance(factor_dtype, str):
+            factor_dtype = getattr(torch, factor_dtype.replace("torch.", ""))
+        #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
+        self.memory_plan = self._plan_memory(modules, factor_dtype)
         self.layers = self._build_layers(modules, reference)
         self.timer = PhaseTimer(self.device)
         self.workspace = Workspace()
+        factors = self.memory_plan.placements["factors"]
         self.store = FactorStore(self.config.cache, self.device, factor_dtype=factor_dtype,
-                                 memory_budget_bytes=memory_budget_bytes)
+                                 memory_budget_bytes=(memory_budget_bytes if memory_budget_bytes is not None
+                                                      else self.memory_plan.factor_host_budget),
+                                 offload=factors == "host")
         # Under data parallelism each rank captures its share of the replay; factors are then gathered.
         self.world = World.detect(self.device)
         self.local_batches = self.world.shard(self.batches)
@@ -230,6 +247,39 @@ class Rectifier:
         # passes: a rank with a shorter share repeats a batch and discards what it measured.
         collective = passes_are_collective(model)
         self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if collective else []
+
+    def _plan_memory(self, modules: dict[str, nn.Module], factor_dtype: Optional[torch.dtype]) -> MemoryPlan:
+        """The memory plan (:mod:`.memory_plan`), before anything is allocated; refuses a run that cannot fit."""
+        cfg = self.config
+        shapes = []
+        for module in modules.values():
+            rule = rule_for(module)
+            if rule.quantized:  # refused by _build_layers; its shape still counts here
+                d_out, d_in = rule.matrix_shape(module)
+                shapes.append(LayerShape(d_out, d_in, 2))
+                continue
+            d_out, d_in = rule.to_matrix(torch.empty(full_shape(module.weight), device="meta")).shape
+            shapes.append(LayerShape(int(d_out), int(d_in), module.weight.element_size()))
+        floats = [p for p in self.model.parameters() if p.is_floating_point()]
+        work = Workload(
+            layers=shapes, num_samples=sum(int(b["input_ids"].shape[0]) for b in self.batches),
+            batch_size=max(int(b["input_ids"].shape[0]) for b in self.batches),
+            seq_len=max(int(b["input_ids"].shape[1]) for b in self.batches), rank=cfg.rank,
+            activation_itemsize=floats[0].element_size() if floats else 4,
+            factor_itemsize=torch.empty((), dtype=factor_dtype or torch.float32).element_size(),
+            matmul_itemsize=torch.empty((), dtype=getattr(torch, cfg.ghost_matmul)).element_size(),
+            materialize_max_bytes=cfg.materialize_max_bytes, captures_alive=CAPTURES_ALIVE[cfg.step_control],
+            tempered=cfg.constraint_temperature != 1.0, **model_dimensions(self.model, shapes))
+        in_use, capacity = measure_in_use_and_capacity(self.device)
+        plan = plan_memory(work, self.device, cfg.cache, in_use, capacity)
+        logger.info(plan.summary())
+        if not plan.fits:
+            raise JanusError(f"JANUS would run out of memory: {plan.notes[0]}. Nothing was changed.")
+        return plan
+
+    def _home(self, piece: str) -> torch.device:
+        """Where the memory plan keeps ``piece`` between uses."""
+        return self.device if self.memory_plan.placements[piece] == "device" else torch.device("cpu")
 
     def _build_layers(self, modules: dict[str, nn.Module], reference: Reference) -> list[_Layer]:
         reshard(self.model)
@@ -248,10 +298,10 @@ class Rectifier:
             _check_finite(stored, f"fine-tuned weight of {name!r}")
             ref = _reference_weight(reference, name, module, rule)
             _check_finite(ref, f"reference weight of {name!r}")
-            ref_matrix = rule.to_matrix(ref).to(stored.device).clone()
+            ref_matrix = rule.to_matrix(ref).to(self._home("theta0"), copy=True)
             layers.append(_Layer(
                 name=name, module=module, rule=rule, finetuned_backup=stored.clone().cpu(),
-                reference_matrix=ref_matrix, current=ref_matrix.to(torch.float32, copy=True),
+                reference_matrix=ref_matrix, current=ref_matrix.to(self._home("current"), torch.float32, copy=True),
                 master_backup=full_master_weight(module.weight),
             ))
         return layers
@@ -288,7 +338,7 @@ class Rectifier:
         measure residuals on the result), otherwise in ``config.ghost_matmul``."""
         x, a = self.store.get(tag, layer.name)
         matmul = self.config.gram_dtype if exact else getattr(torch, self.config.ghost_matmul)
-        return LayerJacobian(x.to(layer.current.device), a.to(layer.current.device), dtype=self.config.gram_dtype,
+        return LayerJacobian(x.to(self.device), a.to(self.device), dtype=self.config.gram_dtype,
                              path=None, max_bytes=self.config.materialize_max_bytes,
                              workspace=self.workspace if pooled else None, matmul_dtype=matmul)
 
@@ -300,7 +350,8 @@ class Rectifier:
     def _write_all(self, alpha: Optional[float] = None) -> None:
         reshard(self.model)
         for layer in self.layers:
-            layer.write(layer.current if alpha is None else layer.current + alpha * layer.proj)
+            current = layer.current.to(self.device)
+            layer.write(current if alpha is None else current + alpha * layer.proj.to(self.device))
 
     # ---- the algorithm ------------------------------------------------------------------------------
     def _project_all(self, tag: str) -> None:
@@ -314,9 +365,9 @@ class Rectifier:
                 layer.path = jac.path
                 if layer.eig is None:
                     layer.eig = eig_psd(jac.gram(), self.config.gram_rcond)
-                delta = layer.finetuned() - layer.current
+                delta = layer.finetuned(self.device) - layer.current.to(self.device)
                 proj, jvp = project_with_jvp(jac, delta, layer.eig)
-                layer.proj = proj.to(torch.float32)
+                layer.proj = proj.to(self._home("proj"), torch.float32)
                 if tag == "c0" and layer.jvp0 is None:
                     # θ_t = θ0 here, so this JVP is J_0 (θ̂ - θ0), the statistics' denominator.
                     layer.jvp0 = jvp
@@ -465,7 +516,8 @@ class Rectifier:
                 report.steps.append(record)
                 self._release_current()
                 for layer in self.layers:
-                    layer.current = layer.current + alpha * layer.proj
+                    # in place (no second θ_t-sized tensor), rounded as the trial written by _write_all(alpha) was
+                    layer.current.add_(alpha * layer.proj.to(layer.current.device))
                     layer.proj, layer.eig, layer.trial_eig = None, layer.trial_eig, None
                 if current_tag != "c0":
                     self.store.drop(current_tag)
@@ -489,10 +541,13 @@ class Rectifier:
                 # θ_rect is rank 0's: whole matrices travel, since under FSDP each rank holds a different slice.
                 phase = "synchronizing the rectified weights across ranks"
                 for layer in self.layers:
-                    self.world.broadcast_(layer.current)
+                    on_device = layer.current.to(self.world.device)
+                    self.world.broadcast_(on_device)
+                    layer.current.copy_(on_device)
                 self._write_all()
             phase = "computing per-layer statistics"
             report.layers = self._layer_stats()
+            report.memory_plan = self.memory_plan.to_dict()
             jacobians = {layer.name: self._jacobian(layer, "c0", pooled=False, exact=True)
                          for layer in self.layers} if self.keep_reference_factors else {}
             report.replay_loss = {"reference": base.loss, "finetuned": finetuned_loss.loss, "rectified": last_capture.loss}
@@ -563,15 +618,15 @@ class Rectifier:
         with self._ghost_phase():
             for layer in self.layers:
                 jac = self._jacobian(layer, "c0")
-                reference = layer.reference
-                delta = layer.finetuned() - reference
+                reference = layer.reference(self.device)
+                delta = layer.finetuned(self.device) - reference
                 written = layer.rule.weight(layer.module).detach()
                 rect = written.to(torch.float32) - reference
                 before = float((layer.jvp0 if layer.jvp0 is not None else jac.jvp(delta)).norm())
                 after = float(jac.precise_jvp(rect).norm())
                 if (written.dtype in (torch.bfloat16, torch.float16) and layer.master_backup is None
                         and before > 0 and after > 0.05 * before):
-                    unrounded = float(jac.precise_jvp(layer.current - reference).norm())
+                    unrounded = float(jac.precise_jvp(layer.current.to(self.device) - reference).norm())
                     if unrounded < 0.5 * after:
                         rounded.append((layer.name, after / before, unrounded / before, written.dtype))
                 jac.release()

@@ -75,6 +75,9 @@ class RectificationReport:
     # What callers did with the rectified weights afterwards (e.g. the callback's PEFT write-back:
     # format, per-layer rank, kept energy and residual after re-factorization); empty for plain rectify().
     output: dict[str, Any] = field(default_factory=dict)
+    # The memory plan made before the run (hf_janus.engine.memory_plan.MemoryPlan.to_dict()): where θ0, θ_t, the
+    # projection and the factors lived, and the predicted peak device and host bytes.
+    memory_plan: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     @property

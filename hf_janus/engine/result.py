@@ -22,13 +22,13 @@ class LayerResult:
     rule: LayerRule
     reference_weight: Tensor  # θ0 as (d_out, d_in), in its own dtype
     finetuned_weight: Tensor  # θ̂ as the module stores it (native layout and dtype), on the CPU
-    rectified: Tensor  # θ_rect, float32 (d_out, d_in), on the rectifier's device
+    rectified: Tensor  # θ_rect, float32 (d_out, d_in), where the memory plan kept θ_t (the device, or the host)
     jacobian: Optional[LayerJacobian] = None  # J0 (compressed factors at θ0), when kept
 
     @property
     def reference(self) -> Tensor:
-        """θ0 as float32 (no copy for float32 weights)."""
-        return self.reference_weight.float()
+        """θ0 as float32 on the device of :attr:`rectified` (no copy for float32 weights already there)."""
+        return self.reference_weight.to(self.rectified.device, torch.float32)
 
     def finetuned(self) -> Tensor:
         """θ̂ as float32 ``(d_out, d_in)`` on the device of :attr:`rectified`."""

@@ -87,8 +87,11 @@ class FactorStore:
     """
 
     def __init__(self, cache: str = "memory", device: Optional[torch.device] = None,
-                 factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None):
-        self.in_memory = str(cache) == "memory"
+                 factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
+                 offload: bool = False):
+        # offload (cache="memory" only): keep every piece in host memory, never on disk (the memory plan's "host"
+        # placement, for factors the accelerator cannot hold)
+        self.in_memory = str(cache) == "memory" and not offload
         self.device = device
         if isinstance(factor_dtype, str):
             factor_dtype = getattr(torch, factor_dtype.replace("torch.", ""))
@@ -100,7 +103,9 @@ class FactorStore:
         self._pieces: dict[tuple[str, str], list] = defaultdict(list)
         self._root: Optional[str] = None
         self.memory_budget_bytes = 0
-        if not self.in_memory:
+        if offload and str(cache) == "memory":
+            self.memory_budget_bytes = 1 << 62
+        elif not self.in_memory:
             if memory_budget_bytes is None:
                 available = available_host_memory()
                 memory_budget_bytes = int(DEFAULT_MEMORY_FRACTION * available) if available else 0
@@ -120,7 +125,9 @@ class FactorStore:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
         except RuntimeError:
             host = torch.empty(t.shape, dtype=t.dtype)
-        host.copy_(t)
+        # Into pinned memory the copy is asynchronous: the capture does not wait for it (nothing reads it on the host;
+        # it goes back to the device on the same stream, after the copy)
+        host.copy_(t, non_blocking=host.is_pinned())
         return host
 
     def append(self, tag: str, layer: str, x: Tensor, a: Tensor) -> None:

@@ -1,0 +1,215 @@
+"""What one Jacobian evaluation costs against a plain forward/backward (issue 16): R_eval and R, on the CPU and at 7B.
+
+For each configuration, in a fresh process:
+
+* **F**: one plain forward+backward over the whole replay with the weights frozen, no hooks, the same replay batch
+  size and dtype (the backward runs through the activations, from ``inputs_embeds`` that require grad); the fastest
+  of two passes after a warm-up batch.
+* a rectification with a fixed schedule of ``--evals`` Jacobian evaluations (``profile_rectify.schedule``: the base
+  capture, rejected and forced trials, the final unchecked step), timed per Rectifier step (capture, projection,
+  comparison, statistics) by ``profile_rectify.Instrument``.
+* ``R_eval = (capture + projection + comparison seconds) / (evaluations · F)``: what an evaluation costs in units
+  of F; ``R = total seconds / (evaluations · F)``, set-up and statistics included.
+* the peak host RSS, the peak GPU memory (``torch.cuda.max_memory_allocated``), and the memory plan's predictions.
+
+``--baseline REV`` runs every configuration with the engine of git revision REV too, alternating, so that before and
+after come from the same invocation. CPU sizes are LLaMA shapes of 20M, 60M and 130M parameters (vocab 32000);
+``--gpu-7b`` runs the LLaMA-2-7B shape (random init, bf16) at m=256, T=512, r=32 on the GPU and appends the run to
+``results/scale_7b_gpu.json``.
+
+Usage::
+
+    python benchmarks/perf/scale.py --threads 2 --baseline 44b431f    # CPU before/after, ~15 min on 2 idle cores
+    python benchmarks/perf/scale.py --quick                           # smoke test, ~1 min
+    python benchmarks/perf/scale.py --gpu-7b --evals 4 --cache /scratch/janus   # one H100
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import profile_rectify as pr  # noqa: E402
+
+RESULTS = HERE / "results"
+GIB = float(1 << 30)
+
+
+def plain_pass_seconds(model: torch.nn.Module, replay: list[dict[str, list[int]]], batch_size: int) -> float:
+    """F: forward + backward through activations over the whole replay, weights frozen, no hooks."""
+    device = next(model.parameters()).device
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    ids = torch.tensor([s["input_ids"] for s in replay], device=device)
+    embed = model.get_input_embeddings()
+
+    def one_pass(batches: list[torch.Tensor]) -> float:
+        sync(device)
+        start = time.perf_counter()
+        for batch in batches:
+            inputs = embed(batch).detach().requires_grad_(True)
+            logits = model(inputs_embeds=inputs, use_cache=False).logits[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                                     reduction="sum")
+            loss.backward()
+        sync(device)
+        return time.perf_counter() - start
+
+    try:
+        batches = list(ids.split(batch_size))
+        one_pass(batches[:1])  # warm-up: allocator, kernels
+        return min(one_pass(batches), one_pass(batches))
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+    """One configuration, in its own process: F, then the instrumented rectification."""
+    import hf_janus
+
+    device = torch.device(spec.get("device", "cpu"))
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    model = pr.build_llama(spec["size"], spec["seed"], device, getattr(torch, spec.get("dtype", "float32")))
+    reference = pr.fake_finetune(model, spec["delta_scale"], spec["seed"] + 1,
+                                 torch.device(spec.get("reference_device", device.type)))
+    replay = pr.random_replay(spec["m"], spec["T"], spec["seed"] + 2)
+    f_seconds = plain_pass_seconds(model, replay, spec["batch_size"])
+    config = hf_janus.JanusConfig(rank=spec["r"], replay_batch_size=spec["batch_size"], seed=spec["seed"],
+                                  cache=spec.get("cache", "memory"), **pr.schedule(spec["evals"]))
+    options = {"factor_dtype": getattr(torch, spec["factor_dtype"])} if spec.get("factor_dtype") else {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    Rectifier = pr.engine_module("rectifier").Rectifier
+    with pr.PeakRSS(interval_s=0.01) as mon, pr.OtherCpu() as cpu:
+        start = time.perf_counter()
+        rect = Rectifier(model, reference, replay, config, progress=False, **options)
+        if spec.get("free_reference"):
+            reference.clear()
+        with pr.Instrument(device, ops=False) as inst:
+            report = rect.run()
+        total = time.perf_counter() - start
+    sections = {name: part["seconds"] for name, part in inst.as_dict().items()}
+    evals = report.num_jacobian_evals
+    per_eval = sections.get("capture", 0.0) + sections.get("project", 0.0) + sections.get("compare", 0.0)
+    plan = getattr(report, "memory_plan", None) or {}
+    out = {
+        **spec, "engine": os.path.dirname(hf_janus.__file__), "f_s": f_seconds, "evaluations": evals,
+        "total_s": total, "sections_s": sections, "timings": dict(report.timings),
+        "r_eval": per_eval / (evals * f_seconds), "r": total / (evals * f_seconds),
+        "peak_host_gib": mon.peak / GIB, "other_processes_cores": cpu.other_cores,
+        "predicted_peak_host_gib": plan["peak_host_bytes"] / GIB if plan else None,
+        "predicted_peak_device_gib": plan["peak_device_bytes"] / GIB if plan else None,
+        "placements": plan.get("placements"), "max_residual": max(
+            [layer.residual for layer in report.layers if layer.residual is not None], default=None),
+    }
+    if device.type == "cuda":
+        out["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        out["device"] = torch.cuda.get_device_name(device)
+    else:
+        out["device"] = "cpu"
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ["config", "engine", "F s", "evals", "capture s", "projection s", "comparison s", "total s", "R_eval", "R",
+            "peak RSS GiB", "predicted GiB", "other cores"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        s = row["sections_s"]
+        predicted = row.get("predicted_peak_host_gib")
+        lines.append("| " + " | ".join([
+            f"{row['size']} m={row['m']} T={row['T']}", row["label"], f"{row['f_s']:.2f}", str(row["evaluations"]),
+            f"{s.get('capture', 0):.1f}", f"{s.get('project', 0):.1f}", f"{s.get('compare', 0):.1f}",
+            f"{row['total_s']:.1f}", f"{row['r_eval']:.1f}", f"{row['r']:.1f}", f"{row['peak_host_gib']:.2f}",
+            "-" if predicted is None else f"{predicted:.2f}", f"{row['other_processes_cores']:.2f}"]) + " |")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def maybe_engine(rev: Optional[str]) -> Iterator[Optional[str]]:
+    if rev is None:
+        yield None
+        return
+    with pr.engine_at(rev) as path:
+        yield path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two tiny sizes, m=16, T=16 (a smoke test)")
+    ap.add_argument("--baseline", metavar="REV", help="also run the engine of git revision REV (before/after)")
+    ap.add_argument("--evals", type=int, default=4, help="Jacobian evaluations per run (even, default 4)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gpu-7b", action="store_true", help="LLaMA-2-7B shape on the GPU (bf16, m=256, T=512, r=32)")
+    ap.add_argument("--cache", default="memory", help="JanusConfig.cache (a directory lets factors spill to disk)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--_run", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._run:
+        result = run_one(json.loads(Path(args._run).read_text(encoding="utf-8")))
+        Path(args._result).write_text(json.dumps(result), encoding="utf-8")
+        return 0
+    command = "python benchmarks/perf/scale.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    base = dict(seed=0, delta_scale=0.05, r=32, batch_size=8, evals=args.evals, cache=args.cache)
+    if args.gpu_7b:
+        specs = [dict(base, size="7B", m=256, T=512, device="cuda", dtype="bfloat16", factor_dtype="bfloat16",
+                      reference_device="cpu", free_reference=True)]
+    elif args.quick:
+        specs = [dict(base, size=s, m=16, T=16, threads=args.threads) for s in ("5M", "9M")]
+    else:
+        specs = [dict(base, size=s, m=32, T=64, threads=args.threads) for s in ("20M", "60M", "130M")]
+    rows = []
+    engines = [("current", None)] + ([(f"baseline {args.baseline}", args.baseline)] if args.baseline else [])
+    for spec in specs:
+        for label, rev in engines:
+            with maybe_engine(rev) as path:
+                row = pr.launch(spec, engine_dir=path, script=__file__)
+            row["label"] = label
+            rows.append(row)
+            print(f"{label:>20} {spec['size']}: F {row['f_s']:.2f} s, {row['evaluations']} evaluations, "
+                  f"R_eval {row['r_eval']:.2f}, R {row['r']:.2f}, {row['total_s']:.1f} s", flush=True)
+    print(table(rows))
+    RESULTS.mkdir(exist_ok=True)
+    if args.gpu_7b:
+        path = args.out or RESULTS / "scale_7b_gpu.json"
+        runs = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+        for row in rows:
+            runs.append({**{k: row[k] for k in ("device", "f_s", "r_eval", "r", "evaluations", "total_s")},
+                         "peak_gpu_gib": row["peak_gpu_gib"], "peak_host_gib": row["peak_host_gib"],
+                         "command": command, "engine": row["label"], "sections_s": row["sections_s"],
+                         "predicted_peak_device_gib": row["predicted_peak_device_gib"],
+                         "predicted_peak_host_gib": row["predicted_peak_host_gib"]})
+        path.write_text(json.dumps(runs, indent=2), encoding="utf-8")
+    else:
+        path = args.out or RESULTS / ("scale_cpu_quick.json" if args.quick else "scale_cpu.json")
+        path.write_text(json.dumps({"command": command, "machine": pr.machine_info(), "runs": rows}, indent=2),
+                        encoding="utf-8")
+        path.with_suffix(".md").write_text(table(rows) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""The memory plan of a rectification, made before any work: predicted peak bytes per phase on the device and the
+host, where each large piece lives, or a refusal up front that names the knobs.
+
+Why: a LLaMA-7B rectification needs more than 80 GB of GPU memory if every piece sits there in float32 (model 13.5,
+θ0 13, the current point 26 and the projection 26 GiB, plus activations), and its compressed factors take 38-76 GiB
+of host memory per capture, with up to four captures alive. Without a plan such a run fails an hour in; with one it
+either fits (pieces moved to the host or to disk) or is refused at once with what to change.
+
+The figures are arithmetic on the model's shapes, the replay (samples m, batch size, longest sequence T), the
+compression rank r and the dtypes. ``tests/test_memory_plan.py`` checks the predicted host peak against the
+measured peak RSS of whole rectifications on the CPU (within 15%); on a GPU the prediction is logged next to
+``torch.cuda.max_memory_allocated`` by ``benchmarks/perf/scale.py``.
+
+Pieces (all bytes, summed over the target layers):
+
+* ``backup``: the fine-tuned weights, kept on the host to restore the model on failure (native dtype);
+* ``theta0``: the reference weights (native dtype);
+* ``current``: θ_t in float32; ``proj``: the projected update of the step in float32;
+* ``factors``: compressed Jacobian factors, per capture ``m · slots · (d_in + d_out)`` in the factor dtype, with
+  up to four captures alive (θ0's, the current point's, a passing trial held by the adaptive controller, the trial);
+* ``activations``: one replay batch's forward/backward with the recorders' inputs held until their gradient arrives;
+* ``ghost``: the largest layer's Gram blocks, eigendecompositions and update-sized temporaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GIB = float(1 << 30)
+
+# Share of the device's capacity the plan may fill: the allocator's fragmentation and the CUDA context need the rest.
+DEVICE_FILL = 0.92
+# Share of the host memory available at planning time the plan may fill (the OS, other processes, page cache).
+HOST_FILL = 0.85
+# Captures alive at the peak: θ0's, the current point's, and the trial's; the adaptive controller may also hold a
+# passing trial while it checks a larger step.
+CAPTURES_ALIVE = {"adaptive": 4, "paper": 3}
+# Gram block bound of the ghost path (hf_janus.engine.ghost._GRAM_BLOCK_ELEMS): elements of one (XXᵀ) block.
+GRAM_BLOCK_ELEMS = 1 << 24
+# The CPU gradient-buffer pool of the materialized path (hf_janus.engine.ghost.Workspace).
+WORKSPACE_BYTES = 256 << 20
+
+PLACEMENTS = ("device", "host", "disk")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One target layer: its weight matrix ``(d_out, d_in)`` and the bytes of one element as stored."""
+
+    d_out: int
+    d_in: int
+    itemsize: int
+
+    @property
+    def numel(self) -> int:
+        return self.d_out * self.d_in
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything the plan's arithmetic needs, read off the model, the replay and the configuration."""
+
+    layers: Sequence[LayerShape]
+    num_samples: int  # replay samples this process captures (its share under data parallelism)
+    batch_size: int
+    seq_len: int  # longest replay sequence
+    rank: Optional[int]
+    vocab: int
+    hidden: int
+    intermediate: int
+    blocks: int
+    activation_itemsize: int  # the model's compute dtype
+    factor_itemsize: int = 4
+    matmul_itemsize: int = 4
+    materialize_max_bytes: int = 1 << 30
+    captures_alive: int = 4
+    tempered: bool = False  # constraint_temperature != 1: one more logits-sized tensor
+
+    @property
+    def slots(self) -> int:
+        return self.seq_len if self.rank is None else min(self.rank, self.seq_len)
+
+    def pieces(self) -> dict[str, int]:
+        """Bytes of each piece (see the module docstring)."""
+        weights = sum(layer.numel * layer.itemsize for layer in self.layers)
+        fp32 = sum(layer.numel * 4 for layer in self.layers)
+        per_capture = sum(self.num_samples * self.slots * (layer.d_in + layer.d_out) * self.factor_itemsize
+                          for layer in self.layers)
+        # two eigendecompositions (current point, trial) of an m x m Gram per layer stay alive between phases
+        eigs = 2 * len(self.layers) * self.num_samples * self.num_samples * 8
+        return {"backup": weights, "theta0": weights, "current": fp32, "proj": fp32,
+                "factors": per_capture * self.captures_alive, "eigendecompositions": eigs,
+                "activations": self.activation_bytes(), "ghost": self.ghost_bytes()}
+
+    def activation_bytes(self) -> int:
+        """One batch's forward/backward through frozen weights, gradients flowing only through activations."""
+        tokens = self.batch_size * self.seq_len
+        act = self.activation_itemsize
+        # recorders hold every target layer's input until its output gradient arrives (an upper bound: q/k/v and
+        # gate/up share one tensor)
+        held = tokens * sum(layer.d_in for layer in self.layers) * act
+        # tensors autograd saves per block with frozen weights: the norms' inputs (2h), the rotated q and k (2h),
+        # attention's q, k, v and output (4h), the MLP's activation input and the two factors of its product (3i)
+        saved = self.blocks * tokens * (8 * self.hidden + 3 * self.intermediate) * act
+        # logits, their float32 copy and the log-softmax gradient (and the tempered copy)
+        logits = tokens * self.vocab * (act + 4 + 4 + (4 if self.tempered else 0))
+        # the gradient flowing back and one layer's compression workspace in float32 (masked copies, QR reflectors)
+        widest = max([self.hidden, self.intermediate] + [max(lay.d_in, lay.d_out) for lay in self.layers])
+        transient = 6 * tokens * widest * 4
+        return held + saved + logits + transient
+
+    def ghost_bytes(self) -> int:
+        """The ghost phase's largest working set: one layer's Gram blocks, eigendecomposition, factor copies and
+        update-sized temporaries, plus the materialized per-sample gradients kept for a step and the CPU buffer pool."""
+        m, r = self.num_samples, self.slots
+        mm = self.matmul_itemsize
+        peak, materialized = 0, []
+        for layer in self.layers:
+            block = min(GRAM_BLOCK_ELEMS, m * r * m * r)
+            gram = 3 * m * m * 8  # Gram, symmetrized copy, eigenvectors
+            factors = m * r * (layer.d_in + layer.d_out) * (mm + 8)  # product-dtype copies, a float64 refinement copy
+            update = 6 * layer.numel * 4  # θ̂ and θ_t in float32, ΔW, the VJP, the projection, its refinement
+            peak = max(peak, 3 * block * mm + gram + factors + update)
+            size = m * layer.numel * mm
+            if size <= self.materialize_max_bytes and _materialized_is_cheaper(m, r, layer):
+                materialized.append(size)
+        if materialized:
+            total = sum(materialized)
+            # the layer being built, the current point's kept for the step (up to materialize_max_bytes), the pool
+            peak += max(materialized) + min(self.materialize_max_bytes, total) + min(WORKSPACE_BYTES, total)
+        return peak
+
+
+def _materialized_is_cheaper(m: int, r: int, layer: LayerShape) -> bool:
+    from hf_janus.engine.ghost import MATERIALIZED_COST_FACTOR
+
+    ghost = m * m * r * r * (layer.d_in + layer.d_out)
+    return MATERIALIZED_COST_FACTOR * (m * r * layer.numel + m * m * layer.numel) < ghost
+
+
+@dataclass
+class MemoryPlan:
+    """Where each piece lives and the predicted peaks; ``to_dict()`` goes into the report (``report.memory_plan``)."""
+
+    device: str
+    placements: dict[str, str]
+    pieces: dict[str, int]
+    phases: dict[str, dict[str, int]]  # phase -> {"device": bytes, "host": bytes} added on top of what is in use
+    in_use: dict[str, int]  # bytes in use when the plan was made ("device", "host")
+    capacity: dict[str, Optional[int]]  # bytes the plan may fill ("device", "host"); None: unknown
+    fits: bool = True
+    notes: list[str] = field(default_factory=list)
+    factor_host_budget: Optional[int] = None  # with factors on disk: how many bytes of them stay in host memory
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self.in_use["device"] + max(p["device"] for p in self.phases.values())
+
+    @property
+    def peak_host_bytes(self) -> int:
+        return self.in_use["host"] + max(p["host"] for p in self.phases.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["peak_device_bytes"], out["peak_host_bytes"] = self.peak_device_bytes, self.peak_host_bytes
+        return out
+
+    def summary(self) -> str:
+        where = ", ".join(f"{name} {self.placements[name]}" for name in self.placements)
+        shared = self.device == "cpu"
+        peaks = (f"peak host {self.peak_host_bytes / GIB:.2f} GiB" if shared else
+                 f"peak {self.device} {self.peak_device_bytes / GIB:.2f} GiB, peak host {self.peak_host_bytes / GIB:.2f} GiB")
+        return f"JANUS memory plan: {peaks} (factors {self.pieces['factors'] / GIB:.2f} GiB); {where}"
+
+
+def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[str, int],
+                capacity: dict[str, Optional[int]]) -> MemoryPlan:
+    """Place the pieces and predict the peaks; ``fits`` is False (with ``notes`` saying why) when nothing fits.
+
+    On an accelerator the pieces go to the device in the order they are used (the current point every trial, the
+    projection every trial, the factors every comparison, θ0 only at the end) until it is full, the rest to the
+    host; factors that do not fit the host either go to ``cache`` when it is a directory. On the CPU the device
+    is the host.
+    """
+    pieces = work.pieces()
+    shared = torch.device(device).type == "cpu"
+    placements = {"current": "device", "proj": "device", "factors": "device", "theta0": "device", "backup": "host"}
+    notes: list[str] = []
+    held = [0]  # factors a disk-backed store keeps in host memory before spilling (its memory budget)
+
+    def phases() -> dict[str, dict[str, int]]:
+        resident = {"device": 0, "host": 0}  # bytes held across phases
+        for name in ("current", "proj", "factors", "theta0", "backup"):
+            if placements[name] != "disk":
+                resident["host" if shared or placements[name] == "host" else "device"] += pieces[name]
+        resident["host"] += held[0]
+        work_on = "host" if shared else "device"
+        resident[work_on] += pieces["eigendecompositions"]
+        capture, ghost = dict(resident), dict(resident)
+        capture[work_on] += pieces["activations"]
+        ghost[work_on] += pieces["ghost"]
+        return {"capture": capture, "ghost": ghost}
+
+    def over(where: str, plan: dict[str, dict[str, int]]) -> bool:
+        cap = capacity.get(where)
+        return cap is not None and in_use[where] + max(p[where] for p in plan.values()) > cap
+
+    plan = phases()
+    if not shared:
+        for name in ("theta0", "factors", "proj", "current"):  # least used first
+            if not over("device", plan):
+                break
+            placements[name] = "host"
+            plan = phases()
+    host_full = over("host", plan)
+    if host_full and str(cache) != "memory":
+        placements["factors"] = "disk"
+        plan = phases()
+        host_full = over("host", plan)
+        if not host_full and capacity.get("host") is not None:
+            # the store keeps what still fits in host memory and spills only the rest
+            room = capacity["host"] - in_use["host"] - max(p["host"] for p in plan.values())
+            held[0] = max(0, min(pieces["factors"], room))
+            plan = phases()
+    fits = not host_full and (shared or not over("device", plan))
+    if not fits:
+        notes.append(_refusal(work, pieces, plan, in_use, capacity, shared, cache))
+    return MemoryPlan(device=str(device), placements=placements, pieces=pieces, phases=plan, in_use=dict(in_use),
+                      capacity=dict(capacity), fits=fits, notes=notes,
+                      factor_host_budget=held[0] if placements["factors"] == "disk" else None)
+
+
+def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, int]], in_use: dict[str, int],
+             capacity: dict[str, Optional[int]], shared: bool, cache: str) -> str:
+    where = "host" if shared or (capacity.get("host") is not None
+                                 and in_use["host"] + max(p["host"] for p in plan.values()) > capacity["host"]) else "device"
+    need = in_use[where] + max(p[where] for p in plan.values())
+    knobs = ["replay_batch_size (activations: {:.1f} GiB)".format(pieces["activations"] / GIB),
+             "rank (factors: {:.1f} GiB for {} captures)".format(pieces["factors"] / GIB, work.captures_alive),
+             "fewer replay samples", "target_modules / exclude_modules (fewer layers)"]
+    if str(cache) == "memory":
+        knobs.insert(0, "cache=<a directory> (factors spill to disk)")
+    if work.factor_itemsize > 2:
+        knobs.insert(1, "factor dtype bfloat16 (Rectifier(factor_dtype=torch.bfloat16) halves the factors)")
+    return (f"the rectification needs about {need / GIB:.1f} GiB of {'host' if where == 'host' else 'device'} memory "
+            f"at its peak but {capacity[where] / GIB:.1f} GiB can be used; lower one of: " + "; ".join(knobs))
+
+
+# ---- reading a workload off a model ---------------------------------------------------------------------------------
+
+
+def current_host_bytes() -> int:
+    """This process's resident set size (``VmRSS``), 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{os.getpid()}/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def measure_in_use_and_capacity(device: torch.device) -> tuple[dict[str, int], dict[str, Optional[int]]]:
+    """Bytes in use now and the most the plan may fill, on the device and on the host."""
+    from hf_janus.engine.store import available_host_memory
+
+    rss = current_host_bytes()
+    available = available_host_memory()
+    host_capacity = None if available is None else rss + int(HOST_FILL * available)
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        reserved_idle = torch.cuda.memory_reserved(device) - allocated
+        device_capacity = int(DEVICE_FILL * (allocated + reserved_idle + free))
+        return {"device": allocated, "host": rss}, {"device": device_capacity, "host": host_capacity}
+    return {"device": 0, "host": rss}, {"device": None, "host": host_capacity}
+
+
+def model_dimensions(model: torch.nn.Module, layers: Sequence[LayerShape]) -> dict[str, int]:
+    """Hidden size, MLP width, vocabulary and number of blocks, from the model's config where it has one."""
+    config = getattr(model, "config", None)
+
+    def pick(*names: str) -> Optional[int]:
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    widths = [layer.d_in for layer in layers] or [1]
+    hidden = pick("hidden_size", "n_embd", "d_model") or max(set(widths), key=widths.count)
+    intermediate = pick("intermediate_size", "n_inner", "ffn_dim") or max([layer.d_out for layer in layers] or [1])
+    blocks = pick("num_hidden_layers", "n_layer", "num_layers") or 1
+    vocab = pick("vocab_size") or 0
+    try:
+        head = model.get_output_embeddings()
+        if head is not None and getattr(head, "weight", None) is not None:
+            vocab = int(head.weight.shape[0])
+    except (AttributeError, NotImplementedError):
+        pass
+    return {"hidden": hidden, "intermediate": intermediate, "blocks": blocks, "vocab": vocab}
