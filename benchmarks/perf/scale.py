@@ -95,8 +95,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
                                  torch.device(spec.get("reference_device", device.type)))
     replay = pr.random_replay(spec["m"], spec["T"], spec["seed"] + 2)
     f_seconds = plain_pass_seconds(model, replay, spec["batch_size"])
+    schedule = pr.schedule(spec["evals"]) if spec["evals"] else {}  # 0: default settings, to convergence
     config = hf_janus.JanusConfig(rank=spec["r"], replay_batch_size=spec["batch_size"], seed=spec["seed"],
-                                  cache=spec.get("cache", "memory"), **pr.schedule(spec["evals"]))
+                                  cache=spec.get("cache", "memory"), **schedule)
     options = {"factor_dtype": getattr(torch, spec["factor_dtype"])} if spec.get("factor_dtype") else {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -159,7 +160,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two tiny sizes, m=16, T=16 (a smoke test)")
     ap.add_argument("--baseline", metavar="REV", help="also run the engine of git revision REV (before/after)")
-    ap.add_argument("--evals", type=int, default=4, help="Jacobian evaluations per run (even, default 4)")
+    ap.add_argument("--evals", type=int, default=4,
+                    help="Jacobian evaluations per run (even; default 4); 0: default settings, run to convergence")
+    ap.add_argument("--delta-scale", type=float, default=0.05,
+                    help="synthetic fine-tune: W += scale·std(W)·N(0, 1) on every target weight (default 0.05)")
+    ap.add_argument("--size", default="7B", help="--gpu-7b: the model shape (7B, or a CPU size such as 130M for a "
+                                                  "smoke test)")
+    ap.add_argument("--m", type=int, default=256, help="--gpu-7b: replay samples")
+    ap.add_argument("--T", type=int, default=512, help="--gpu-7b: tokens per replay sample")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gpu-7b", action="store_true", help="LLaMA-2-7B shape on the GPU (bf16, m=256, T=512, r=32)")
     ap.add_argument("--cache", default="memory", help="JanusConfig.cache (a directory lets factors spill to disk)")
@@ -172,10 +180,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args._result).write_text(json.dumps(result), encoding="utf-8")
         return 0
     command = "python benchmarks/perf/scale.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    base = dict(seed=0, delta_scale=0.05, r=32, batch_size=8, evals=args.evals, cache=args.cache)
+    base = dict(seed=0, delta_scale=args.delta_scale, r=32, batch_size=8, evals=args.evals, cache=args.cache)
     if args.gpu_7b:
-        specs = [dict(base, size="7B", m=256, T=512, device="cuda", dtype="bfloat16", factor_dtype="bfloat16",
-                      reference_device="cpu", free_reference=True)]
+        specs = [dict(base, size=args.size, m=args.m, T=args.T, device="cuda", dtype="bfloat16",
+                      factor_dtype="bfloat16", reference_device="cpu", free_reference=True)]
     elif args.quick:
         specs = [dict(base, size=s, m=16, T=16, threads=args.threads) for s in ("5M", "9M")]
     else:
