@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from hf_janus.engine.capture import CONSTRAINTS
 from hf_janus.engine.compression import COMPRESSION_CHOICES
 from hf_janus.engine.ghost import GHOST_MATMULS
 from hf_janus.engine.step_control import FINAL_STEPS, STEP_CONTROLS
@@ -75,6 +76,11 @@ class JanusConfig:
             released gradient buffers are also held for reuse between captures (``ghost.Workspace``).
         cache: ``"memory"`` or a directory where compressed captures are stored between passes.
         seed: seed for anything random (replay order is never shuffled; samples are grouped by length).
+        constraint: the per-sample function of the replay whose Jacobian JANUS keeps unchanged. ``"loss"`` (default):
+            the paper's, the summed next-token loss (at ``constraint_temperature``). ``"target_logit"``: the summed
+            logit of each target token (the "ground-truth logit" of Orthogonal Gradient Descent, Farajtabar et al.,
+            2020), whose gradient does not vanish where the past task is well fit (an experiment of the
+            well-fit-past-task study, see the forgetting benchmark's README).
         constraint_temperature: softmax temperature T of the per-sample replay loss whose Jacobian JANUS keeps
             unchanged (``J₀ΔW = 0``). 1 (default) is the paper's loss. T > 1 softens confident predictions so
             they keep a gradient where the past task is well fit (an experiment of the well-fit-past-task
@@ -121,6 +127,9 @@ class JanusConfig:
     cache: str = field(default="memory", metadata={
         "help": "memory, or a directory where compressed captures are kept between passes"})
     seed: int = field(default=0, metadata={"help": "seed for anything random"})
+    constraint: str = field(default="loss", metadata={
+        "help": "the per-sample function whose Jacobian is kept: loss (the paper's) or target_logit",
+        "choices": CONSTRAINTS})
     constraint_temperature: float = field(default=1.0, metadata={
         "help": "softmax temperature of the replay loss whose per-sample Jacobian is kept (1 = the paper's)"})
 
@@ -140,6 +149,9 @@ class JanusConfig:
         _check(isinstance(self.constraint_temperature, (int, float)) and not isinstance(self.constraint_temperature, bool)
                and math.isfinite(self.constraint_temperature) and self.constraint_temperature > 0,
                "constraint_temperature", self.constraint_temperature, "a float > 0")
+        _check(self.constraint in CONSTRAINTS, "constraint", self.constraint, " or ".join(repr(c) for c in CONSTRAINTS))
+        _check(self.constraint == "loss" or self.constraint_temperature == 1.0, "constraint_temperature",
+               self.constraint_temperature, "1 unless constraint='loss' (a temperature scales only the loss)")
         _check(isinstance(self.beta, (int, float)) and 0.0 < self.beta < 1.0, "beta", self.beta, "a float in (0, 1)")
         _check(
             self.rank is None or (isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1),

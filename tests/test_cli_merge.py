@@ -229,7 +229,8 @@ def test_every_config_field_is_an_option():
              "--gram-rcond": ("1e-8", 1e-8), "--materialize-max-bytes": ("1024", 1024), "--cache": ("d", "d"),
              "--seed": ("5", 5), "--step-control": ("paper", "paper"), "--max-evaluations": ("40", 40),
              "--max-seconds": ("90.5", 90.5), "--final-step": ("paper", "paper"),
-             "--constraint-temperature": ("2.5", 2.5), "--ghost-matmul": ("float64", "float64")}
+             "--constraint-temperature": ("2.5", 2.5), "--ghost-matmul": ("float64", "float64"),
+             "--constraint": ("loss", "loss")}  # target_logit takes no temperature
     argv = list(base)
     for flag, (text, _) in given.items():
         argv += [flag, *text] if isinstance(text, list) else [flag, text]

@@ -466,47 +466,65 @@ def test_reference_model_equals_state_dict(tuned_llama):
         assert torch.equal(value, b.state_dict()[key])
 
 
-# ---- constraint_temperature: the Jacobian of the loss at softmax temperature T ------------------------------
+# ---- constraints: the Jacobian of the loss at softmax temperature T, or of the target logits -----------------
 
-def tempered_jacobians(model, weights, replay, temperature):
-    """Explicit per-sample gradients (torch.func) of the summed next-token cross-entropy at softmax
-    ``temperature``, w.r.t. each layer weight in ``weights``, at those weights: ``{layer: (m, d_out, d_in)}``."""
+def constraint_jacobians(model, weights, replay, constrained):
+    """Explicit per-sample gradients (torch.func) of ``constrained(logits, ids)`` (one sample), w.r.t. each layer
+    weight in ``weights``, at those weights: ``{layer: (m, d_out, d_in)}``."""
     from torch.func import functional_call, grad
 
     params = {k: v.detach() for k, v in model.named_parameters()}
 
-    def loss(target_params, ids):
-        logits = functional_call(model, {**params, **target_params}, kwargs={"input_ids": ids}).logits
-        return F.cross_entropy(logits[0, :-1] / temperature, ids[0, 1:], reduction="sum")
+    def value(target_params, ids):
+        return constrained(functional_call(model, {**params, **target_params}, kwargs={"input_ids": ids}).logits, ids)
 
     rows = {name: [] for name in weights}
     for sample in replay:
-        g = grad(loss)({f"{n}.weight": w for n, w in weights.items()}, torch.tensor([sample["input_ids"]]))
+        g = grad(value)({f"{n}.weight": w for n, w in weights.items()}, torch.tensor([sample["input_ids"]]))
         for name in weights:
             rows[name].append(g[f"{name}.weight"])
     return {name: torch.stack(r) for name, r in rows.items()}
 
 
-def test_constraint_temperature_keeps_the_tempered_jacobian(tuned_llama):
-    """With constraint_temperature=T the rectified update lies in the null space of the per-sample Jacobians of
-    the loss at temperature T (explicit, torch.func), which the paper's constraint (T=1) does not give."""
+def tempered_loss(temperature):
+    return lambda logits, ids: F.cross_entropy(logits[0, :-1] / temperature, ids[0, 1:], reduction="sum")
+
+
+def target_logits(logits, ids):
+    return logits[0, :-1].gather(-1, ids[0, 1:, None]).sum()
+
+
+@pytest.mark.parametrize("constraint, fields", [
+    (tempered_loss(4.0), {"constraint_temperature": 4.0}),
+    (target_logits, {"constraint": "target_logit"}),
+], ids=["loss at T=4", "target logit"])
+def test_constraint_keeps_its_jacobian(tuned_llama, constraint, fields):
+    """With constraint_temperature=T (or constraint='target_logit') the rectified update lies in the null space of the
+    per-sample Jacobians of the loss at temperature T (of the summed target logits), explicit with torch.func; the
+    paper's constraint (the loss at T=1) does not give that."""
     model, reference = tuned_llama
     replay = random_replay(5)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
     theta0 = {n: reference[f"{n}.weight"].double() for n in names}
     probe = copy.deepcopy(model).double().eval()
-    jac = tempered_jacobians(probe, theta0, replay, temperature=4.0)
+    jac = constraint_jacobians(probe, theta0, replay, constraint)
     residuals = {}
-    for temperature in (4.0, 1.0):
+    for label, config in (("chosen", fields), ("paper", {})):
         rectified = copy.deepcopy(model)
-        report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=None, constraint_temperature=temperature),
-                         progress=False)
+        report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=None, **config), progress=False)
         assert report.converged
         worst = 0.0
         for n in names:
             delta = rectified.get_submodule(n).weight.detach().double() - theta0[n]
             j = jac[n].reshape(len(replay), -1)
             worst = max(worst, float((j @ delta.reshape(-1)).norm() / (j.norm() * delta.norm())))
-        residuals[temperature] = worst
-    assert residuals[4.0] < 1e-6, residuals
-    assert residuals[1.0] > 100 * residuals[4.0], residuals
+        residuals[label] = worst
+    assert residuals["chosen"] < 1e-6, residuals
+    assert residuals["paper"] > 100 * residuals["chosen"], residuals
+
+
+def test_a_temperature_needs_the_loss_constraint():
+    with pytest.raises(ValueError, match="constraint_temperature"):
+        JanusConfig(constraint="target_logit", constraint_temperature=2.0)
+    with pytest.raises(ValueError, match="constraint"):
+        JanusConfig(constraint="logits")

@@ -9,7 +9,12 @@ loosely fit past task to a well-fit one:
 - θ0's per-sample replay losses and per-sample gradient norms (over the adapted layers);
 - the first-order prediction Σᵢ gᵢ·ΔW of the replay loss rise against the actual rise L(θ̂) − L(θ0);
 - how much of the rise single-step JANUS (τ=0, no compression) undoes, and its first-order residual;
-- the same with ``constraint_temperature`` T > 1 (the loss at a softer softmax as the constraint).
+- the same with ``constraint_temperature`` T > 1 (the loss at a softer softmax as the constraint);
+- variants (``--variants``): single-step and multi-step JANUS with the paper's loss constraint and with
+  ``constraint="target_logit"``. For each: the share of the replay loss rise undone, the share of the new-task gain
+  kept (GSM8K answers held out from the fine-tune), Jacobian evaluations and time, and the WiSE-FT curve at equal
+  new-task gain: θ0 + a(θ̂ − θ0) with ``a`` chosen (linear interpolation on a grid) to keep the same share of the
+  new-task gain, and the share of the replay rise it undoes there.
 
 Each model: pretrain on the replayed QA pairs (``--pretrain-steps``), then a LoRA r=8 on every linear layer is
 trained on GSM8K and merged (θ̂). Replay loss = mean per-token NLL of the replayed samples.
@@ -59,6 +64,37 @@ def replay_loss(model, samples):
     return answer_nll(model, samples)
 
 
+VARIANTS = {
+    # label: (JanusConfig fields); multi-step variants run to convergence or to the evaluation budget
+    "single-step loss": dict(tau=0.0),
+    "single-step target_logit": dict(tau=0.0, constraint="target_logit"),
+    "multi-step loss": dict(max_evaluations=60),
+    "multi-step target_logit": dict(constraint="target_logit", max_evaluations=60),
+}
+
+
+def wise_ft_curve(theta0, tuned, replay, new_task, grid):
+    """(a, replay loss, new-task loss) of θ0 + a(θ̂ − θ0) over every floating parameter."""
+    points = []
+    start, end = theta0.state_dict(), tuned.state_dict()
+    probe = copy.deepcopy(tuned)
+    for a in grid:
+        probe.load_state_dict({k: (start[k] + a * (end[k] - start[k])) if end[k].is_floating_point() else end[k]
+                               for k in end})
+        points.append((a, replay_loss(probe, replay), replay_loss(probe, new_task)))
+    return points
+
+
+def wise_at_equal_gain(curve, gain_share, r0, r1, n0, n1):
+    """The share of the replay rise WiSE-FT undoes where it keeps ``gain_share`` of the new-task gain."""
+    shares = [((n0 - n) / (n0 - n1), (r1 - r) / (r1 - r0)) for _, r, n in curve]
+    shares.sort()
+    for (g_lo, u_lo), (g_hi, u_hi) in zip(shares, shares[1:]):
+        if g_lo <= gain_share <= g_hi and g_hi > g_lo:
+            return u_lo + (u_hi - u_lo) * (gain_share - g_lo) / (g_hi - g_lo)
+    return None
+
+
 def run_case(pretrain_steps: int, args) -> dict:
     from peft import LoraConfig, get_peft_model
 
@@ -67,6 +103,7 @@ def run_case(pretrain_steps: int, args) -> dict:
 
     replay = full_text(qa_samples(args.m, max_len=64))
     new_task = math_samples(0, 64, max_len=96)
+    held_out = math_samples(64, 32, max_len=96)  # the new task's validation answers
     model = tiny_llama(seed=0)
     train(model, replay, steps=pretrain_steps, lr=1e-2, batch_size=8, seed=0, desc="pretrain", progress=False)
     theta0 = copy.deepcopy(model)
@@ -101,7 +138,27 @@ def run_case(pretrain_steps: int, args) -> dict:
     seconds = time.perf_counter() - start
     r2 = replay_loss(rectified, replay)
     residual = max((s.residual for s in report.layers if s.residual is not None), default=None)
+
+    n0, n1 = replay_loss(theta0, held_out), replay_loss(tuned, held_out)
+    curve = wise_ft_curve(theta0, tuned, replay, held_out, [i / 10 for i in range(11)])
+    variants = {}
+    for label in args.variants:
+        rectified = copy.deepcopy(tuned)
+        start = time.perf_counter()
+        run = rectify(rectified, reference, replay, JanusConfig(rank=None, replay_batch_size=16, **VARIANTS[label]),
+                      progress=False)
+        r, n = replay_loss(rectified, replay), replay_loss(rectified, held_out)
+        gain = (n0 - n) / (n0 - n1) if n0 != n1 else None
+        variants[label] = {
+            "replay_loss": r, "new_task_loss": n, "undone_share": (r1 - r) / (r1 - r0) if r1 != r0 else None,
+            "new_task_gain_kept": gain, "evaluations": run.num_jacobian_evals, "steps": len(run.steps),
+            "stop_reason": run.stop_reason, "seconds": time.perf_counter() - start,
+            "wise_ft_undone_at_equal_gain": None if gain is None else wise_at_equal_gain(curve, gain, r0, r1, n0, n1),
+        }
     return {
+        "new_task_loss": {"theta0": n0, "finetuned": n1},
+        "wise_ft_curve": [{"a": a, "replay_loss": r, "new_task_loss": n} for a, r, n in curve],
+        "variants": variants,
         "single_step_by_constraint_temperature": by_temperature,
         "pretrain_steps": pretrain_steps,
         "replay_loss": {"theta0": r0, "finetuned": r1, "single_step_janus": r2},
@@ -126,6 +183,8 @@ def main(argv=None) -> None:
     ap.add_argument("--m", type=int, default=16, help="replay samples")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[2.0, 4.0, 8.0],
                     help="constraint_temperature values for single-step JANUS (default: %(default)s)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="JANUS variants compared with WiSE-FT (default: all)")
     ap.add_argument("--quick", action="store_true", help="two short cases")
     args = ap.parse_args(argv)
     if args.quick:
@@ -151,6 +210,15 @@ def main(argv=None) -> None:
         cells += [f"{100 * r['single_step_by_constraint_temperature'][str(t)]['undone_share']:.1f}%"
                   for t in args.temperatures]
         print(f"| {r['pretrain_steps']} | " + " | ".join(cells) + " |")
+    print("\nVariants against WiSE-FT at equal new-task gain (replay rise undone / new-task gain kept / evaluations):")
+    print("| pretrain steps | variant | rise undone | new-task gain kept | WiSE-FT undoes at that gain | evaluations | s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        for label, v in r["variants"].items():
+            def pct(x):
+                return "-" if x is None else f"{100 * x:.1f}%"
+            print(f"| {r['pretrain_steps']} | {label} | {pct(v['undone_share'])} | {pct(v['new_task_gain_kept'])} | "
+                  f"{pct(v['wise_ft_undone_at_equal_gain'])} | {v['evaluations']} | {v['seconds']:.0f} |")
     RESULTS.mkdir(exist_ok=True)
     target = RESULTS / ("first_order_quick.json" if args.quick else "first_order.json")
     target.write_text(json.dumps({"args": vars(args), "cases": rows}, indent=2) + "\n")

@@ -84,13 +84,19 @@ def _forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     return logits
 
 
+CONSTRAINTS = ("loss", "target_logit")  # JanusConfig.constraint
+
+
 def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int = 0,
-                      temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+                      temperature: float = 1.0, constraint: str = "loss") -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample next-token cross-entropy summed over counted tokens (the paper's un-reduced loss).
 
-    Returns ``(sample_loss (B,), sample_tokens (B,), constrained (B,))``: ``constrained`` is the same loss at
-    softmax ``temperature`` (``sample_loss`` itself at 1), the function whose per-sample Jacobian JANUS keeps
-    unchanged; ``sample_loss`` is always at temperature 1, the replay loss reported and compared.
+    Returns ``(sample_loss (B,), sample_tokens (B,), constrained (B,))``: ``constrained`` is the per-sample function
+    whose Jacobian JANUS keeps unchanged. ``constraint="loss"``: the same loss at softmax ``temperature``
+    (``sample_loss`` itself at 1). ``"target_logit"``: the sum over counted tokens of the logit of the target token
+    (the ground-truth logit that Orthogonal Gradient Descent protects); unlike the loss, its gradient does not vanish
+    where the target is already predicted with confidence. ``sample_loss`` is always the loss at temperature 1, the
+    replay loss reported and compared.
     """
     logits = _forward_logits(model, batch)
     targets = loss_targets(batch).to(logits.device)
@@ -115,7 +121,14 @@ def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int
             f"the replay loss is NaN/Inf for sample(s) {[offset + i for i in bad][:10]}: the model weights or "
             "inputs produce non-finite logits"
         )
-    constrained = sample_loss if temperature == 1.0 else per_token_loss(shifted / temperature).sum(dim=1)
+    if constraint == "target_logit":
+        counted = targets != IGNORE_INDEX
+        picked = shifted.gather(-1, torch.where(counted, targets, 0).unsqueeze(-1)).squeeze(-1)
+        constrained = torch.where(counted, picked, torch.zeros((), dtype=picked.dtype, device=picked.device)).sum(dim=1)
+    elif temperature == 1.0:
+        constrained = sample_loss
+    else:
+        constrained = per_token_loss(shifted / temperature).sum(dim=1)
     return sample_loss, tokens, constrained
 
 
@@ -304,12 +317,14 @@ def capture_factors(
     timer: PhaseTimer,
     compression: str = "auto",
     temperature: float = 1.0,
+    constraint: str = "loss",
 ) -> CaptureResult:
     """Capture the compressed Jacobian factors of every target layer at the model's current weights.
 
     ``targets`` maps a layer name to ``(module, d_in, d_out)``. Factors go to ``store`` under ``tag``.
-    ``compression`` and ``temperature`` are :class:`~hf_janus.JanusConfig`'s ``compression`` and
-    ``constraint_temperature``: the factors are those of the per-sample loss at that softmax temperature.
+    ``compression``, ``temperature`` and ``constraint`` are :class:`~hf_janus.JanusConfig`'s ``compression``,
+    ``constraint_temperature`` and ``constraint``: the factors are those of the per-sample function
+    :func:`token_summed_loss` names ``constrained``.
     """
     device = model_device(model)
     method = resolve_method(compression, device)
@@ -328,7 +343,7 @@ def capture_factors(
                 compression_before = timer.seconds["compression"]
                 timer.synchronize()
                 start = time.perf_counter()
-                sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, temperature)
+                sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, temperature, constraint)
                 total = constrained.sum()
                 if not total.requires_grad:
                     raise JanusError("no target layer lies on the path to the loss; check target_modules")

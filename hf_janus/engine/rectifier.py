@@ -310,12 +310,12 @@ class Rectifier:
     def _capture(self, tag: str) -> CaptureResult:
         self.workspace.clear()  # held gradient buffers would add to the forward/backward's peak
         targets = {layer.name: (layer.module, layer.d_in, layer.d_out) for layer in self.layers}
-        rank, method, temperature = self.config.rank, self.config.compression, self.config.constraint_temperature
-        result = capture_factors(self.model, targets, self.local_batches, self.store, tag, rank, self.timer, method,
-                                 temperature)
+        cfg = self.config
+        kinds = dict(compression=cfg.compression, temperature=cfg.constraint_temperature, constraint=cfg.constraint)
+        result = capture_factors(self.model, targets, self.local_batches, self.store, tag, cfg.rank, self.timer,
+                                 **kinds)
         if self.idle_batches:
-            capture_factors(self.model, targets, self.idle_batches, self.store, "_idle", rank, self.timer, method,
-                            temperature)
+            capture_factors(self.model, targets, self.idle_batches, self.store, "_idle", cfg.rank, self.timer, **kinds)
             self.store.drop("_idle")
         return self._combine_ranks(result)
 
