@@ -76,6 +76,12 @@ class JanusConfig:
             released gradient buffers are also held for reuse between captures (``ghost.Workspace``).
         cache: ``"memory"`` or a directory where compressed captures are stored between passes.
         seed: seed for anything random (replay order is never shuffled; samples are grouped by length).
+        acceptance: the test a trial step must pass (an experiment of the well-fit-past-task study). ``"cosine"``
+            (default): the paper's, mean principal-angle cosine c̄ ≥ τ. ``"loss"``: the whole-replay loss, which each
+            trial's capture measures anyway, rose from the current point by at most ``loss_tolerance · α`` times the
+            fine-tune's rise. ``"both"``: both tests.
+        loss_tolerance: with ``acceptance="loss"`` or ``"both"``, the share of the fine-tune's replay-loss rise that a
+            step of size α may add, times α.
         constraint: the per-sample function of the replay whose Jacobian JANUS keeps unchanged. ``"loss"`` (default):
             the paper's, the summed next-token loss (at ``constraint_temperature``). ``"target_logit"``: the summed
             logit of each target token (the "ground-truth logit" of Orthogonal Gradient Descent, Farajtabar et al.,
@@ -127,6 +133,11 @@ class JanusConfig:
     cache: str = field(default="memory", metadata={
         "help": "memory, or a directory where compressed captures are kept between passes"})
     seed: int = field(default=0, metadata={"help": "seed for anything random"})
+    acceptance: str = field(default="cosine", metadata={
+        "help": "the test a trial step must pass: cosine (c̄ ≥ τ, the paper's), loss (the replay loss rises by at most "
+                "loss_tolerance·α of the fine-tune's rise) or both", "choices": ("cosine", "loss", "both")})
+    loss_tolerance: float = field(default=0.05, metadata={
+        "help": "acceptance=loss/both: share of the fine-tune's replay-loss rise a step of size α may add, times α"})
     constraint: str = field(default="loss", metadata={
         "help": "the per-sample function whose Jacobian is kept: loss (the paper's) or target_logit",
         "choices": CONSTRAINTS})
@@ -149,6 +160,11 @@ class JanusConfig:
         _check(isinstance(self.constraint_temperature, (int, float)) and not isinstance(self.constraint_temperature, bool)
                and math.isfinite(self.constraint_temperature) and self.constraint_temperature > 0,
                "constraint_temperature", self.constraint_temperature, "a float > 0")
+        _check(self.acceptance in ("cosine", "loss", "both"), "acceptance", self.acceptance,
+               "'cosine', 'loss' or 'both'")
+        _check(isinstance(self.loss_tolerance, (int, float)) and not isinstance(self.loss_tolerance, bool)
+               and math.isfinite(self.loss_tolerance) and self.loss_tolerance > 0,
+               "loss_tolerance", self.loss_tolerance, "a float > 0")
         _check(self.constraint in CONSTRAINTS, "constraint", self.constraint, " or ".join(repr(c) for c in CONSTRAINTS))
         _check(self.constraint == "loss" or self.constraint_temperature == 1.0, "constraint_temperature",
                self.constraint_temperature, "1 unless constraint='loss' (a temperature scales only the loss)")

@@ -218,3 +218,49 @@ def test_progress_bar_shows_what_the_wait_depends_on(tuned_llama, capsys):
     err = capsys.readouterr().err
     for field in ("JANUS rectification", "eval", "step=", "trial=", "alpha=", "cos=", "τ=0.99", "loss="):
         assert field in err, field
+
+
+# ---- acceptance on the replay loss (issue 22, item 3) ---------------------------------------------------------
+
+@pytest.mark.parametrize("acceptance", ["loss", "both"])
+@pytest.mark.parametrize("step_control", ["adaptive", "paper"])
+def test_loss_acceptance_accepts_exactly_the_trials_within_the_allowance(tuned_llama, acceptance, step_control):
+    """acceptance='loss': a trial passes iff its replay loss rose from the current point by at most
+    loss_tolerance·α·(fine-tune's rise); 'both' also needs c̄ ≥ τ. Checked on every trial of a real run."""
+    model, reference = tuned_llama
+    tol, tau = 0.01, 0.99
+    replay = random_replay(6, seed=9)  # a replay whose loss the fine-tune raised
+    m, report, rectifier = run(model, reference, replay, tau=tau, acceptance=acceptance,
+                               loss_tolerance=tol, step_control=step_control, max_steps=6)
+    rise = report.replay_loss["finetuned"] - report.replay_loss["reference"]
+    assert rise > 0 and report.steps
+    current, checked = report.replay_loss["reference"], 0
+    for step in report.steps:
+        for trial in step.trials:
+            within = trial.replay_loss - current <= tol * trial.alpha * rise * (1 + 1e-9)
+            passes = within and (acceptance == "loss" or trial.mean_cosine >= tau)
+            if trial.accepted and not step.forced:
+                assert passes, (step.step, trial)
+            if not trial.accepted and step_control == "paper":
+                assert not passes, (step.step, trial)  # Algorithm 1 shrinks only after a failure
+            checked += 1
+        current = step.taken.replay_loss
+    assert checked >= 1
+    if acceptance == "both":  # the cosine part rejects large steps here (the loss part alone takes α=1 at once)
+        assert any(not t.accepted for s in report.steps for t in s.trials)
+    consistent(m, rectifier, report, replay)
+
+
+def test_cosine_acceptance_is_the_paper_test(tuned_llama):
+    """The default acceptance ignores the loss allowance: the same trajectory whatever loss_tolerance says."""
+    model, reference = tuned_llama
+    runs = [run(model, reference, random_replay(6), tau=0.99, loss_tolerance=t)[1] for t in (0.01, 10.0)]
+    assert [[(t.alpha, t.accepted) for t in s.trials] for s in runs[0].steps] == \
+        [[(t.alpha, t.accepted) for t in s.trials] for s in runs[1].steps]
+
+
+def test_config_validates_the_acceptance_fields():
+    with pytest.raises(ValueError, match="acceptance"):
+        JanusConfig(acceptance="kl")
+    with pytest.raises(ValueError, match="loss_tolerance"):
+        JanusConfig(loss_tolerance=0)

@@ -153,7 +153,7 @@ class _KeptTrial:
     tag: str
     trial: CaptureResult
     alpha: float
-    cbar: float
+    score: float  # its acceptance score (_acceptance_score)
     index: int  # in StepRecord.trials
     eigs: dict[str, Optional[GramEig]]
 
@@ -162,7 +162,7 @@ class _KeptTrial:
         for layer in layers:
             layer.trial_eig = self.eigs[layer.name]
         record.trials[self.index].accepted = True
-        return self.tag, self.trial, self.alpha, self.cbar
+        return self.tag, self.trial, self.alpha, self.score
 
 
 class _Budget:
@@ -187,6 +187,10 @@ class _Budget:
                                f"({elapsed:.0f} s spent)")
                 self.knob = "JanusConfig.max_seconds (--max-seconds)"
         return self.reason is not None
+
+
+# The step controller's threshold for the loss-based acceptance tests (_acceptance_score maps a pass to score >= it).
+SCORE_THRESHOLD = 0.5
 
 
 def _check_finite(tensor: Tensor, what: str) -> None:
@@ -427,7 +431,12 @@ class Rectifier:
             bar.update(1)
             report.num_samples, report.num_tokens = base.num_samples, int(base.sample_tokens.sum())
             current_tag, last_capture = "c0", base
-            controller = make_step_controller(cfg.step_control, cfg.tau, cfg.beta, cfg.min_alpha)
+            # The controller sees the acceptance score: c̄ against τ, or (acceptance="loss"/"both") a score that passes
+            # the controller's threshold exactly when the loss test (and the τ test) pass; see _acceptance_score.
+            threshold = cfg.tau if cfg.acceptance == "cosine" else SCORE_THRESHOLD
+            controller = make_step_controller(cfg.step_control, threshold, cfg.beta, cfg.min_alpha)
+            # the fine-tune's replay-loss rise, the loss tests' unit (the paper's test does not need it)
+            rise = self._whole_loss(finetuned_loss) - self._whole_loss(base) if cfg.acceptance != "cosine" else math.nan
             budget = _Budget(cfg.max_evaluations, cfg.max_seconds, start)
             for step in range(cfg.max_steps):
                 if budget.exhausted(report.num_jacobian_evals):
@@ -452,7 +461,7 @@ class Rectifier:
                 while True:
                     if budget.exhausted(report.num_jacobian_evals):
                         if kept is not None:  # the budget ends the step, but a passing trial is at hand
-                            tag, trial, alpha, cbar = kept.take(self.layers, record)
+                            tag, trial, alpha, score = kept.take(self.layers, record)
                         break
                     tag = f"s{step}t{len(record.trials)}"
                     phase = f"evaluating trial α={alpha:.4g} at step {step}"
@@ -461,9 +470,10 @@ class Rectifier:
                     report.num_jacobian_evals += 1
                     cbar, per_layer = self._compare_all(current_tag, tag)
                     cbar = self.world.from_rank0(cbar)  # every replica must take the same decision
-                    decision = controller.decide(alpha, cbar, forced_ok=final_allowed)
+                    score = self._acceptance_score(cbar, alpha, trial, last_capture, rise)
+                    decision = controller.decide(alpha, score, forced_ok=final_allowed)
                     accepted = decision.action == "accept"
-                    if accepted and final_allowed and not cbar >= cfg.tau and cfg.final_step == "guarded":
+                    if accepted and final_allowed and not score >= threshold and cfg.final_step == "guarded":
                         report.discarded_final_step = self._undoing_final_step(alpha, cbar, trial, last_capture)
                     if report.discarded_final_step is not None:
                         # The unchecked final step would undo part of the repair: the last accepted point is kept.
@@ -481,7 +491,7 @@ class Rectifier:
                         if decision.keep:
                             if kept is not None:
                                 self.store.drop(kept.tag)
-                            kept = _KeptTrial(tag, trial, alpha, cbar, len(record.trials) - 1,
+                            kept = _KeptTrial(tag, trial, alpha, score, len(record.trials) - 1,
                                               {layer.name: layer.trial_eig for layer in self.layers})
                         else:
                             self.store.drop(tag)
@@ -490,7 +500,7 @@ class Rectifier:
                         continue
                     if decision.action == "accept_kept":
                         self.store.drop(tag)
-                        tag, trial, alpha, cbar = kept.take(self.layers, record)
+                        tag, trial, alpha, score = kept.take(self.layers, record)
                     elif kept is not None:
                         self.store.drop(kept.tag)
                     self._show_trial(bar, report, record, cfg.tau,
@@ -512,7 +522,7 @@ class Rectifier:
                         layer.proj, layer.trial_eig = None, None
                     self._write_all()
                     break
-                record.alpha, record.forced = alpha, not cbar >= cfg.tau  # NaN (undefined) counts as forced
+                record.alpha, record.forced = alpha, not score >= threshold  # NaN (undefined) counts as forced
                 report.steps.append(record)
                 self._release_current()
                 for layer in self.layers:
@@ -527,8 +537,9 @@ class Rectifier:
                     report.stop_reason = "converged" if report.converged else "max_steps reached: final step taken unchecked"
                     break
                 if record.forced:
-                    logger.warning("JANUS step %d: step size would fall below min_alpha=%g; took α=%.4g with "
-                                   "mean cosine %.4f < τ=%.3g", step, cfg.min_alpha, alpha, cbar, cfg.tau)
+                    logger.warning("JANUS step %d: step size would fall below min_alpha=%g; took α=%.4g failing the "
+                                   "acceptance test (%s; mean cosine %.4f, τ=%.3g)", step, cfg.min_alpha, alpha,
+                                   cfg.acceptance, record.taken.mean_cosine if record.taken else math.nan, cfg.tau)
             if budget.reason is not None:
                 report.stopped_early = True
                 report.stop_reason = budget.reason
@@ -593,6 +604,29 @@ class Rectifier:
         bar.set_postfix(step=record.step, trial=len(record.trials), alpha=f"{trial.alpha:.3g}",
                         cos=f"{trial.mean_cosine:.4f}{'≥' if trial.mean_cosine >= tau else '<'}τ={tau:g}",
                         loss=f"{trial.replay_loss:.4f}")
+
+    def _acceptance_score(self, cbar: float, alpha: float, trial: CaptureResult, current: CaptureResult,
+                          rise: float) -> float:
+        """What the step controller compares with its threshold (``config.acceptance``).
+
+        ``"cosine"``: c̄ itself, against τ (the paper's test). ``"loss"``: the trial passes when the whole-replay
+        loss rose from the current point by at most ``loss_tolerance · α`` times the fine-tune's rise (the update's
+        share this step moves); the ratio of the rise to that allowance is mapped to ``1 − ratio · (1 −`` the
+        threshold ``)`` so that it passes exactly when the ratio is at most 1, and the adaptive controller's model of
+        the gap in α applies unchanged. ``"both"``: the larger of the loss ratio and the cosine's ``(1 − c̄)/(1 − τ)``.
+        Undefined (NaN) fails.
+        """
+        cfg = self.config
+        if cfg.acceptance == "cosine":
+            return cbar
+        # a replay the fine-tune did not hurt still gets a small allowance, so that the loop can move
+        allowed = cfg.loss_tolerance * alpha * max(rise, 1e-3 * abs(self._whole_loss(current)), 1e-12)
+        ratio = (self._whole_loss(trial) - self._whole_loss(current)) / allowed
+        if cfg.acceptance == "both":
+            ratio = max(ratio, (1.0 - cbar) / (1.0 - cfg.tau) if cfg.tau < 1.0 else (0.0 if cbar >= 1.0 else math.inf))
+        if not math.isfinite(ratio):
+            return -math.inf
+        return 1.0 - ratio * (1.0 - SCORE_THRESHOLD)
 
     def _whole_loss(self, result: CaptureResult) -> float:
         """The replay loss of a capture over the whole replay (every rank's share; a collective when distributed)."""
