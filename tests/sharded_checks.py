@@ -73,9 +73,9 @@ def track_capture_tag(patch) -> dict:
     tag = {}
     original = rectifier.capture_factors
 
-    def capture_factors(model, targets, batches, store, name, *args):
+    def capture_factors(model, targets, batches, store, name, *args, **kwargs):
         tag["now"] = name
-        return original(model, targets, batches, store, name, *args)
+        return original(model, targets, batches, store, name, *args, **kwargs)
 
     patch(rectifier, "capture_factors", capture_factors)
     return tag

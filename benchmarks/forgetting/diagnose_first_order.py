@@ -108,7 +108,8 @@ def run_case(pretrain_steps: int, args) -> dict:
     new_task = math_samples(0, 64, max_len=96)
     held_out = math_samples(64, 32, max_len=96)  # the new task's validation answers
     model = tiny_llama(seed=0)
-    train(model, replay, steps=pretrain_steps, lr=1e-2, batch_size=8, seed=0, desc="pretrain", progress=False)
+    train(model, replay, steps=pretrain_steps, lr=args.pretrain_lr, batch_size=8, seed=0, desc="pretrain",
+          progress=False)
     theta0 = copy.deepcopy(model)
     lora = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     train(lora, new_task, steps=args.finetune_steps, lr=args.lr, batch_size=8, seed=1, desc="fine-tune",
@@ -181,7 +182,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pretrain-steps", type=int, nargs="+", default=[40, 150, 600],
                     help="pretraining lengths: loosely to well fit past task (default: %(default)s)")
+    ap.add_argument("--pretrain-lr", type=float, default=1e-2, help="pretraining learning rate")
     ap.add_argument("--finetune-steps", type=int, default=150)
+    ap.add_argument("--out", type=Path, default=None, help="result JSON (default: results/first_order.json)")
     ap.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate")
     ap.add_argument("--m", type=int, default=16, help="replay samples")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[2.0, 4.0, 8.0],
@@ -223,8 +226,9 @@ def main(argv=None) -> None:
             print(f"| {r['pretrain_steps']} | {label} | {pct(v['undone_share'])} | {pct(v['new_task_gain_kept'])} | "
                   f"{pct(v['wise_ft_undone_at_equal_gain'])} | {v['evaluations']} | {v['seconds']:.0f} |")
     RESULTS.mkdir(exist_ok=True)
-    target = RESULTS / ("first_order_quick.json" if args.quick else "first_order.json")
-    target.write_text(json.dumps({"args": vars(args), "cases": rows}, indent=2) + "\n")
+    target = args.out or RESULTS / ("first_order_quick.json" if args.quick else "first_order.json")
+    target.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                  "cases": rows}, indent=2) + "\n")
     print(f"written to {target}")
 
 
