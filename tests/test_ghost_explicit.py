@@ -207,7 +207,7 @@ def test_gram(kind, path):
 def test_ghost_gram_row_chunking(monkeypatch, block_elems):
     # Chunk sizes 1 and 2 over m=7 rows: every block boundary, including a ragged last block.
     p = make_problem("linear", m=7, T=5)
-    monkeypatch.setattr(ghost, "_GRAM_BLOCK_ELEMS", block_elems)
+    monkeypatch.setattr(ghost, "GRAM_BLOCK_ELEMS", block_elems)
     torch.testing.assert_close(ghost_gram(p.x, p.a), p.jac @ p.jac.T, **TOL)
 
 

@@ -15,7 +15,8 @@ loosely fit past task to a well-fit one:
   ``"both"`` with the τ test). For each: the share of the replay loss rise undone, the share of the new-task gain
   kept (GSM8K answers held out from the fine-tune), Jacobian evaluations and time, and the WiSE-FT curve at equal
   new-task gain: θ0 + a(θ̂ − θ0) with ``a`` chosen (linear interpolation on a grid) to keep the same share of the
-  new-task gain, and the share of the replay rise it undoes there.
+  new-task gain, and the share of the replay rise it undoes there; and the hybrid "JANUS, then interpolation toward
+  θ̂" (θ_J + b(θ̂ − θ_J), b on the same grid) against WiSE-FT at 90% of the new-task gain.
 
 Each model: pretrain on the replayed QA pairs (``--pretrain-steps``), then a LoRA r=8 on every linear layer is
 trained on GSM8K and merged (θ̂). Replay loss = mean per-token NLL of the replayed samples.
@@ -77,7 +78,8 @@ VARIANTS = {
 
 
 def wise_ft_curve(theta0, tuned, replay, new_task, grid):
-    """(a, replay loss, new-task loss) of θ0 + a(θ̂ − θ0) over every floating parameter."""
+    """(a, replay loss, new-task loss) of θ0 + a(θ̂ − θ0) over every floating parameter (with θ0 a rectified model:
+    the hybrid "JANUS, then interpolation toward θ̂")."""
     points = []
     start, end = theta0.state_dict(), tuned.state_dict()
     probe = copy.deepcopy(tuned)
@@ -95,6 +97,20 @@ def wise_at_equal_gain(curve, gain_share, r0, r1, n0, n1):
     for (g_lo, u_lo), (g_hi, u_hi) in zip(shares, shares[1:]):
         if g_lo <= gain_share <= g_hi and g_hi > g_lo:
             return u_lo + (u_hi - u_lo) * (gain_share - g_lo) / (g_hi - g_lo)
+    return None
+
+
+def undone_at_gain(curve, gain_share, r0, r1, n0, n1):
+    """Walking ``curve`` (ordered by its interpolation weight, toward θ̂) to the first point that keeps
+    ``gain_share`` of the new-task gain: the share of the replay rise undone there, linearly interpolated between
+    grid points (None if no point keeps that much)."""
+    points = [((n0 - n) / (n0 - n1), (r1 - r) / (r1 - r0)) for _, r, n in curve]
+    for k, (gain, undone) in enumerate(points):
+        if gain >= gain_share:
+            if k == 0:
+                return undone
+            g_lo, u_lo = points[k - 1]
+            return u_lo + (undone - u_lo) * (gain_share - g_lo) / (gain - g_lo)
     return None
 
 
@@ -153,13 +169,18 @@ def run_case(pretrain_steps: int, args) -> dict:
                       progress=False)
         r, n = replay_loss(rectified, replay), replay_loss(rectified, held_out)
         gain = (n0 - n) / (n0 - n1) if n0 != n1 else None
+        # the hybrid: the rectified model interpolated toward θ̂, read at the new-task gain WiSE-FT is asked for
+        hybrid = wise_ft_curve(rectified, tuned, replay, held_out, [i / 10 for i in range(11)])
         variants[label] = {
             "replay_loss": r, "new_task_loss": n, "undone_share": (r1 - r) / (r1 - r0) if r1 != r0 else None,
             "new_task_gain_kept": gain, "evaluations": run.num_jacobian_evals, "steps": len(run.steps),
             "stop_reason": run.stop_reason, "seconds": time.perf_counter() - start,
             "wise_ft_undone_at_equal_gain": None if gain is None else wise_at_equal_gain(curve, gain, r0, r1, n0, n1),
+            "hybrid_toward_finetuned": [{"b": b, "replay_loss": hr, "new_task_loss": hn} for b, hr, hn in hybrid],
+            "hybrid_undone_at_90pct_gain": undone_at_gain(hybrid, 0.9, r0, r1, n0, n1),
         }
     return {
+        "wise_ft_undone_at_90pct_gain": undone_at_gain(curve, 0.9, r0, r1, n0, n1),
         "new_task_loss": {"theta0": n0, "finetuned": n1},
         "wise_ft_curve": [{"a": a, "replay_loss": r, "new_task_loss": n} for a, r, n in curve],
         "variants": variants,
@@ -225,6 +246,14 @@ def main(argv=None) -> None:
                 return "-" if x is None else f"{100 * x:.1f}%"
             print(f"| {r['pretrain_steps']} | {label} | {pct(v['undone_share'])} | {pct(v['new_task_gain_kept'])} | "
                   f"{pct(v['wise_ft_undone_at_equal_gain'])} | {v['evaluations']} | {v['seconds']:.0f} |")
+    print("\nAt 90% of the new-task gain: WiSE-FT against each rectified model interpolated toward θ̂ (hybrid):")
+    print("| pretrain steps | WiSE-FT undoes | " + " | ".join(f"hybrid {label}" for label in args.variants) + " |")
+    print("|---|---|" + "---|" * len(args.variants))
+    for r in rows:
+        def pct(x):
+            return "-" if x is None else f"{100 * x:.1f}%"
+        print(f"| {r['pretrain_steps']} | {pct(r['wise_ft_undone_at_90pct_gain'])} | "
+              + " | ".join(pct(r["variants"][label]["hybrid_undone_at_90pct_gain"]) for label in args.variants) + " |")
     RESULTS.mkdir(exist_ok=True)
     target = args.out or RESULTS / ("first_order_quick.json" if args.quick else "first_order.json")
     target.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -155,6 +155,11 @@ def _result(tag: str, losses: list[Tensor], counts: list[Tensor]) -> CaptureResu
     return CaptureResult(tag, torch.cat(losses), torch.cat(counts))
 
 
+# Bytes of randomized sketches a capture holds before their eigenproblems run as one batched call: larger batches
+# cost fewer synchronizations, and this bounds the device memory they hold (1.5-2.9 MB per LLaMA-7B layer and sample).
+PENDING_SKETCH_BYTES = 256 << 20
+
+
 class _BatchContext:
     """What the hooks of one replay batch share: its compression plans, the inputs several layers read, and the
     randomized compressions awaiting their batched Ritz step.
@@ -164,9 +169,6 @@ class _BatchContext:
     entry is dropped once its last reader has used it.
     """
 
-    # Pending randomized sketches held before their eigenproblems run as one batched call: larger batches cost fewer
-    # synchronizations, and this bounds the device memory they hold (~2 MiB per LLaMA-7B layer and sample).
-    PENDING_BYTES = 256 << 20
 
     def __init__(self, rank: Optional[int], device: torch.device, host_mask: Optional[Tensor] = None,
                  device_mask: Optional[Tensor] = None):
@@ -217,7 +219,7 @@ class _BatchContext:
             return
         self._pending.append(pending)
         self._pending_bytes += pending.pending_bytes
-        if self._pending_bytes > self.PENDING_BYTES:
+        if self._pending_bytes > PENDING_SKETCH_BYTES:
             self.finish()
 
     def finish(self) -> None:
@@ -226,7 +228,7 @@ class _BatchContext:
         self._pending, self._pending_bytes = [], 0
 
 
-class _Pending(NamedTuple):
+class _Recorded(NamedTuple):
     """A recorded call whose output gradient has not arrived (yet, or ever: the output may not reach the loss)."""
 
     x: Tensor
@@ -255,7 +257,7 @@ class _LayerRecorder:
     def forward_hook(self, module: nn.Module, inputs: tuple, output: Tensor):
         x = inputs[0].detach()
         slot = len(self.calls)
-        self.calls.append(_Pending(x, self.batch.register(inputs[0])))
+        self.calls.append(_Recorded(x, self.batch.register(inputs[0])))
         replaced = None
         if not output.requires_grad:
             # The first target layers see inputs that need no grad; make their outputs the graph leaves.
@@ -264,7 +266,8 @@ class _LayerRecorder:
         return replaced
 
     def _on_grad(self, slot: int, grad: Tensor) -> None:
-        # Nothing here reads a value back from the device: this runs for every target layer and batch.
+        # With the randomized method (the accelerators' default) nothing here reads a value back from the device: this
+        # runs for every target layer and batch. The exact method's per-sample SVDs check their status on the host.
         pending = self.calls[slot]
         batch = self.batch.host_mask.shape[0]
         x3 = pending.x.reshape(batch, -1, pending.x.shape[-1]).float()

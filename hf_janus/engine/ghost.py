@@ -44,7 +44,7 @@ GHOST_MATMULS = ("float32", "float64")  # JanusConfig.ghost_matmul
 MATERIALIZED_COST_FACTOR = 4
 
 # Upper bound on the elements of one ghost Gram block (m_chunk x r x m x r), to bound peak memory.
-_GRAM_BLOCK_ELEMS = 1 << 24
+GRAM_BLOCK_ELEMS = 1 << 24
 # Factor rows per row block of a symmetric Gram: more blocks skip more of the lower triangle (the saving is
 # (1 - 1/blocks)/2 of the products) but make smaller matrix products; 256 rows keep them efficient.
 _SYMMETRIC_BLOCK_ROWS = 256
@@ -131,7 +131,7 @@ def ghost_gram(
     m2, r2, _ = x2.shape
     x2f = x2.to(mm).reshape(m2 * r2, -1)
     a2f = a2.to(mm).reshape(m2 * r2, -1)
-    chunk = max(1, _GRAM_BLOCK_ELEMS // max(1, r1 * m2 * r2))
+    chunk = max(1, GRAM_BLOCK_ELEMS // max(1, r1 * m2 * r2))
     if symmetric:
         chunk = min(chunk, max(1, -(-_SYMMETRIC_BLOCK_ROWS // max(1, r1))))
     out = torch.empty(m1, m2, dtype=dtype, device=x1.device)
@@ -272,6 +272,10 @@ def choose_path(m: int, r: int, d_in: int, d_out: int, bytes_per_elem: int, max_
     return "materialized" if fits and materialized < ghost else "ghost"
 
 
+# Released CPU gradient buffers a Workspace holds for reuse by default.
+WORKSPACE_MAX_BYTES = 256 << 20
+
+
 class Workspace:
     """Reuses the CPU buffers of materialized per-sample gradients between layers and trials.
 
@@ -287,7 +291,7 @@ class Workspace:
     the rectifier does before each capture so that the forward/backward's peak memory is unchanged.
     """
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = WORKSPACE_MAX_BYTES):
         self.max_bytes = max_bytes
         self._free: list[Tensor] = []  # flat, contiguous, CPU
         self._lent: dict[int, Tensor] = {}  # data_ptr of a handed-out view -> its whole buffer

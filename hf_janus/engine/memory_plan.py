@@ -31,6 +31,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from hf_janus.engine.capture import PENDING_SKETCH_BYTES
+from hf_janus.engine.ghost import GRAM_BLOCK_ELEMS, MATERIALIZED_COST_FACTOR, WORKSPACE_MAX_BYTES
+
 logger = logging.getLogger(__name__)
 
 GIB = float(1 << 30)
@@ -42,12 +45,6 @@ HOST_FILL = 0.85
 # Captures alive at the peak: θ0's, the current point's, and the trial's; the adaptive controller may also hold a
 # passing trial while it checks a larger step.
 CAPTURES_ALIVE = {"adaptive": 4, "paper": 3}
-# Gram block bound of the ghost path (hf_janus.engine.ghost._GRAM_BLOCK_ELEMS): elements of one (XXᵀ) block.
-GRAM_BLOCK_ELEMS = 1 << 24
-# The CPU gradient-buffer pool of the materialized path (hf_janus.engine.ghost.Workspace).
-WORKSPACE_BYTES = 256 << 20
-
-PLACEMENTS = ("device", "host", "disk")
 
 
 @dataclass(frozen=True)
@@ -82,6 +79,7 @@ class Workload:
     materialize_max_bytes: int = 1 << 30
     captures_alive: int = 4
     tempered: bool = False  # constraint_temperature != 1: one more logits-sized tensor
+    randomized: bool = False  # randomized compression: sketches wait for their batched Ritz step (capture's budget)
 
     @property
     def slots(self) -> int:
@@ -114,6 +112,10 @@ class Workload:
         # the gradient flowing back and one layer's compression workspace in float32 (masked copies, QR reflectors)
         widest = max([self.hidden, self.intermediate] + [max(lay.d_in, lay.d_out) for lay in self.layers])
         transient = 6 * tokens * widest * 4
+        if self.randomized:  # sketches (B x p x (d_in + d_out), float32) held for one batched eigenproblem
+            p = (self.slots + 16) if self.rank is not None else self.seq_len
+            sketches = sum(self.batch_size * p * (layer.d_in + layer.d_out) * 4 for layer in self.layers)
+            transient += min(sketches, PENDING_SKETCH_BYTES)
         return held + saved + logits + transient
 
     def ghost_bytes(self) -> int:
@@ -134,13 +136,11 @@ class Workload:
         if materialized:
             total = sum(materialized)
             # the layer being built, the current point's kept for the step (up to materialize_max_bytes), the pool
-            peak += max(materialized) + min(self.materialize_max_bytes, total) + min(WORKSPACE_BYTES, total)
+            peak += max(materialized) + min(self.materialize_max_bytes, total) + min(WORKSPACE_MAX_BYTES, total)
         return peak
 
 
 def _materialized_is_cheaper(m: int, r: int, layer: LayerShape) -> bool:
-    from hf_janus.engine.ghost import MATERIALIZED_COST_FACTOR
-
     ghost = m * m * r * r * (layer.d_in + layer.d_out)
     return MATERIALIZED_COST_FACTOR * (m * r * layer.numel + m * m * layer.numel) < ghost
 
@@ -157,7 +157,8 @@ class MemoryPlan:
     capacity: dict[str, Optional[int]]  # bytes the plan may fill ("device", "host"); None: unknown
     fits: bool = True
     notes: list[str] = field(default_factory=list)
-    factor_host_budget: Optional[int] = None  # with factors on disk: how many bytes of them stay in host memory
+    # with a cache directory: how many bytes of factors the store keeps in host memory before spilling to disk
+    factor_host_budget: Optional[int] = None
 
     @property
     def peak_device_bytes(self) -> int:
@@ -191,7 +192,10 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
     """
     pieces = work.pieces()
     shared = torch.device(device).type == "cpu"
-    placements = {"current": "device", "proj": "device", "factors": "device", "theta0": "device", "backup": "host"}
+    # with a cache directory the factor store keeps factors in host memory and spills beyond its budget
+    directory = str(cache) != "memory"
+    placements = {"current": "device", "proj": "device", "factors": "host" if directory else "device",
+                  "theta0": "device", "backup": "host"}
     notes: list[str] = []
     held = [0]  # factors a disk-backed store keeps in host memory before spilling (its memory budget)
 
@@ -220,7 +224,7 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
             placements[name] = "host"
             plan = phases()
     host_full = over("host", plan)
-    if host_full and str(cache) != "memory":
+    if host_full and directory:
         placements["factors"] = "disk"
         plan = phases()
         host_full = over("host", plan)
@@ -234,7 +238,8 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
         notes.append(_refusal(work, pieces, plan, in_use, capacity, shared, cache))
     return MemoryPlan(device=str(device), placements=placements, pieces=pieces, phases=plan, in_use=dict(in_use),
                       capacity=dict(capacity), fits=fits, notes=notes,
-                      factor_host_budget=held[0] if placements["factors"] == "disk" else None)
+                      factor_host_budget=(held[0] if placements["factors"] == "disk"
+                                          else pieces["factors"] if directory else None))
 
 
 def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, int]], in_use: dict[str, int],

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from hf_janus.config import JanusConfig
 from hf_janus.engine.capture import CaptureResult, capture_factors, model_device, replay_losses
+from hf_janus.engine.compression import resolve_method
 from hf_janus.engine.ghost import (
     GramEig,
     LayerJacobian,
@@ -273,7 +274,9 @@ class Rectifier:
             factor_itemsize=torch.empty((), dtype=factor_dtype or torch.float32).element_size(),
             matmul_itemsize=torch.empty((), dtype=getattr(torch, cfg.ghost_matmul)).element_size(),
             materialize_max_bytes=cfg.materialize_max_bytes, captures_alive=CAPTURES_ALIVE[cfg.step_control],
-            tempered=cfg.constraint_temperature != 1.0, **model_dimensions(self.model, shapes))
+            tempered=cfg.constraint_temperature != 1.0,
+            randomized=resolve_method(cfg.compression, self.device) == "randomized",
+            **model_dimensions(self.model, shapes))
         in_use, capacity = measure_in_use_and_capacity(self.device)
         plan = plan_memory(work, self.device, cfg.cache, in_use, capacity)
         logger.info(plan.summary())
