@@ -85,8 +85,11 @@ class JanusConfig:
         constraint: the per-sample function of the replay whose Jacobian JANUS keeps unchanged. ``"loss"`` (default):
             the paper's, the summed next-token loss (at ``constraint_temperature``). ``"target_logit"``: the summed
             logit of each target token (the "ground-truth logit" of Orthogonal Gradient Descent, Farajtabar et al.,
-            2020), whose gradient does not vanish where the past task is well fit (an experiment of the
-            well-fit-past-task study, see the forgetting benchmark's README).
+            2020), whose gradient does not vanish where the past task is well fit. ``"logit_projections"``: per sample,
+            ``constraint_projections`` sums of the logits projected on fixed random directions (OGD's output
+            constraint; ``m · k`` Jacobian rows, ``k`` backward passes per replay batch). Both are experiments of the
+            well-fit-past-task study, see the forgetting benchmark's README.
+        constraint_projections: with ``constraint="logit_projections"``, the number ``k`` of random directions.
         constraint_temperature: softmax temperature T of the per-sample replay loss whose Jacobian JANUS keeps
             unchanged (``J₀ΔW = 0``). 1 (default) is the paper's loss. T > 1 softens confident predictions so
             they keep a gradient where the past task is well fit (an experiment of the well-fit-past-task
@@ -139,8 +142,11 @@ class JanusConfig:
     loss_tolerance: float = field(default=0.05, metadata={
         "help": "acceptance=loss/both: share of the fine-tune's replay-loss rise a step of size α may add, times α"})
     constraint: str = field(default="loss", metadata={
-        "help": "the per-sample function whose Jacobian is kept: loss (the paper's) or target_logit",
+        "help": "the per-sample function whose Jacobian is kept: loss (the paper's), target_logit or "
+                "logit_projections",
         "choices": CONSTRAINTS})
+    constraint_projections: int = field(default=4, metadata={
+        "help": "constraint=logit_projections: random logit directions per replay sample (Jacobian rows per sample)"})
     constraint_temperature: float = field(default=1.0, metadata={
         "help": "softmax temperature of the replay loss whose per-sample Jacobian is kept (1 = the paper's)"})
 
@@ -166,6 +172,8 @@ class JanusConfig:
                and math.isfinite(self.loss_tolerance) and self.loss_tolerance > 0,
                "loss_tolerance", self.loss_tolerance, "a float > 0")
         _check(self.constraint in CONSTRAINTS, "constraint", self.constraint, " or ".join(repr(c) for c in CONSTRAINTS))
+        _check(_is_int(self.constraint_projections) and self.constraint_projections >= 1, "constraint_projections",
+               self.constraint_projections, "an int >= 1")
         _check(self.constraint == "loss" or self.constraint_temperature == 1.0, "constraint_temperature",
                self.constraint_temperature, "1 unless constraint='loss' (a temperature scales only the loss)")
         _check(isinstance(self.beta, (int, float)) and 0.0 < self.beta < 1.0, "beta", self.beta, "a float in (0, 1)")

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny, fine_tune, random_replay
+from conftest import VOCAB, build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.layers import resolve_target_modules, rule_for
@@ -494,20 +494,30 @@ def target_logits(logits, ids):
     return logits[0, :-1].gather(-1, ids[0, 1:, None]).sum()
 
 
-@pytest.mark.parametrize("constraint, fields", [
-    (tempered_loss(4.0), {"constraint_temperature": 4.0}),
-    (target_logits, {"constraint": "target_logit"}),
-], ids=["loss at T=4", "target logit"])
-def test_constraint_keeps_its_jacobian(tuned_llama, constraint, fields):
-    """With constraint_temperature=T (or constraint='target_logit') the rectified update lies in the null space of the
-    per-sample Jacobians of the loss at temperature T (of the summed target logits), explicit with torch.func; the
-    paper's constraint (the loss at T=1) does not give that."""
+def projected_logits(k):
+    """The k functions of constraint='logit_projections' (the engine's directions, seed 0)."""
+    from hf_janus.engine.capture import logit_projections
+
+    directions = logit_projections(VOCAB, k, 0, torch.device("cpu"), torch.float32).double()
+    return [lambda logits, ids, j=j: (logits[0, :-1] @ directions[:, j]).sum() for j in range(k)]
+
+
+@pytest.mark.parametrize("constraints, fields", [
+    ([tempered_loss(4.0)], {"constraint_temperature": 4.0}),
+    ([target_logits], {"constraint": "target_logit"}),
+    (projected_logits(3), {"constraint": "logit_projections", "constraint_projections": 3}),
+], ids=["loss at T=4", "target logit", "3 logit projections"])
+def test_constraint_keeps_its_jacobian(tuned_llama, constraints, fields):
+    """With constraint_temperature=T (constraint='target_logit', 'logit_projections') the rectified update lies in the
+    null space of the per-sample Jacobians of the loss at temperature T (of the summed target logits, of each sample's
+    k projected logit sums), explicit with torch.func; the paper's constraint (the loss at T=1) does not give that."""
     model, reference = tuned_llama
     replay = random_replay(5)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
     theta0 = {n: reference[f"{n}.weight"].double() for n in names}
     probe = copy.deepcopy(model).double().eval()
-    jac = constraint_jacobians(probe, theta0, replay, constraint)
+    parts = [constraint_jacobians(probe, theta0, replay, c) for c in constraints]
+    jac = {n: torch.cat([p[n].reshape(len(replay), -1) for p in parts]) for n in names}
     residuals = {}
     for label, config in (("chosen", fields), ("paper", {})):
         rectified = copy.deepcopy(model)
@@ -516,7 +526,7 @@ def test_constraint_keeps_its_jacobian(tuned_llama, constraint, fields):
         worst = 0.0
         for n in names:
             delta = rectified.get_submodule(n).weight.detach().double() - theta0[n]
-            j = jac[n].reshape(len(replay), -1)
+            j = jac[n]
             worst = max(worst, float((j @ delta.reshape(-1)).norm() / (j.norm() * delta.norm())))
         residuals[label] = worst
     assert residuals["chosen"] < 1e-6, residuals

@@ -11,7 +11,7 @@ loosely fit past task to a well-fit one:
 - how much of the rise single-step JANUS (τ=0, no compression) undoes, and its first-order residual;
 - the same with ``constraint_temperature`` T > 1 (the loss at a softer softmax as the constraint);
 - variants (``--variants``): single-step and multi-step JANUS with the paper's loss constraint and with
-  ``constraint="target_logit"``, and multi-step with the replay-loss acceptance test (``acceptance="loss"``, and
+  ``constraint="target_logit"`` or ``"logit_projections"`` (k=8), and multi-step with the replay-loss acceptance test (``acceptance="loss"``, and
   ``"both"`` with the τ test). For each: the share of the replay loss rise undone, the share of the new-task gain
   kept (GSM8K answers held out from the fine-tune), Jacobian evaluations and time, and the WiSE-FT curve at equal
   new-task gain: θ0 + a(θ̂ − θ0) with ``a`` chosen (linear interpolation on a grid) to keep the same share of the
@@ -72,6 +72,9 @@ VARIANTS = {
     "single-step target_logit": dict(tau=0.0, constraint="target_logit"),
     "multi-step loss": dict(max_evaluations=60),
     "multi-step target_logit": dict(constraint="target_logit", max_evaluations=60),
+    "single-step logit_projections k=8": dict(tau=0.0, constraint="logit_projections", constraint_projections=8),
+    "multi-step logit_projections k=8": dict(constraint="logit_projections", constraint_projections=8,
+                                             max_evaluations=60),
     "multi-step loss, loss acceptance": dict(acceptance="loss", max_evaluations=60),
     "multi-step loss, both tests": dict(acceptance="both", max_evaluations=60),
 }

@@ -24,6 +24,7 @@ from hf_janus.engine.compression import (
     begin_compression,
     finish_all,
     merge_calls,
+    pad_rank,
     resolve_method,
     sequence_basis,
 )
@@ -84,19 +85,29 @@ def _forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     return logits
 
 
-CONSTRAINTS = ("loss", "target_logit")  # JanusConfig.constraint
+CONSTRAINTS = ("loss", "target_logit", "logit_projections")  # JanusConfig.constraint
+
+
+def logit_projections(vocab: int, count: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The fixed random directions ``(vocab, count)`` of ``constraint="logit_projections"``: Gaussian, scaled by
+    ``1/sqrt(vocab)``, drawn from ``seed`` on the CPU so that every capture (and every rank) uses the same ones."""
+    gen = torch.Generator().manual_seed(0x4C4F4749 + seed)
+    return (torch.randn(vocab, count, generator=gen, dtype=torch.float64) / vocab ** 0.5).to(device, dtype)
 
 
 def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int = 0,
-                      temperature: float = 1.0, constraint: str = "loss") -> tuple[Tensor, Tensor, Tensor]:
+                      temperature: float = 1.0, constraint: str = "loss", projections: int = 1,
+                      seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample next-token cross-entropy summed over counted tokens (the paper's un-reduced loss).
 
     Returns ``(sample_loss (B,), sample_tokens (B,), constrained (B,))``: ``constrained`` is the per-sample function
     whose Jacobian JANUS keeps unchanged. ``constraint="loss"``: the same loss at softmax ``temperature``
     (``sample_loss`` itself at 1). ``"target_logit"``: the sum over counted tokens of the logit of the target token
     (the ground-truth logit that Orthogonal Gradient Descent protects); unlike the loss, its gradient does not vanish
-    where the target is already predicted with confidence. ``sample_loss`` is always the loss at temperature 1, the
-    replay loss reported and compared.
+    where the target is already predicted with confidence. ``"logit_projections"``: ``projections`` functions per
+    sample, the sums over counted positions of the logits projected on fixed random directions
+    (:func:`logit_projections`); ``constrained`` is then ``(B, projections)``. ``sample_loss`` is always the loss at
+    temperature 1, the replay loss reported and compared.
     """
     logits = _forward_logits(model, batch)
     targets = loss_targets(batch).to(logits.device)
@@ -121,7 +132,13 @@ def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int
             f"the replay loss is NaN/Inf for sample(s) {[offset + i for i in bad][:10]}: the model weights or "
             "inputs produce non-finite logits"
         )
-    if constraint == "target_logit":
+    if constraint == "logit_projections":
+        counted = (targets != IGNORE_INDEX).unsqueeze(-1)
+        directions = logit_projections(shifted.shape[-1], projections, seed, shifted.device, shifted.dtype)
+        projected = shifted @ directions  # (B, T-1, projections)
+        constrained = torch.where(counted, projected, torch.zeros((), dtype=projected.dtype,
+                                                                  device=projected.device)).sum(dim=1)
+    elif constraint == "target_logit":
         counted = targets != IGNORE_INDEX
         picked = shifted.gather(-1, torch.where(counted, targets, 0).unsqueeze(-1)).squeeze(-1)
         constrained = torch.where(counted, picked, torch.zeros((), dtype=picked.dtype, device=picked.device)).sum(dim=1)
@@ -229,10 +246,12 @@ class _BatchContext:
 
 
 class _Recorded(NamedTuple):
-    """A recorded call whose output gradient has not arrived (yet, or ever: the output may not reach the loss)."""
+    """A recorded call: its input, and its factors for each output gradient that has arrived (one per backward pass;
+    none if the output does not reach the loss)."""
 
     x: Tensor
     key: tuple
+    results: list
 
 
 class _Compressed(NamedTuple):
@@ -257,7 +276,7 @@ class _LayerRecorder:
     def forward_hook(self, module: nn.Module, inputs: tuple, output: Tensor):
         x = inputs[0].detach()
         slot = len(self.calls)
-        self.calls.append(_Recorded(x, self.batch.register(inputs[0])))
+        self.calls.append(_Recorded(x, self.batch.register(inputs[0]), []))
         replaced = None
         if not output.requires_grad:
             # The first target layers see inputs that need no grad; make their outputs the graph leaves.
@@ -280,20 +299,34 @@ class _LayerRecorder:
                 basis = self.batch.basis(pending.key, x3, plan)
             factors = begin_compression(x3, a3, plan, x_basis=basis, method=self.method)
             self.batch.track(factors)
-        self.calls[slot] = _Compressed(factors, plan)
+        pending.results.append(_Compressed(factors, plan))
 
-    def finish(self, batch: int, d_in: int, d_out: int) -> tuple[Tensor, Tensor]:
-        """This batch's factors, once :meth:`_BatchContext.finish` has run."""
-        done = [c for c in self.calls if isinstance(c, _Compressed)]
+    def finish(self, batch: int, d_in: int, d_out: int, functions: int = 1) -> tuple[Tensor, Tensor]:
+        """This batch's factors, ``(batch · functions, slots, d)`` with each sample's rows consecutive, once
+        :meth:`_BatchContext.finish` has run."""
+        done = [c for c in self.calls if c.results]
         if not done:
             # The layer did not influence the loss in this batch: its Jacobian rows are zero.
-            zeros = torch.zeros(batch, 1, d_in, device=self.device), torch.zeros(batch, 1, d_out, device=self.device)
-            return zeros
-        if len(done) == 1:
-            x, a = done[0].factors.factors()
-            slots = done[0].plan.slots  # zero slots (short samples, padding) would cost (slots)² later
+            rows = batch * functions
+            return torch.zeros(rows, 1, d_in, device=self.device), torch.zeros(rows, 1, d_out, device=self.device)
+        per_function = [self._one_function([c.results[j] for c in done if len(c.results) > j], batch, d_in, d_out)
+                        for j in range(functions)]
+        if functions == 1:
+            return per_function[0]
+        rank = max(x.shape[1] for x, _ in per_function)
+        x = torch.stack([pad_rank(x, rank) for x, _ in per_function], dim=1)
+        a = torch.stack([pad_rank(a, rank) for _, a in per_function], dim=1)
+        return x.flatten(0, 1), a.flatten(0, 1)
+
+    def _one_function(self, calls: list["_Compressed"], batch: int, d_in: int, d_out: int) -> tuple[Tensor, Tensor]:
+        """The factors of one backward pass, over every call of the layer in the forward."""
+        if not calls:  # this function's gradient did not reach the layer: zero rows
+            return torch.zeros(batch, 1, d_in, device=self.device), torch.zeros(batch, 1, d_out, device=self.device)
+        if len(calls) == 1:
+            x, a = calls[0].factors.factors()
+            slots = calls[0].plan.slots  # zero slots (short samples, padding) would cost (slots)² later
             return x[:, :slots], a[:, :slots]
-        return merge_calls([c.factors.factors() for c in done], self.rank, self.method)
+        return merge_calls([c.factors.factors() for c in calls], self.rank, self.method)
 
 
 def _check_finite(factors: dict[str, tuple[Tensor, Tensor]]) -> None:
@@ -321,13 +354,16 @@ def capture_factors(
     compression: str = "auto",
     temperature: float = 1.0,
     constraint: str = "loss",
+    projections: int = 1,
+    seed: int = 0,
 ) -> CaptureResult:
     """Capture the compressed Jacobian factors of every target layer at the model's current weights.
 
     ``targets`` maps a layer name to ``(module, d_in, d_out)``. Factors go to ``store`` under ``tag``.
     ``compression``, ``temperature`` and ``constraint`` are :class:`~hf_janus.JanusConfig`'s ``compression``,
     ``constraint_temperature`` and ``constraint``: the factors are those of the per-sample function
-    :func:`token_summed_loss` names ``constrained``.
+    :func:`token_summed_loss` names ``constrained``. With ``k`` functions per sample (``"logit_projections"``) a batch
+    takes k backward passes, and each sample contributes k consecutive Jacobian rows (sample-major).
     """
     device = model_device(model)
     method = resolve_method(compression, device)
@@ -346,14 +382,16 @@ def capture_factors(
                 compression_before = timer.seconds["compression"]
                 timer.synchronize()
                 start = time.perf_counter()
-                sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, temperature, constraint)
-                total = constrained.sum()
-                if not total.requires_grad:
+                sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, temperature, constraint,
+                                                                     projections, seed)
+                if not constrained.requires_grad:
                     raise JanusError("no target layer lies on the path to the loss; check target_modules")
-                total.backward()
+                columns = constrained.unsqueeze(-1) if constrained.dim() == 1 else constrained
+                for j in range(columns.shape[1]):  # one backward per function; the hooks record each in turn
+                    columns[:, j].sum().backward(retain_graph=j + 1 < columns.shape[1])
                 with timer.span("compression"):
                     context.finish()
-                factors = {name: recorders[name].finish(mask.shape[0], d_in, d_out)
+                factors = {name: recorders[name].finish(mask.shape[0], d_in, d_out, columns.shape[1])
                            for name, (_, d_in, d_out) in targets.items()}
                 timer.synchronize()
                 elapsed = time.perf_counter() - start

@@ -80,6 +80,12 @@ class Workload:
     captures_alive: int = 4
     tempered: bool = False  # constraint_temperature != 1: one more logits-sized tensor
     randomized: bool = False  # randomized compression: sketches wait for their batched Ritz step (capture's budget)
+    rows_per_sample: int = 1  # Jacobian rows per replay sample (constraint="logit_projections": one per projection)
+
+    @property
+    def rows(self) -> int:
+        """Jacobian rows: what the factors, Grams and eigendecompositions scale with."""
+        return self.num_samples * self.rows_per_sample
 
     @property
     def slots(self) -> int:
@@ -89,10 +95,10 @@ class Workload:
         """Bytes of each piece (see the module docstring)."""
         weights = sum(layer.numel * layer.itemsize for layer in self.layers)
         fp32 = sum(layer.numel * 4 for layer in self.layers)
-        per_capture = sum(self.num_samples * self.slots * (layer.d_in + layer.d_out) * self.factor_itemsize
+        per_capture = sum(self.rows * self.slots * (layer.d_in + layer.d_out) * self.factor_itemsize
                           for layer in self.layers)
         # two eigendecompositions (current point, trial) of an m x m Gram per layer stay alive between phases
-        eigs = 2 * len(self.layers) * self.num_samples * self.num_samples * 8
+        eigs = 2 * len(self.layers) * self.rows * self.rows * 8
         return {"backup": weights, "theta0": weights, "current": fp32, "proj": fp32,
                 "factors": per_capture * self.captures_alive, "eigendecompositions": eigs,
                 "activations": self.activation_bytes(), "ghost": self.ghost_bytes()}
@@ -121,7 +127,7 @@ class Workload:
     def ghost_bytes(self) -> int:
         """The ghost phase's largest working set: one layer's Gram blocks, eigendecomposition, factor copies and
         update-sized temporaries, plus the materialized per-sample gradients kept for a step and the CPU buffer pool."""
-        m, r = self.num_samples, self.slots
+        m, r = self.rows, self.slots
         mm = self.matmul_itemsize
         peak, materialized = 0, []
         for layer in self.layers:
