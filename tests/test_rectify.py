@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from conftest import VOCAB, build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
+from hf_janus.engine.capture import CaptureResult
 from hf_janus.engine.layers import resolve_target_modules, rule_for
 from hf_janus.engine.rectifier import Rectifier
 
@@ -408,8 +409,9 @@ def test_max_steps_takes_final_unchecked_step(monkeypatch, tuned_llama):
 
 
 def scripted_losses(monkeypatch, losses):
-    """Replace the whole-replay loss the final-step guard compares by a script, per capture tag."""
-    monkeypatch.setattr(Rectifier, "_whole_loss", lambda self, result: losses[result.tag])
+    """Replace the replay loss of the captures tagged in ``losses`` (what the final-step guard compares) by a script."""
+    measured = CaptureResult.loss.fget
+    monkeypatch.setattr(CaptureResult, "loss", property(lambda r: losses[r.tag] if r.tag in losses else measured(r)))
 
 
 @pytest.mark.parametrize("worse", [True, False])

@@ -33,6 +33,7 @@ import torch
 
 from hf_janus.engine.capture import PENDING_SKETCH_BYTES
 from hf_janus.engine.ghost import GRAM_BLOCK_ELEMS, MATERIALIZED_COST_FACTOR, WORKSPACE_MAX_BYTES
+from hf_janus.engine.store import available_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -281,8 +282,6 @@ def current_host_bytes() -> int:
 
 def measure_in_use_and_capacity(device: torch.device) -> tuple[dict[str, int], dict[str, Optional[int]]]:
     """Bytes in use now and the most the plan may fill, on the device and on the host."""
-    from hf_janus.engine.store import available_host_memory
-
     rss = current_host_bytes()
     available = available_host_memory()
     host_capacity = None if available is None else rss + int(HOST_FILL * available)

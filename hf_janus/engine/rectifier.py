@@ -441,7 +441,7 @@ class Rectifier:
             threshold = cfg.tau if cfg.acceptance == "cosine" else SCORE_THRESHOLD
             controller = make_step_controller(cfg.step_control, threshold, cfg.beta, cfg.min_alpha)
             # the fine-tune's replay-loss rise, the loss tests' unit (the paper's test does not need it)
-            rise = self._whole_loss(finetuned_loss) - self._whole_loss(base) if cfg.acceptance != "cosine" else math.nan
+            rise = finetuned_loss.loss - base.loss if cfg.acceptance != "cosine" else math.nan
             budget = _Budget(cfg.max_evaluations, cfg.max_seconds, start)
             for step in range(cfg.max_steps):
                 if budget.exhausted(report.num_jacobian_evals):
@@ -625,23 +625,20 @@ class Rectifier:
         if cfg.acceptance == "cosine":
             return cbar
         # a replay the fine-tune did not hurt still gets a small allowance, so that the loop can move
-        allowed = cfg.loss_tolerance * alpha * max(rise, 1e-3 * abs(self._whole_loss(current)), 1e-12)
-        ratio = (self._whole_loss(trial) - self._whole_loss(current)) / allowed
+        allowed = cfg.loss_tolerance * alpha * max(rise, 1e-3 * abs(current.loss), 1e-12)
+        ratio = (trial.loss - current.loss) / allowed
         if cfg.acceptance == "both":
             ratio = max(ratio, (1.0 - cbar) / (1.0 - cfg.tau) if cfg.tau < 1.0 else (0.0 if cbar >= 1.0 else math.inf))
         if not math.isfinite(ratio):
             return -math.inf
         return 1.0 - ratio * (1.0 - SCORE_THRESHOLD)
 
-    def _whole_loss(self, result: CaptureResult) -> float:
-        """The replay loss of a capture over the whole replay (every rank's share; a collective when distributed)."""
-        return self._combine_losses(result).loss if self.world.active else result.loss
-
     def _undoing_final_step(self, alpha: float, cbar: float, trial: CaptureResult,
                             current: CaptureResult) -> Optional[dict[str, float]]:
         """The record of an unchecked final step whose whole-replay loss is higher than at the last accepted point
-        (NaN counts as higher), or None when it may be kept; the same answer on every rank."""
-        trial_loss, kept_loss = self._whole_loss(trial), self._whole_loss(current)
+        (NaN counts as higher), or None when it may be kept; the same answer on every rank (captures carry every
+        rank's losses, see _combine_ranks)."""
+        trial_loss, kept_loss = trial.loss, current.loss
         if trial_loss <= kept_loss:
             return None
         return {"alpha": alpha, "mean_cosine": cbar, "replay_loss": trial_loss, "kept_replay_loss": kept_loss}
