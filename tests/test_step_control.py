@@ -11,7 +11,7 @@ import torch
 from conftest import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
-from hf_janus.engine.capture import replay_losses
+from hf_janus.engine.capture import CaptureResult, replay_losses
 from hf_janus.engine.ghost import eig_psd
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.step_control import (
@@ -249,6 +249,17 @@ def test_loss_acceptance_accepts_exactly_the_trials_within_the_allowance(tuned_l
     if acceptance == "both":  # the cosine part rejects large steps here (the loss part alone takes α=1 at once)
         assert any(not t.accepted for s in report.steps for t in s.trials)
     consistent(m, rectifier, report, replay)
+
+
+def test_an_undefined_cosine_fails_both_tests(tuned_llama):
+    """acceptance='both': a trial whose c̄ is undefined (NaN: no constraint at either point) fails, whatever its loss."""
+    model, reference = tuned_llama
+    _, report, rectifier = run(model, reference, random_replay(6, seed=9), tau=0.99, acceptance="both", max_steps=2)
+    base = CaptureResult("c0", torch.tensor([2.0], dtype=torch.float64), torch.tensor([1]))
+    lower = CaptureResult("t", torch.tensor([1.0], dtype=torch.float64), torch.tensor([1]))
+    assert rectifier._acceptance_score(1.0, 0.5, lower, base, rise=1.0) >= 0.5  # loss and cosine both pass
+    assert not rectifier._acceptance_score(math.nan, 0.5, lower, base, rise=1.0) >= 0.5
+    assert not rectifier._acceptance_score(0.5, 0.5, lower, base, rise=1.0) >= 0.5  # c̄ < τ
 
 
 def test_cosine_acceptance_is_the_paper_test(tuned_llama):

@@ -628,7 +628,9 @@ class Rectifier:
         allowed = cfg.loss_tolerance * alpha * max(rise, 1e-3 * abs(current.loss), 1e-12)
         ratio = (trial.loss - current.loss) / allowed
         if cfg.acceptance == "both":
-            ratio = max(ratio, (1.0 - cbar) / (1.0 - cfg.tau) if cfg.tau < 1.0 else (0.0 if cbar >= 1.0 else math.inf))
+            cosine = (1.0 - cbar) / (1.0 - cfg.tau) if cfg.tau < 1.0 else (0.0 if cbar >= 1.0 else math.inf)
+            # not max(): max(ratio, nan) is ratio, which would let an undefined c̄ pass
+            ratio = ratio if cosine <= ratio else cosine
         if not math.isfinite(ratio):
             return -math.inf
         return 1.0 - ratio * (1.0 - SCORE_THRESHOLD)
