@@ -10,11 +10,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
+import torch
 from torch import Tensor, nn
 
 from hf_janus.engine.quantized import SUPPORTED_QUANTIZED, dequantized_weight, layer_key, quantization_of
 from hf_janus.errors import JanusError
-from hf_janus.parallel.sharding import full_weight, write_full_
+from hf_janus.parallel.sharding import full_shape, full_weight, write_full_
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,11 @@ class LayerRule:
         return self.to_matrix(full_weight(module.weight))
 
     def matrix_shape(self, module: nn.Module) -> tuple[int, int]:
-        """``(d_out, d_in)`` without reading the weight (a quantized layer stores it packed)."""
+        """``(d_out, d_in)`` of the whole weight without reading it (a quantized layer stores it packed, a ZeRO-3
+        parameter is empty between passes)."""
         if self.quantized:
             return int(module.out_features), int(module.in_features)
-        d_out, d_in = self.to_matrix(module.weight).shape
+        d_out, d_in = self.to_matrix(torch.empty(full_shape(module.weight), device="meta")).shape
         return int(d_out), int(d_in)
 
     def set_weight(self, module: nn.Module, matrix: Tensor) -> None:

@@ -259,12 +259,8 @@ class Rectifier:
         shapes = []
         for module in modules.values():
             rule = rule_for(module)
-            if rule.quantized:  # refused by _build_layers; its shape still counts here
-                d_out, d_in = rule.matrix_shape(module)
-                shapes.append(LayerShape(d_out, d_in, 2))
-                continue
-            d_out, d_in = rule.to_matrix(torch.empty(full_shape(module.weight), device="meta")).shape
-            shapes.append(LayerShape(int(d_out), int(d_in), module.weight.element_size()))
+            # a quantized layer is refused by _build_layers; its shape still counts here
+            shapes.append(LayerShape(*rule.matrix_shape(module), 2 if rule.quantized else module.weight.element_size()))
         floats = [p for p in self.model.parameters() if p.is_floating_point()]
         work = Workload(
             layers=shapes, num_samples=sum(int(b["input_ids"].shape[0]) for b in self.batches),
