@@ -237,7 +237,74 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SUBCOMMANDS = [_add_demo, _add_merge]
+_EVAL_EPILOG = """\
+examples:
+  hf-janus eval --reference ./base --finetuned ./finetuned --rectified ./rectified \\
+      --past-task nq_open_dev.jsonl --past-task webquestions.jsonl --new-task gsm8k_test.jsonl --output eval.json
+  hf-janus eval --reference meta-llama/Llama-3.2-1B --finetuned me/math-lora --past-task nq_open --new-task gsm8k
+
+A task is an lm-eval task name, or a local JSONL: rows {"question", "answers"} are scored by exact match of the
+greedy answer, rows {"prompt", "completion"} by the completion's negative log-likelihood per byte.
+"""
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="score θ0, the fine-tuned and the rectified model with lm-evaluation-harness: AP1/AP2/AP",
+        description="Run lm-evaluation-harness tasks on the model before fine-tuning (--reference), after it "
+                    "(--finetuned) and after rectification (--rectified), and report the paper's AP1 (past tasks, "
+                    "relative to --reference), AP2 (new tasks, relative to --finetuned) and AP. Needs the [eval] "
+                    "extra: pip install 'hf-janus[eval]'.",
+        epilog=_EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--reference", required=True, metavar="ID_OR_DIR", help="θ0: Hub repo id or local directory")
+    p.add_argument("--finetuned", required=True, metavar="ID_OR_DIR",
+                   help="θ̂: full weights or a PEFT adapter (merged on its base), Hub repo id or local directory")
+    p.add_argument("--rectified", metavar="ID_OR_DIR", help="the rectified model or adapter")
+    p.add_argument("--model", action="append", default=[], metavar="LABEL=ID_OR_DIR",
+                   help="another model to score, e.g. wise0.5=./interpolated (repeatable)")
+    p.add_argument("--past-task", action="append", default=[], metavar="TASK",
+                   help="a task the model should keep (repeatable): lm-eval task name or JSONL file")
+    p.add_argument("--new-task", action="append", default=[], metavar="TASK",
+                   help="a task fine-tuning taught (repeatable): lm-eval task name or JSONL file")
+    p.add_argument("--tokenizer", metavar="ID_OR_DIR", help="tokenizer (default: the one beside --reference)")
+    p.add_argument("--batch-size", default="16", help="lm-eval batch size, an int or auto (default: 16)")
+    p.add_argument("--limit", type=float, help="at most this many documents per task (a fraction when < 1)")
+    p.add_argument("--include-path", metavar="DIR", help="a directory of more lm-eval task YAMLs")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype to load the models in (default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="device to evaluate on, e.g. cuda:0 (default: cpu)")
+    p.add_argument("--output", metavar="PATH", help="also write the scores and AP figures as JSON to PATH")
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from hf_janus.evaluation.harness import evaluate
+
+    others = {}
+    for item in args.model:
+        label, sep, name = item.partition("=")
+        if not sep or not label or not name:
+            raise ValueError(f"--model takes LABEL=ID_OR_DIR, got {item!r}")
+        others[label] = name
+    if not args.past_task and not args.new_task:
+        raise ValueError("give at least one --past-task or --new-task")
+    limit = args.limit
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
+    result = evaluate(args.reference, args.finetuned, args.rectified, past_tasks=args.past_task,
+                      new_tasks=args.new_task, others=others, tokenizer=args.tokenizer, batch_size=batch_size,
+                      limit=limit, include_path=args.include_path, device=args.device, torch_dtype=args.dtype)
+    print(result.to_markdown())
+    if args.output:
+        result.save(args.output)
+        print(f"\nscores written to {args.output}")
+    return 0
+
+
+_SUBCOMMANDS = [_add_demo, _add_merge, _add_eval]
 
 
 def _quantization_config(args: argparse.Namespace) -> Any:

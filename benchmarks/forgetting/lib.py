@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
 import re
-import string
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from hf_janus.evaluation.scoring import exact_match as em
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA_DIR = os.path.normpath(os.path.join(HERE, "..", "data"))
@@ -99,11 +103,17 @@ class Tok:
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)
 
-    def hf(self):
-        """The same tokenizer as a transformers ``PreTrainedTokenizerFast`` (for ``Trainer``)."""
+    def hf(self, add_bos: bool = False):
+        """The same tokenizer as a transformers ``PreTrainedTokenizerFast`` (for ``Trainer``); with ``add_bos`` it
+        puts <bos> before every text, as the benchmark's samples and prompts start (for lm-eval)."""
+        from tokenizers import Tokenizer
+        from tokenizers.processors import TemplateProcessing
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast(tokenizer_file=self.path, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+        tk = Tokenizer.from_file(self.path)
+        if add_bos:
+            tk.post_processor = TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, self.bos_id)])
+        return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token=PAD, bos_token=BOS, eos_token=EOS)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, path: str) -> Tok:
@@ -198,14 +208,6 @@ def pretrain(model, samples: list[dict], steps: int, lr: float, batch_size: int,
 # ---------------------------------------------------------------------------------------------------------
 # evaluation
 # ---------------------------------------------------------------------------------------------------------
-def normalize_answer(s: str) -> str:
-    """SQuAD-style: lower case, no punctuation, no articles, single spaces."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
 @torch.no_grad()
 def answer_nll(model, samples: list[dict], pad_id: int, batch_size: int = 64) -> float:
     """Mean per-token negative log-likelihood of the labelled tokens (token-weighted over the set)."""
@@ -246,8 +248,45 @@ def greedy_answers(model, tok: Tok, prompts: list[str], max_new_tokens: int, bat
 
 
 def exact_match(predictions: list[str], qas: list[QA]) -> float:
-    hits = [normalize_answer(p) in {normalize_answer(a) for a in qa.answers} for p, qa in zip(predictions, qas)]
+    """EM (%) of answers read off directly (:func:`greedy_answers`): the pre-harness path, kept for the pretraining
+    check and for compare_em.py."""
+    hits = [em(p, qa.answers) for p, qa in zip(predictions, qas)]
     return 100.0 * sum(hits) / max(len(hits), 1)
+
+
+def write_qa_jsonl(path: str, qas: list[QA]) -> str:
+    """The pairs as the QA JSONL that hf_janus.evaluation.qa_task reads (question, answers)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        for qa in qas:
+            fh.write(json.dumps({"question": qa.question, "answers": qa.answers}) + "\n")
+    return path
+
+
+class HarnessEM:
+    """Exact match of greedy answers through lm-evaluation-harness (hf_janus.evaluation), per QA set.
+
+    The same prompt ("Q: <question>?\nA:" after <bos>), greedy decoding, cut at a newline or <eos>, and SQuAD
+    normalization as :func:`greedy_answers` + :func:`exact_match`; compare_em.py measures the two side by side.
+    """
+
+    def __init__(self, tok: Tok, sets: dict[str, list[QA]], max_new_tokens: int, batch_size: int = 128):
+        from hf_janus.evaluation import qa_task
+        from hf_janus.evaluation.harness import Scorer, resolve_tasks
+
+        self.folder = tempfile.mkdtemp(prefix="janus-em-")
+        atexit.register(shutil.rmtree, self.folder, True)
+        self.tasks = {name: resolve_tasks([qa_task(write_qa_jsonl(os.path.join(self.folder, f"{name}.jsonl"), qas),
+                                                   name=name, max_new_tokens=max_new_tokens)])[0]
+                      for name, qas in sets.items()}
+        self.scorers = {name: Scorer([task], tok.hf(add_bos=True), batch_size=batch_size)
+                        for name, task in self.tasks.items()}
+
+    def __call__(self, model, names: list[str]) -> dict[str, float]:
+        """EM (%) of ``model`` on the named sets."""
+        out = {}
+        for name in names:
+            out[name] = 100.0 * self.scorers[name](model)[name].score
+        return out
 
 
 @dataclass
@@ -263,20 +302,24 @@ class EvalSet:
     replay: list[QA] = field(default_factory=list)  # the replayed pairs: a diagnostic, never in AP1
     max_new_tokens: int = 16
     seconds: list[float] = field(default_factory=list)
+    harness: Optional[HarnessEM] = None
+
+    def __post_init__(self) -> None:
+        sets = {"nq": self.nq, "wq": self.wq, **({"replay": self.replay} if self.replay else {})}
+        self.harness = HarnessEM(self.tok, sets, self.max_new_tokens)
 
     def __call__(self, model, with_replay: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
         pad = self.tok.pad_id
-        nq_pred = greedy_answers(model, self.tok, [q.prompt for q in self.nq], self.max_new_tokens)
-        wq_pred = greedy_answers(model, self.tok, [q.prompt for q in self.wq], self.max_new_tokens)
+        em_sets = ["nq", "wq"] + (["replay"] if with_replay and self.replay else [])
+        em_scores = self.harness(model, em_sets)
         out = {
-            "nq_em": exact_match(nq_pred, self.nq), "wq_em": exact_match(wq_pred, self.wq),
+            "nq_em": em_scores["nq"], "wq_em": em_scores["wq"],
             "nq_nll": answer_nll(model, self.nq_samples, pad), "wq_nll": answer_nll(model, self.wq_samples, pad),
             "gsm_nll": answer_nll(model, self.gsm_samples, pad, batch_size=32),
         }
-        if with_replay and self.replay:
-            preds = greedy_answers(model, self.tok, [q.prompt for q in self.replay], self.max_new_tokens)
-            out["replay_em"] = exact_match(preds, self.replay)
+        if "replay" in em_scores:
+            out["replay_em"] = em_scores["replay"]
         self.seconds.append(time.perf_counter() - t0)
         return out
 
