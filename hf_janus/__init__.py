@@ -9,6 +9,8 @@ from hf_janus.engine.rectifier import Rectifier, rectify
 from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.errors import JanusError, RectificationError
+from hf_janus.evaluation.frontier import FrontierResult, frontier
+from hf_janus.evaluation.harness import EvaluationResult, evaluate
 from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.publish.hub import load_report
 from hf_janus.publish.record import PublishedReport
@@ -19,6 +21,8 @@ __version__ = "0.1.0"
 __all__ = [
     "JanusCallback",
     "JanusConfig",
+    "EvaluationResult",
+    "FrontierResult",
     "JanusError",
     "JanusMerger",
     "LayerResult",
@@ -34,6 +38,8 @@ __all__ = [
     "StepRecord",
     "TrialRecord",
     "__version__",
+    "evaluate",
+    "frontier",
     "load_report",
     "rectify",
     "register_layer_rule",

@@ -304,7 +304,131 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUBCOMMANDS = [_add_demo, _add_merge, _add_eval]
+_FRONTIER_EPILOG = """\
+examples:
+  hf-janus frontier --reference ./base --finetuned ./math-lora --replay past.jsonl --text-field text \\
+      --past-task nq_open_dev.jsonl --new-task gsm8k_test.jsonl --min-ap2 95 --output ./frontier --save ./chosen
+
+Every candidate costs one evaluation of the tasks, and every JANUS candidate one rectification; the progress bar
+shows the time left. --output gets frontier.json, frontier.md and frontier.png.
+"""
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+
+
+def _add_frontier(sub: argparse._SubParsersAction) -> None:
+    from hf_janus.evaluation.frontier import (DEFAULT_HYBRID_GRID, DEFAULT_PRE_JANUS_GRID, DEFAULT_TAUS,
+                                              DEFAULT_WISE_GRID)
+
+    def shown(grid: Sequence[float]) -> str:
+        return ",".join(f"{v:g}" for v in grid)
+
+    p = sub.add_parser(
+        "frontier",
+        help="score WiSE-FT, JANUS and hybrids on your tasks, plot AP1 against AP2 and save the point you ask for",
+        description="Build the stability-plasticity frontier between θ0 (--reference) and θ̂ (--finetuned): WiSE-FT "
+                    "interpolations, JANUS at each τ, JANUS followed by interpolation toward θ0 or θ̂, and "
+                    "interpolation followed by JANUS. Each is scored with lm-evaluation-harness (AP1 on --past-task, "
+                    "AP2 on --new-task); the point meeting the criterion is chosen and can be saved or pushed with "
+                    "its record. Needs the [eval] extra: pip install 'hf-janus[eval]'.",
+        epilog=_FRONTIER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_argument_group("models and tasks")
+    src.add_argument("--reference", required=True, metavar="ID_OR_DIR", help="θ0: Hub repo id or local directory")
+    src.add_argument("--finetuned", required=True, metavar="ID_OR_DIR",
+                     help="θ̂: full weights or a PEFT adapter (merged on its base), Hub repo id or local directory")
+    src.add_argument("--past-task", action="append", required=True, metavar="TASK",
+                     help="a task the model should keep (repeatable): lm-eval task name or JSONL file")
+    src.add_argument("--new-task", action="append", required=True, metavar="TASK",
+                     help="a task fine-tuning taught (repeatable): lm-eval task name or JSONL file")
+    src.add_argument("--tokenizer", metavar="ID_OR_DIR", help="tokenizer (default: the one beside --reference)")
+    src.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                     help="dtype to load the models in (default: the checkpoint's)")
+    src.add_argument("--device", default=None, help="device, e.g. cuda:0 (default: cpu)")
+    src.add_argument("--batch-size", default="16", help="lm-eval batch size, an int or auto (default: 16)")
+    src.add_argument("--limit", type=float, help="at most this many documents per task (a fraction when < 1)")
+    src.add_argument("--include-path", metavar="DIR", help="a directory of more lm-eval task YAMLs")
+
+    rep = p.add_argument_group("replay (samples of the past task, for JANUS)")
+    rep.add_argument("--replay", required=True, metavar="DATASET[:SPLIT]",
+                     help="Hub dataset id, local .jsonl/.json/.parquet/.csv file, or datasets directory")
+    add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
+
+    grid = p.add_argument_group("candidates")
+    grid.add_argument("--wise-grid", type=_floats, default=list(DEFAULT_WISE_GRID), metavar="A,A,...",
+                      help=f"WiSE-FT coefficients a in (0, 1) (default: {shown(DEFAULT_WISE_GRID)})")
+    grid.add_argument("--taus", type=_floats, default=list(DEFAULT_TAUS), metavar="T,T,...",
+                      help=f"τ of the plain JANUS runs (default: {shown(DEFAULT_TAUS)})")
+    grid.add_argument("--no-hybrids", action="store_true", help="leave out the hybrids")
+    grid.add_argument("--hybrid-grid", type=_floats, default=list(DEFAULT_HYBRID_GRID), metavar="B,B,...",
+                      help="interpolation b after JANUS, toward θ0 and toward θ̂ (default: "
+                           f"{shown(DEFAULT_HYBRID_GRID)})")
+    grid.add_argument("--pre-janus-grid", type=_floats, default=list(DEFAULT_PRE_JANUS_GRID), metavar="A,A,...",
+                      help=f"WiSE-FT a before JANUS (default: {shown(DEFAULT_PRE_JANUS_GRID)})")
+
+    jan = p.add_argument_group("JANUS (every run; the hybrids use --tau)")
+    jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
+    add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX)
+
+    out = p.add_argument_group("choice and output")
+    crit = out.add_mutually_exclusive_group()
+    crit.add_argument("--min-ap2", type=float, help="choose the largest AP1 among points with AP2 >= this (%%)")
+    crit.add_argument("--min-ap1", type=float, help="choose the largest AP2 among points with AP1 >= this (%%)")
+    out.add_argument("--output", metavar="DIR", help="write frontier.json, frontier.md and frontier.png here")
+    out.add_argument("--save", metavar="DIR", help="save the chosen model (full weights, record, card) here")
+    out.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --save directory")
+    out.add_argument("--push-to-hub", metavar="REPO", help="also upload the chosen model to this Hub repo")
+    out.add_argument("--private", action="store_true", help="create the --push-to-hub repo as private")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.set_defaults(func=_run_frontier)
+
+
+def _run_frontier(args: argparse.Namespace) -> int:
+    import os
+
+    from hf_janus.evaluation.frontier import frontier
+    from hf_janus.io_utils import check_output_dir
+    from hf_janus.replay.sources import parse_replay_spec
+
+    inputs = {"reference": args.reference, "finetuned": args.finetuned,
+              "replay data": parse_replay_spec(args.replay)[0]}
+    if args.save:  # fail before the expensive part, and never over an input
+        check_output_dir(args.save, args.overwrite, inputs)
+    if args.output:
+        check_output_dir(args.output, True, inputs)
+    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    result = frontier(args.reference, args.finetuned, args.replay, past_tasks=args.past_task,
+                      new_tasks=args.new_task, config=merge_config(args), wise_grid=args.wise_grid, taus=args.taus,
+                      hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid, pre_janus_grid=args.pre_janus_grid,
+                      min_ap2=args.min_ap2, min_ap1=args.min_ap1, tokenizer=args.tokenizer, batch_size=batch_size,
+                      limit=limit, include_path=args.include_path, replay_options=replay_options(args),
+                      device=args.device, torch_dtype=args.dtype, progress=not args.no_progress)
+    table = result.to_markdown()
+    print(table)
+    if args.output:
+        os.makedirs(args.output, exist_ok=True)
+        result.save(os.path.join(args.output, "frontier.json"))
+        from hf_janus.io_utils import atomic_write_text
+
+        atomic_write_text(os.path.join(args.output, "frontier.md"), table + "\n")
+        result.plot(os.path.join(args.output, "frontier.png"))
+        print(f"\nfrontier written to {args.output} (frontier.json, frontier.md, frontier.png)")
+    if args.save:
+        result.save_pretrained(args.save, overwrite=args.overwrite)
+        print(f"chosen model written to {args.save}")
+    if args.push_to_hub:
+        url = result.push_to_hub(args.push_to_hub, private=args.private or None)
+        print(f"pushed to {args.push_to_hub}: {url}")
+    return 0
+
+
+_SUBCOMMANDS = [_add_demo, _add_merge, _add_eval, _add_frontier]
 
 
 def _quantization_config(args: argparse.Namespace) -> Any:

@@ -252,6 +252,7 @@ def _record(tmp_path, **changes):
     ({"num_jacobian_evals": -1}, "num_jacobian_evals must be a count"),
     ({"kind": "evil"}, "kind must be one of"),
     ({"memory_plan": "lots"}, "memory_plan must be an object"),
+    ({"frontier": ["chosen"]}, "frontier must be an object"),
     ({"steps": [{"step": 0, "alpha": "big", "trials": []}]}, "steps[0].alpha must be a number"),
 ])
 def test_load_report_validates_what_it_reads(tmp_path, changes, fragment):

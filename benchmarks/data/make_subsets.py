@@ -15,6 +15,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_ANSWER_CHARS = 24
 N_NQ, N_WQ, N_GSM_TRAIN, N_GSM_TEST = 768, 384, 3000, 300
+# The "questions" scenario (issue 19): an English-question language model, evaluated on questions it never saw.
+N_DPR_QUESTIONS, N_WQ_VAL = 4096, 256
 
 
 def _first(rows, n, answers_key):
@@ -44,6 +46,12 @@ def main(src: str) -> None:
     _write("webquestions_trainmodel_subset.jsonl", _first(wq, N_WQ, "answers"))
     _write("gsm8k_train_subset.jsonl", gsm_train)
     _write("gsm8k_test_subset.jsonl", gsm_test)
+    with open(os.path.join(src, "nq_open", "dpr_split", "nq_open_dpr.dev.jsonl"), encoding="utf-8") as fh:
+        dpr = [json.loads(line) for _, line in zip(range(N_DPR_QUESTIONS), fh)]
+    with open(os.path.join(src, "webquestions", "val.json"), encoding="utf-8") as fh:
+        wq_val = json.load(fh)[:N_WQ_VAL]
+    _write("nq_open_dpr_dev_subset.jsonl", dpr)
+    _write("webquestions_val_subset.jsonl", wq_val)
 
 
 if __name__ == "__main__":

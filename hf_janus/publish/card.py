@@ -105,6 +105,24 @@ def _refactor_line(published: "PublishedReport") -> Optional[str]:
     return line
 
 
+def _frontier_line(published: "PublishedReport") -> Optional[str]:
+    """How ``hf-janus frontier`` chose this model, when it did."""
+    info = published.frontier
+    chosen = info.get("chosen") if isinstance(info, dict) else None
+    if not isinstance(chosen, dict):
+        return None
+    line = (f"Chosen by `hf-janus frontier` ({_plain(info.get('criterion', ''))}) among "
+            f"{len(info.get('points') or [])} candidates (WiSE-FT interpolations, JANUS and their hybrids): "
+            f"**{_plain(chosen.get('label', '?'))}**, AP1 {_fmt(chosen.get('ap1'), '.1f')}% (past tasks: "
+            f"{_plain(', '.join(info.get('past_tasks') or []))}), AP2 {_fmt(chosen.get('ap2'), '.1f')}% (new tasks: "
+            f"{_plain(', '.join(info.get('new_tasks') or []))}).")
+    if chosen.get("tau") is None:
+        line += " This point involves no JANUS step, so the rectification record below is empty."
+    elif chosen.get("kind") != "janus":
+        line += " The JANUS run below is the rectification this point was built from."
+    return line
+
+
 def template_variables(published: "PublishedReport", *, load_id: str) -> dict[str, Any]:
     """Everything the template shows, formatted."""
     rect = published.rectification
@@ -155,6 +173,7 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
         "m": f"{rect.num_samples}" + (f" ({rect.num_tokens} tokens)" if rect.num_tokens else ""),
         "result_line": result,
         "refactor_line": _refactor_line(published),
+        "frontier_line": _frontier_line(published),
         "hf_janus_version": _plain(published.hf_janus_version),
         "num_layers": len(rect.layers),
         "steps": steps,

@@ -46,6 +46,7 @@ def write_publication_files(
     replay: Any = None,
     model: Any = None,
     merge: Optional[dict[str, Any]] = None,
+    frontier: Optional[dict[str, Any]] = None,
     repo_id: Optional[str] = None,
     token: Any = None,
     online: bool = True,
@@ -67,6 +68,7 @@ def write_publication_files(
         replay_info: a :class:`ReplayInfo`; or ``replay``: the replay data, described with
             :func:`describe_replay`.
         merge: :class:`~hf_janus.JanusMerger` extras for the ``merge`` field.
+        frontier: :func:`hf_janus.frontier`'s choice for the ``frontier`` field.
         repo_id: the Hub repo id (or directory) the output will be loaded from, for the card's usage snippet;
             default ``folder``.
         online: allow a Hub request to resolve commit shas (the local cache is tried first).
@@ -100,7 +102,7 @@ def write_publication_files(
         if replay_info is None and replay is not None:
             replay_info = describe_replay(replay, token=token, online=online)
         published = build_report(report, kind=kind, base_model=base_model, adapter=adapter, replay_info=replay_info,
-                                 merge=merge, token=token, online=online)
+                                 merge=merge, frontier=frontier, token=token, online=online)
 
     metadata = safetensors_metadata(published)
     for name in weights:

@@ -11,6 +11,7 @@ directory rectified by :class:`~hf_janus.JanusCallback`) carries three things:
       config, steps, num_jacobian_evals, replay_loss, layers, timings, num_samples, num_tokens,
       converged, stop_reason, output, report_schema_version,   <- the RectificationReport, inline
       merge {adapter_kind, rectified_layers, ..., refactorization} | null   <- JanusMerger only
+      frontier {chosen, criterion, past_tasks, new_tasks, metrics, points} | null   <- hf-janus frontier only
 
   ``sha`` is the commit of a Hub repo (``None`` for a local directory); ``fingerprint`` is the ``datasets``
   fingerprint of the replay dataset (a sha256 of the token ids for in-memory samples). The rectification
@@ -51,7 +52,7 @@ REPORT_NAME = "janus_rectification.json"
 KINDS = ("adapter", "full")
 # Fields of the document that are not RectificationReport fields (the report is stored inline).
 _PUBLICATION_FIELDS = ("schema_version", "hf_janus_version", "kind", "created_at", "base_model", "adapter", "replay",
-                       "merge", "report_schema_version")
+                       "merge", "frontier", "report_schema_version")
 
 
 
@@ -120,7 +121,8 @@ _REPLAY = {"id": (_opt(_is_str), "a string"), "source": (_opt(_is_str), "a strin
            "fingerprint": (_opt(_is_str), "a string"), "size": (_opt(_count), "a count"),
            "local": (_is_bool, "true or false")}
 _TOP = {"kind": (lambda v: v in KINDS, f"one of {KINDS}"), "hf_janus_version": (_is_str, "a string"),
-        "created_at": (_is_str, "a string"), "merge": (_opt(lambda v: isinstance(v, dict)), "an object")}
+        "created_at": (_is_str, "a string"), "merge": (_opt(lambda v: isinstance(v, dict)), "an object"),
+        "frontier": (_opt(lambda v: isinstance(v, dict)), "an object")}
 
 
 def _check_fields(data: Any, spec: dict, where: str) -> None:
@@ -163,6 +165,8 @@ class PublishedReport:
     adapter: Optional[RepoRef] = None
     replay: Optional[ReplayInfo] = None
     merge: Optional[dict[str, Any]] = None  # JanusMerger's extras: layers kept as fine-tuned, re-factorization
+    # hf_janus.frontier's choice: the point saved (candidate, AP1/AP2), the criterion, and every scored point.
+    frontier: Optional[dict[str, Any]] = None
     hf_janus_version: str = field(default_factory=_package_version)
     # Microseconds: two publications of the same result are still two records (and two Hub commits).
     created_at: str = field(default_factory=lambda: _now_iso())
@@ -206,7 +210,7 @@ class PublishedReport:
             "base_model": self.base_model.to_dict() if self.base_model else None,
             "adapter": self.adapter.to_dict() if self.adapter else None,
             "replay": self.replay.to_dict() if self.replay else None,
-            **rect, "report_schema_version": report_schema, "merge": self.merge,
+            **rect, "report_schema_version": report_schema, "merge": self.merge, "frontier": self.frontier,
         }
 
     @classmethod
@@ -241,7 +245,7 @@ class PublishedReport:
         return cls(kind=data.get("kind", kind or "full"), rectification=rectification,
                    base_model=RepoRef.from_dict(data.get("base_model")), adapter=RepoRef.from_dict(data.get("adapter")),
                    replay=ReplayInfo.from_dict(data.get("replay")), merge=data.get("merge"),
-                   hf_janus_version=data["hf_janus_version"], created_at=data.get("created_at", ""),
+                   frontier=data.get("frontier"), hf_janus_version=data["hf_janus_version"], created_at=data.get("created_at", ""),
                    schema_version=version)
 
     @classmethod
@@ -293,7 +297,8 @@ class PublishedReport:
 
 def build_report(report: RectificationReport, *, kind: str, base_model: Union[str, RepoRef, None] = None,
                  adapter: Union[str, RepoRef, None] = None, replay_info: Union[ReplayInfo, dict, None] = None,
-                 merge: Optional[dict[str, Any]] = None, token: Any = None, online: bool = True) -> PublishedReport:
+                 merge: Optional[dict[str, Any]] = None, frontier: Optional[dict[str, Any]] = None, token: Any = None,
+                 online: bool = True) -> PublishedReport:
     """Assemble the :class:`PublishedReport` of a rectification (Hub ids get their commit, see :func:`resolve_repo`)."""
     if not isinstance(report, RectificationReport):
         raise JanusError(f"report must be a RectificationReport, got {type(report).__name__}")
@@ -301,7 +306,8 @@ def build_report(report: RectificationReport, *, kind: str, base_model: Union[st
         replay_info = ReplayInfo.from_dict(replay_info)
     return PublishedReport(kind=kind, rectification=report,
                            base_model=resolve_repo(base_model, token=token, online=online),
-                           adapter=resolve_repo(adapter, token=token, online=online), replay=replay_info, merge=merge)
+                           adapter=resolve_repo(adapter, token=token, online=online), replay=replay_info, merge=merge,
+                           frontier=frontier)
 
 
 

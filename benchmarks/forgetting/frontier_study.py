@@ -1,0 +1,220 @@
+"""Where does JANUS beat interpolation? The stability-plasticity frontier on two scenarios (issue 19, item 3).
+
+    python benchmarks/forgetting/frontier_study.py --scenario facts       # ~15 min on 2 idle cores
+    python benchmarks/forgetting/frontier_study.py --scenario questions   # ~20 min (+6 min to pretrain once)
+
+Both scenarios fine-tune a tiny Llama θ0 on GSM8K (full fine-tuning, 200 AdamW steps, batch 16, lr 5e-4: the
+forgetting benchmark's settings in a plain loop instead of Trainer) and run ``hf_janus.frontier`` on it: WiSE-FT
+a ∈ {0.1 … 0.9}, JANUS τ ∈ {0.9, 0.95, 0.98}, JANUS(τ=0.95) → θ0 and → θ̂ at b ∈ {0.25, 0.5, 0.75}, and WiSE-FT
+a ∈ {0.5, 0.75} → JANUS(τ=0.95). Then JANUS(τ=0.95) with other replays: m=64, and (facts) answer-only labels.
+
+* **facts**: the forgetting benchmark's θ0 (768 memorized NQ-open/WebQuestions pairs, cached checkpoint). Past
+  tasks: exact match on the 256 + 256 memorized, never-replayed pairs (lm-eval, hf_janus.evaluation.qa_task).
+  Replay: 256 other memorized NQ-open pairs, every token labelled (as pretraining).
+* **questions**: the past skill generalizes: θ0 is a language model of English questions (4,096 NQ-open questions
+  of DPR's split, every token counts). Past tasks: NLL per byte of 256 NQ-open dev and 256 WebQuestions val
+  questions it never saw (lm-eval, completion_task); replay: 256 of its training questions.
+
+New task in both: NLL per byte of the worked answers of 256 GSM8K test problems (AP2 = share of the NLL gain kept;
+the ratio is the same per token or per byte, since the text is fixed). Writes results/frontier_<scenario>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+import lib  # noqa: E402
+from run import Settings, get_pretrained  # noqa: E402
+
+JANUS_TAU = 0.95
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def write_rows(path: str, rows: list[dict]) -> str:
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    return path
+
+
+def gsm_task_rows(problems: list[lib.Math]) -> list[dict]:
+    # the benchmark's prompt and target (calculator annotations removed); the task puts the " " before it
+    return [{"prompt": m.prompt, "completion": m.target[1:]} for m in problems]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scenarios: θ0, its tokenizer, the tasks and the replay
+# ---------------------------------------------------------------------------------------------------------
+def scenario_facts(s: Settings, folder: str):
+    splits = lib.load_splits(s.n_replay, s.n_eval, s.n_gsm_train, s.n_gsm_test)
+    tok, model, _, _ = get_pretrained(s, splits, os.path.join(HERE, "cache"))
+    from hf_janus.evaluation import completion_task, qa_task
+
+    def qa_rows(qas):
+        return [{"question": q.question, "answers": q.answers} for q in qas]
+
+    past = [qa_task(write_rows(os.path.join(folder, "nq.jsonl"), qa_rows(splits.nq_eval)), "nq_em", max_new_tokens=16),
+            qa_task(write_rows(os.path.join(folder, "wq.jsonl"), qa_rows(splits.wq_eval)), "wq_em", max_new_tokens=16)]
+    new = [completion_task(write_rows(os.path.join(folder, "gsm.jsonl"), gsm_task_rows(splits.gsm_test)), "gsm8k_nll")]
+    replays = {
+        "m=256, every token": [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, True) for q in splits.replay],
+        "m=64, every token": [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, True) for q in splits.replay[:64]],
+        "m=256, answer only": [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, False) for q in splits.replay],
+    }
+    return tok, model, splits.gsm_train, past, new, replays
+
+
+def question_text(q: str) -> str:
+    return " " + q.strip().rstrip(" ?") + "?"
+
+
+def scenario_questions(s: Settings, folder: str, cache_dir: str):
+    from transformers import LlamaForCausalLM
+
+    from hf_janus.evaluation import completion_task
+
+    train_q = [r["question"] for r in lib.read_jsonl("nq_open_dpr_dev_subset.jsonl")]
+    nq_eval = [r["question"] for r in lib.read_jsonl("nq_open_dev_subset.jsonl")[: s.n_eval]]
+    wq_eval = [r["qText"] for r in lib.read_jsonl("webquestions_val_subset.jsonl")[: s.n_eval]]
+    assert not set(map(str.lower, train_q)) & set(map(str.lower, nq_eval + wq_eval))
+    gsm_train = [lib.Math(r["question"], r["answer"]) for r in lib.read_jsonl("gsm8k_train_subset.jsonl")]
+    gsm_test = [lib.Math(r["question"], r["answer"]) for r in lib.read_jsonl("gsm8k_test_subset.jsonl")]
+    gsm_train, gsm_test = gsm_train[: s.n_gsm_train], gsm_test[: s.n_gsm_test]
+
+    key = hashlib.sha256(json.dumps({"q": train_q, "steps": s.pre_steps, "lr": s.pre_lr, "hidden": s.hidden,
+                                     "layers": s.layers, "vocab": s.vocab, "seed": s.seed}).encode()).hexdigest()[:12]
+    ckpt = os.path.join(cache_dir, f"questions-{key}")
+    if not os.path.isfile(os.path.join(ckpt, "tokenizer.json")) or not os.path.isfile(os.path.join(ckpt, "config.json")):
+        t0 = time.perf_counter()
+        tmp = ckpt + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        texts = ["Q:" + question_text(q) for q in train_q] + [m.prompt + m.target for m in gsm_train]
+        tok = lib.train_tokenizer(texts, s.vocab, os.path.join(tmp, "tokenizer.json"))
+        samples = [lib.make_sample(tok, "Q:", question_text(q), s.qa_max_len, True) for q in train_q]
+        model = lib.make_model(tok.vocab_size, tok, s.hidden, s.layers, s.intermediate, s.heads, s.seed)
+        log(f"[questions] pretraining a question LM on {len(samples)} questions for {s.pre_steps} steps")
+        lib.pretrain(model, samples, s.pre_steps, s.pre_lr, s.pre_batch, s.seed, tok.pad_id, log=log)
+        model.save_pretrained(tmp)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        os.replace(tmp, ckpt)
+        log(f"[questions] pretrained in {time.perf_counter() - t0:.0f}s")
+    tok = lib.Tok(os.path.join(ckpt, "tokenizer.json"))
+    model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+    def q_rows(qs):
+        return [{"prompt": "Q:", "completion": question_text(q)[1:]} for q in qs]
+
+    past = [completion_task(write_rows(os.path.join(folder, "nq_q.jsonl"), q_rows(nq_eval)), "nq_questions_nll"),
+            completion_task(write_rows(os.path.join(folder, "wq_q.jsonl"), q_rows(wq_eval)), "wq_questions_nll")]
+    new = [completion_task(write_rows(os.path.join(folder, "gsm.jsonl"), gsm_task_rows(gsm_test)), "gsm8k_nll")]
+    replay_q = train_q[: s.n_replay]
+    replays = {
+        "m=256, every token": [lib.make_sample(tok, "Q:", question_text(q), s.qa_max_len, True) for q in replay_q],
+        "m=64, every token": [lib.make_sample(tok, "Q:", question_text(q), s.qa_max_len, True) for q in replay_q[:64]],
+    }
+    return tok, model, gsm_train, past, new, replays
+
+
+# ---------------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scenario", choices=("facts", "questions"), required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache-dir", default=os.path.join(HERE, "cache"))
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    import tempfile
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    logging.getLogger("hf_janus").setLevel(logging.WARNING)
+    from hf_janus import JanusConfig, rectify
+    from hf_janus.evaluation import frontier
+    from hf_janus.evaluation.frontier import wise_margin
+    from hf_janus.evaluation.harness import Scorer, resolve_tasks
+    from hf_janus.evaluation.scoring import ap_metrics
+
+    s = Settings()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="janus-frontier-") as folder:
+        if args.scenario == "facts":
+            tok, theta0, gsm_train, past, new, replays = scenario_facts(s, folder)
+        else:
+            tok, theta0, gsm_train, past, new, replays = scenario_questions(s, folder, args.cache_dir)
+        finetuned = copy.deepcopy(theta0)
+        train = [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, label_prompt=False) for m in gsm_train]
+        t0 = time.perf_counter()
+        lib.pretrain(finetuned, train, s.ft_steps, s.ft_lr["full"], s.ft_batch, s.seed, tok.pad_id, log_every=0)
+        ft_seconds = time.perf_counter() - t0
+        log(f"[{args.scenario}] fine-tuned on GSM8K in {ft_seconds:.0f}s")
+        hf_tok = tok.hf(add_bos=True)
+        config = JanusConfig(tau=JANUS_TAU, beta=s.beta, rank=s.janus_rank, replay_batch_size=s.replay_batch,
+                             seed=s.seed)
+        main_replay = replays["m=256, every token"]
+        result = frontier(theta0, finetuned, main_replay, past_tasks=past, new_tasks=new, config=config,
+                          tokenizer=hf_tok, batch_size=64, progress=False, min_ap2=90.0)
+        log(result.to_markdown())
+
+        # JANUS(τ=0.95) with other replays, on the same anchors and WiSE-FT curve
+        scorer = Scorer(resolve_tasks(past + new), hf_tok, batch_size=64)
+        anchors = result.points[0].scores, result.points[1].scores
+        extra = []
+        for name, replay in replays.items():
+            if name == "m=256, every token":
+                continue
+            model = copy.deepcopy(finetuned)
+            t0 = time.perf_counter()
+            report = rectify(model, theta0, replay, config, progress=False)
+            scores = {n: r.score for n, r in scorer(model).items()}
+            ap = ap_metrics(scores, *anchors, result.past_tasks, result.new_tasks, result.higher_is_better)
+            row = {"label": f"JANUS τ={JANUS_TAU:g}, {name}", "scores": scores, **ap,
+                   "above_wise": wise_margin(result.points, ap["ap1"], ap["ap2"]),
+                   "jacobian_evaluations": report.num_jacobian_evals, "seconds": time.perf_counter() - t0}
+            extra.append(row)
+            log(f"  {row['label']}: AP1 {ap['ap1']:.1f} AP2 {ap['ap2']:.1f} vs WiSE-FT "
+                f"{row['above_wise'] if row['above_wise'] is None else round(row['above_wise'], 1)} "
+                f"({report.num_jacobian_evals} evals)")
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"frontier_{args.scenario}")
+    data = {"scenario": args.scenario, "frontier": result.to_dict(), "replay_variants": extra,
+            "finetune_seconds": ft_seconds, "wall_seconds": time.perf_counter() - t_start,
+            "torch": torch.__version__, "threads": args.threads}
+    with open(stem + ".json", "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, default=float)
+    lines = [result.to_markdown(), "", "| other replays (JANUS τ=0.95) | AP1 (%) | AP2 (%) | AP1 vs WiSE-FT | Jacobian evals |",
+             "|---|---:|---:|---:|---:|"]
+    for row in extra:
+        margin = "" if row["above_wise"] is None else f"{row['above_wise']:+.1f}"
+        lines.append(f"| {row['label']} | {row['ap1']:.1f} | {row['ap2']:.1f} | {margin} | {row['jacobian_evaluations']} |")
+    with open(stem + ".md", "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+    result.plot(stem + ".png", title=f"Frontier, scenario '{args.scenario}' (full fine-tuning on GSM8K)")
+    log(f"wall time {data['wall_seconds']:.0f}s; wrote {stem}.json/.md/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,460 @@
+"""The stability-plasticity frontier: WiSE-FT, JANUS and their hybrids on the user's own data, and a choice.
+
+Each candidate is a model between θ0 (before fine-tuning) and θ̂ (after):
+
+* **WiSE-FT** ``θ0 + a(θ̂ − θ0)`` for a grid of ``a`` (free: no Jacobian);
+* **JANUS** at each configured τ (one rectification each);
+* **JANUS, then interpolation** toward θ0 (``θ0 + b(θ_J − θ0)``) or toward θ̂ (``θ_J + b(θ̂ − θ_J)``);
+* **interpolation, then JANUS** on the interpolated update (a rectification of ``θ0 + a(θ̂ − θ0)``).
+
+Every candidate is scored with lm-evaluation-harness on past tasks (AP1, relative to θ0) and new tasks (AP2,
+relative to θ̂). The result is a table, a PNG of AP1 against AP2, and the point that meets a criterion (e.g. the
+largest AP1 with AP2 ≥ 95%), which can be saved or pushed with its record like any rectification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from hf_janus.config import JanusConfig
+from hf_janus.engine.rectifier import rectify
+from hf_janus.engine.report import RectificationReport
+from hf_janus.errors import JanusError
+from hf_janus.evaluation.harness import ModelLike, Scorer, TaskLike, load_model, load_tokenizer, resolve_tasks
+from hf_janus.evaluation.scoring import ap_metrics
+from hf_janus.io_utils import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+#: Candidate kinds, in the order they are scored.
+KINDS = ("anchor", "wise", "janus", "janus_to_reference", "janus_to_finetuned", "wise_then_janus")
+DEFAULT_WISE_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+DEFAULT_TAUS = (0.9, 0.95, 0.98)
+DEFAULT_HYBRID_GRID = (0.25, 0.5, 0.75)
+DEFAULT_PRE_JANUS_GRID = (0.5, 0.75)
+
+
+@dataclass
+class Candidate:
+    """One model on the frontier and how it is made."""
+
+    label: str
+    kind: str
+    a: Optional[float] = None  # WiSE-FT coefficient (wise, wise_then_janus)
+    tau: Optional[float] = None  # JANUS τ (janus and the hybrids)
+    b: Optional[float] = None  # interpolation after JANUS (janus_to_reference, janus_to_finetuned)
+
+    @property
+    def uses_janus(self) -> bool:
+        return self.tau is not None
+
+
+def candidates(wise_grid: Sequence[float] = DEFAULT_WISE_GRID, taus: Sequence[float] = DEFAULT_TAUS, *,
+               hybrid_tau: Optional[float] = None, hybrid_grid: Sequence[float] = DEFAULT_HYBRID_GRID,
+               pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID) -> list[Candidate]:
+    """The candidates in scoring order: θ0 and θ̂ first (AP needs them), then WiSE-FT, JANUS and the hybrids
+    (at ``hybrid_tau``; none when it is ``None``)."""
+    for name, grid in (("wise_grid", wise_grid), ("hybrid_grid", hybrid_grid), ("pre_janus_grid", pre_janus_grid)):
+        if any(not 0.0 < float(v) < 1.0 for v in grid):
+            raise JanusError(f"{name} values must lie strictly between 0 and 1 (the ends are θ0 and θ̂), got "
+                             f"{list(grid)}")
+    if any(not 0.0 <= float(t) < 1.0 for t in taus):
+        raise JanusError(f"taus must lie in [0, 1), got {list(taus)}")
+    out = [Candidate("θ0 (reference)", "anchor", a=0.0), Candidate("θ̂ (fine-tuned)", "anchor", a=1.0)]
+    out += [Candidate(f"WiSE-FT a={a:g}", "wise", a=float(a)) for a in wise_grid]
+    out += [Candidate(f"JANUS τ={t:g}", "janus", tau=float(t)) for t in taus]
+    if hybrid_tau is not None:
+        t = float(hybrid_tau)
+        out += [Candidate(f"JANUS τ={t:g} → θ0 b={b:g}", "janus_to_reference", tau=t, b=float(b))
+                for b in hybrid_grid]
+        out += [Candidate(f"JANUS τ={t:g} → θ̂ b={b:g}", "janus_to_finetuned", tau=t, b=float(b))
+                for b in hybrid_grid]
+        out += [Candidate(f"WiSE-FT a={a:g} → JANUS τ={t:g}", "wise_then_janus", a=float(a), tau=t)
+                for a in pre_janus_grid]
+    return out
+
+
+@dataclass
+class FrontierPoint:
+    """A scored candidate."""
+
+    label: str
+    kind: str
+    a: Optional[float]
+    tau: Optional[float]
+    b: Optional[float]
+    scores: dict[str, float]
+    ap1: Optional[float] = None
+    ap2: Optional[float] = None
+    ap: Optional[float] = None
+    # AP1 above (+) or below (-) the WiSE-FT curve at this point's AP2 (linear between grid points), in points
+    above_wise: Optional[float] = None
+    jacobian_evaluations: int = 0
+    seconds: float = 0.0
+
+
+def wise_margin(points: Sequence[FrontierPoint], ap1: Optional[float], ap2: Optional[float]) -> Optional[float]:
+    """``ap1`` minus the WiSE-FT curve's AP1 at ``ap2`` (linear between its points, anchors included); ``None``
+    outside the curve's AP2 range."""
+    if ap1 is None or ap2 is None:
+        return None
+    curve = sorted((p.ap2, p.ap1) for p in points if p.kind in ("anchor", "wise") and p.ap1 is not None
+                   and p.ap2 is not None)
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x0 <= ap2 <= x1:
+            return ap1 - (y0 if x1 == x0 else y0 + (y1 - y0) * (ap2 - x0) / (x1 - x0))
+    return None
+
+
+@dataclass
+class FrontierResult:
+    """Every scored point, which one was chosen and why; ``save()``, ``to_markdown()``, ``plot()``,
+    ``save_pretrained()``/``push_to_hub()`` of the chosen model."""
+
+    points: list[FrontierPoint]
+    past_tasks: list[str]
+    new_tasks: list[str]
+    metrics: dict[str, str]
+    higher_is_better: dict[str, bool]
+    criterion: str = "max AP"
+    chosen: Optional[int] = None  # index into points
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # JANUS run key -> RectificationReport dict
+    seconds: float = 0.0
+    # The weights of every point, rebuilt on demand (set by frontier(); not serialized).
+    _builder: Optional["_WeightBuilder"] = field(default=None, repr=False, compare=False)
+
+    @property
+    def best(self) -> Optional[FrontierPoint]:
+        return self.points[self.chosen] if self.chosen is not None else None
+
+    def select(self, *, min_ap2: Optional[float] = None, min_ap1: Optional[float] = None) -> FrontierPoint:
+        """Choose a point: the largest AP1 with AP2 ≥ ``min_ap2``, the largest AP2 with AP1 ≥ ``min_ap1``, or
+        (neither given) the largest AP. Ties go to the cheaper point (fewer Jacobian evaluations)."""
+        if min_ap2 is not None and min_ap1 is not None:
+            raise JanusError("give min_ap2 or min_ap1, not both")
+        scored = [(i, p) for i, p in enumerate(self.points) if p.ap1 is not None and p.ap2 is not None]
+        if not scored:
+            raise JanusError("no point has both AP1 and AP2: give past and new tasks, on which θ0 and θ̂ differ")
+        if min_ap2 is not None:
+            pool = [(i, p) for i, p in scored if p.ap2 >= min_ap2]
+            key, criterion = (lambda p: (p.ap1, p.ap2, -p.jacobian_evaluations)), f"max AP1 with AP2 ≥ {min_ap2:g}"
+            missing = f"no point keeps AP2 ≥ {min_ap2:g} (the largest is {max(p.ap2 for _, p in scored):.1f})"
+        elif min_ap1 is not None:
+            pool = [(i, p) for i, p in scored if p.ap1 >= min_ap1]
+            key, criterion = (lambda p: (p.ap2, p.ap1, -p.jacobian_evaluations)), f"max AP2 with AP1 ≥ {min_ap1:g}"
+            missing = f"no point keeps AP1 ≥ {min_ap1:g} (the largest is {max(p.ap1 for _, p in scored):.1f})"
+        else:
+            pool, criterion, missing = scored, "max AP", ""
+            key = lambda p: (p.ap, -p.jacobian_evaluations)  # noqa: E731
+        if not pool:
+            raise JanusError(missing + "; relax the criterion")
+        index, point = max(pool, key=lambda ip: key(ip[1]))
+        self.chosen, self.criterion = index, criterion
+        return point
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        data["points"] = [asdict(p) for p in self.points]
+        return data
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the result as JSON (atomically)."""
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def to_markdown(self) -> str:
+        tasks = self.past_tasks + self.new_tasks
+
+        def fmt(v: Optional[float], spec: str) -> str:
+            return "" if v is None else format(v, spec)
+
+        head = ["", "candidate"] + tasks + ["AP1 (%)", "AP2 (%)", "AP (%)", "AP1 vs WiSE-FT", "Jacobian evals", "s"]
+        lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+        for i, p in enumerate(self.points):
+            mark = "**→**" if i == self.chosen else ""
+            cells = [mark, p.label] + [fmt(p.scores.get(t), ".4f") for t in tasks]
+            cells += [fmt(p.ap1, ".1f"), fmt(p.ap2, ".1f"), fmt(p.ap, ".1f"), fmt(p.above_wise, "+.1f"),
+                      str(p.jacobian_evaluations or ""), f"{p.seconds:.0f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        if self.best is not None:
+            lines.append(f"\nChosen ({self.criterion}): **{self.best.label}**.")
+        return "\n".join(lines)
+
+    def plot(self, path: Union[str, os.PathLike], title: Optional[str] = None) -> None:
+        """A PNG of AP1 against AP2: the WiSE-FT curve, JANUS points, hybrids, and the chosen point."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as err:
+            raise JanusError('the frontier plot needs matplotlib: pip install "hf-janus[eval]"') from err
+        fig, ax = plt.subplots(figsize=(6.4, 4.8))
+        curve = sorted((p.ap2, p.ap1) for p in self.points if p.kind in ("anchor", "wise") and p.ap1 is not None
+                       and p.ap2 is not None)
+        if curve:
+            ax.plot([c[0] for c in curve], [c[1] for c in curve], "-o", color="0.5", ms=4, label="WiSE-FT")
+        styles = {"janus": ("s", "C0", "JANUS"), "janus_to_reference": ("v", "C1", "JANUS → θ0"),
+                  "janus_to_finetuned": ("^", "C2", "JANUS → θ̂"), "wise_then_janus": ("D", "C3", "WiSE-FT → JANUS")}
+        for kind, (marker, color, name) in styles.items():
+            pts = [p for p in self.points if p.kind == kind and p.ap1 is not None and p.ap2 is not None]
+            if pts:
+                ax.scatter([p.ap2 for p in pts], [p.ap1 for p in pts], marker=marker, color=color, label=name,
+                           zorder=3)
+        if self.best is not None and self.best.ap1 is not None:
+            ax.scatter([self.best.ap2], [self.best.ap1], s=220, facecolors="none", edgecolors="k", linewidths=1.5,
+                       zorder=4, label=f"chosen: {self.best.label}")
+        ax.set_xlabel("AP2: new task kept (%)")
+        ax.set_ylabel("AP1: past tasks kept (%)")
+        ax.set_title(title or "Stability-plasticity frontier")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        tmp = os.fspath(path) + ".tmp.png"
+        fig.savefig(tmp, dpi=120)
+        plt.close(fig)
+        os.replace(tmp, os.fspath(path))
+
+    # ---- the chosen model ------------------------------------------------------------------------------------
+    def _require_builder(self) -> "_WeightBuilder":
+        if self._builder is None:
+            raise JanusError("this FrontierResult was loaded from JSON and holds no weights; run hf_janus.frontier "
+                             "again to save a model")
+        if self.best is None:
+            raise JanusError("no point is chosen: call result.select(...) first")
+        return self._builder
+
+    def publication_record(self) -> dict[str, Any]:
+        """The ``frontier`` field of the chosen model's ``janus_rectification.json``."""
+        best = self.best
+        return {"chosen": asdict(best) if best else None, "criterion": self.criterion,
+                "past_tasks": self.past_tasks, "new_tasks": self.new_tasks, "metrics": self.metrics,
+                "points": [{k: v for k, v in asdict(p).items() if k != "scores"} for p in self.points]}
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], *, overwrite: bool = False,
+                        tokenizer: Any = None) -> str:
+        """Save the chosen model (full weights) with its record and model card; written atomically."""
+        from hf_janus.io_utils import atomic_output_dir
+        from hf_janus.publish.files import write_publication_files
+
+        builder = self._require_builder()
+        best = self.best
+        with atomic_output_dir(save_directory, overwrite=overwrite) as tmp:
+            with builder.applied(best):
+                builder.model.save_pretrained(tmp)
+            tok = tokenizer if tokenizer is not None else builder.tokenizer
+            if tok is not None and hasattr(tok, "save_pretrained"):
+                tok.save_pretrained(tmp)
+            write_publication_files(tmp, builder.report_for(best), kind="full", base_model=builder.base_name,
+                                    replay=builder.replay, frontier=self.publication_record(),
+                                    repo_id=os.fspath(save_directory))
+        return os.fspath(save_directory)
+
+    def push_to_hub(self, repo_id: str, *, private: Optional[bool] = None, token: Any = None,
+                    commit_message: Optional[str] = None) -> str:
+        """Upload the chosen model with its record in one commit; returns the commit URL."""
+        import tempfile
+
+        from hf_janus.publish.hub import push_folder
+
+        with tempfile.TemporaryDirectory(prefix="janus-frontier-") as tmp:
+            folder = self.save_pretrained(os.path.join(tmp, "model"))
+            return push_folder(folder, repo_id, private=private, token=token,
+                               commit_message=commit_message or f"hf-janus frontier: {self.best.label}")
+
+
+class _WeightBuilder:
+    """Writes any candidate's weights into the working model; holds θ0 and θ̂ of the parameters that differ and
+    the JANUS results, on the host."""
+
+    def __init__(self, model: nn.Module, theta0: dict[str, Tensor], finetuned: dict[str, Tensor],
+                 tokenizer: Any, base_name: Any, replay: Any):
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.theta0, self.finetuned = theta0, finetuned
+        self.janus: dict[str, dict[str, Tensor]] = {}  # run key -> rectified values of the changed parameters
+        self.reports: dict[str, RectificationReport] = {}
+        self.tokenizer, self.base_name, self.replay = tokenizer, base_name, replay
+
+    @staticmethod
+    def run_key(c: Candidate) -> Optional[str]:
+        if c.tau is None:
+            return None
+        return f"tau={c.tau:g}" + (f",a={c.a:g}" if c.kind == "wise_then_janus" else "")
+
+    def weights(self, c: Candidate) -> dict[str, Tensor]:
+        t0, t1 = self.theta0, self.finetuned
+        if c.kind in ("anchor", "wise"):
+            return {k: t0[k] + c.a * (t1[k] - t0[k]) for k in t0}
+        j = {**t1, **self.janus[self.run_key(c)]}
+        if c.kind in ("janus", "wise_then_janus"):
+            return j
+        if c.kind == "janus_to_reference":
+            return {k: t0[k] + c.b * (j[k] - t0[k]) for k in t0}
+        if c.kind == "janus_to_finetuned":
+            return {k: j[k] + c.b * (t1[k] - j[k]) for k in t0}
+        raise JanusError(f"unknown candidate kind {c.kind!r}")  # pragma: no cover
+
+    def write(self, values: Mapping[str, Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in values.items():
+                self.params[name].copy_(value)
+
+    def applied(self, c: Candidate) -> "_Applied":
+        return _Applied(self, c)
+
+    def report_for(self, c: Candidate) -> RectificationReport:
+        key = self.run_key(c)
+        if key is not None:
+            return self.reports[key]
+        # No JANUS in this point: the record still says what the weights are, and that nothing was rectified.
+        return RectificationReport(config={}, stop_reason=f"not rectified: {c.label} chosen by hf-janus frontier")
+
+
+class _Applied:
+    """Context manager: the model holds candidate ``c`` inside, θ̂ (as given) after."""
+
+    def __init__(self, builder: _WeightBuilder, c: Candidate):
+        self.builder, self.c = builder, c
+
+    def __enter__(self) -> nn.Module:
+        self.builder.write(self.builder.weights(self.c))
+        return self.builder.model
+
+    def __exit__(self, *exc: Any) -> None:
+        self.builder.write(self.builder.finetuned)
+
+
+def _differing_parameters(model: nn.Module, base: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """``name -> (θ0, θ̂)`` on the host for every parameter that fine-tuning changed."""
+    out = {}
+    for name, param in model.named_parameters():
+        if name not in base:
+            raise JanusError(f"the reference model has no parameter {name!r}: θ0 and θ̂ must share an architecture")
+        # copies: on a float32 CPU model .to() would alias the live weights, which each candidate overwrites
+        ref = base[name].detach().to("cpu", torch.float32, copy=True)
+        now = param.detach().to("cpu", torch.float32, copy=True)
+        if ref.shape != now.shape:
+            raise JanusError(f"parameter {name!r} has shape {tuple(ref.shape)} in θ0 but {tuple(now.shape)} in θ̂")
+        if not torch.equal(ref, now):
+            out[name] = (ref, now)
+    if not out:
+        raise JanusError("θ0 and θ̂ are identical: there is no fine-tuning to trade off")
+    return out
+
+
+def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
+             past_tasks: Union[TaskLike, Sequence[TaskLike]], new_tasks: Union[TaskLike, Sequence[TaskLike]],
+             config: Optional[JanusConfig] = None, wise_grid: Sequence[float] = DEFAULT_WISE_GRID,
+             taus: Sequence[float] = DEFAULT_TAUS, hybrids: bool = True,
+             hybrid_grid: Sequence[float] = DEFAULT_HYBRID_GRID,
+             pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID, min_ap2: Optional[float] = None,
+             min_ap1: Optional[float] = None, tokenizer: Any = None, batch_size: Union[int, str] = 16,
+             limit: Optional[Union[int, float]] = None, include_path: Optional[str] = None,
+             replay_options: Any = None, device: Any = None, torch_dtype: Any = None, token: Any = None,
+             progress: bool = True,
+             rectify_fn: Callable[..., RectificationReport] = rectify) -> FrontierResult:
+    """Score WiSE-FT, JANUS and hybrids on the user's tasks and choose a point.
+
+    Args:
+        reference: θ0 (model object, directory or Hub repo id).
+        finetuned: θ̂ (model object, directory or repo id of full weights or of a PEFT adapter, merged). A model
+            object is used as the working model: it holds each candidate in turn and is θ̂ again on return.
+        replay: past-task samples for JANUS, as :func:`hf_janus.rectify` takes them, or a dataset id or file as
+            ``hf-janus merge --replay`` takes it (read with ``replay_options``, a :class:`~hf_janus.ReplayOptions`).
+        past_tasks, new_tasks: lm-eval task names, local JSONL files or task configs (see
+            :func:`hf_janus.evaluate`); AP1 is measured on the first, AP2 on the second.
+        config: the :class:`JanusConfig` of every JANUS run (its ``tau`` is replaced by each of ``taus``; the
+            hybrids use ``config.tau``).
+        wise_grid: WiSE-FT coefficients a (θ0 + a(θ̂ − θ0)), strictly between 0 and 1.
+        taus: the τ values of plain JANUS.
+        hybrids: also score JANUS → θ0 and JANUS → θ̂ at ``hybrid_grid`` and WiSE-FT → JANUS at ``pre_janus_grid``.
+        min_ap2 / min_ap1: the choice (see :meth:`FrontierResult.select`); default the largest AP.
+        tokenizer, batch_size, limit, include_path: evaluation options (see :func:`hf_janus.evaluate`).
+        progress: a progress bar over the candidates (its time estimate grows with each JANUS run).
+
+    Returns:
+        A :class:`FrontierResult`; ``result.best`` is the chosen point.
+    """
+    from tqdm.auto import tqdm
+
+    config = config if config is not None else JanusConfig()
+    cands = candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None, hybrid_grid=hybrid_grid,
+                       pre_janus_grid=pre_janus_grid)
+    past, new = resolve_tasks(past_tasks), resolve_tasks(new_tasks)
+    if not past or not new:
+        raise JanusError("the frontier needs past_tasks (for AP1) and new_tasks (for AP2)")
+    tok = load_tokenizer(tokenizer, [reference, finetuned], token=token)
+    if isinstance(replay, (str, os.PathLike)):
+        from hf_janus.replay.sources import load_replay
+
+        replay = load_replay(os.fspath(replay), tok, replay_options)
+    model = load_model(finetuned, device=device, torch_dtype=torch_dtype, token=token)
+    base = load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token)
+    differing = _differing_parameters(model, dict(base.named_parameters()))
+    base_name = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None
+    del base
+    builder = _WeightBuilder(model, {k: v[0] for k, v in differing.items()}, {k: v[1] for k, v in differing.items()},
+                             tok, base_name, replay)
+    scorer = Scorer(past + new, tok, batch_size=batch_size, limit=limit, include_path=include_path)
+    past_names, new_names = [t.name for t in past], [t.name for t in new]
+
+    start = time.perf_counter()
+    points: list[FrontierPoint] = []
+    higher: dict[str, bool] = {}
+    metrics: dict[str, str] = {}
+    bar = tqdm(cands, desc="frontier", unit="point", disable=not progress)
+    try:
+        for c in bar:
+            bar.set_postfix_str(c.label)
+            t0 = time.perf_counter()
+            evals = 0
+            key = builder.run_key(c)
+            if key is not None and key not in builder.janus:
+                evals = _run_janus(builder, c, config, replay, rectify_fn, progress).num_jacobian_evals
+            with builder.applied(c) as working, torch.no_grad():
+                results = scorer(working)
+            metrics = {n: r.metric for n, r in results.items()}
+            higher = {n: r.higher_is_better for n, r in results.items()}
+            points.append(FrontierPoint(c.label, c.kind, c.a, c.tau, c.b, {n: r.score for n, r in results.items()},
+                                        jacobian_evaluations=evals, seconds=time.perf_counter() - t0))
+            logger.info("frontier: %s scored %s in %.1fs", c.label, points[-1].scores, points[-1].seconds)
+            if len(points) == 2:  # θ0 and θ̂: fail now, not after every JANUS run, if AP is undefined
+                ap_metrics(points[0].scores, points[0].scores, points[1].scores, past_names, new_names, higher)
+    finally:
+        bar.close()
+        builder.write(builder.finetuned)
+    for p in points:
+        ap = ap_metrics(p.scores, points[0].scores, points[1].scores, past_names, new_names, higher)
+        p.ap1, p.ap2, p.ap = ap["ap1"], ap["ap2"], ap["ap"]
+    for p in points:
+        if p.kind not in ("anchor", "wise"):
+            p.above_wise = wise_margin(points, p.ap1, p.ap2)
+    result = FrontierResult(points=points, past_tasks=past_names, new_tasks=new_names, metrics=metrics,
+                            higher_is_better=higher, reports={k: r.to_dict() for k, r in builder.reports.items()},
+                            seconds=time.perf_counter() - start, _builder=builder)
+    result.select(min_ap2=min_ap2, min_ap1=min_ap1)
+    return result
+
+
+def _run_janus(builder: _WeightBuilder, c: Candidate, config: JanusConfig, replay: Any,
+               rectify_fn: Callable[..., RectificationReport], progress: bool) -> RectificationReport:
+    """Rectify from θ̂ (or, for WiSE-FT → JANUS, from the interpolated point) and keep what changed."""
+    start = Candidate(c.label, "wise", a=c.a) if c.kind == "wise_then_janus" else Candidate(c.label, "anchor", a=1.0)
+    builder.write(builder.weights(start))
+    # θ0 of every layer: the kept copy where fine-tuning changed it, the model's own (equal) weights elsewhere.
+    reference = {**{k: p.detach() for k, p in builder.params.items()}, **builder.theta0}
+    report = rectify_fn(builder.model, reference, replay, dataclasses.replace(config, tau=c.tau), progress=progress)
+    key = builder.run_key(c)
+    builder.janus[key] = {k: builder.params[k].detach().to("cpu", torch.float32).clone() for k in builder.theta0}
+    builder.reports[key] = report
+    builder.write(builder.finetuned)
+    return report

@@ -1,0 +1,187 @@
+"""hf_janus.frontier: candidates, the WiSE-FT margin, the choice, and an end-to-end run on a tiny model whose
+every point is checked against weights and scores computed here."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import build_tiny
+from eval_fixtures import char_tokenizer, write_jsonl
+from hf_janus import JanusConfig, load_report, rectify
+from hf_janus.errors import JanusError
+from hf_janus.evaluation.frontier import FrontierPoint, FrontierResult, candidates, frontier, wise_margin
+from hf_janus.evaluation.harness import Scorer, resolve_tasks
+
+pytest.importorskip("lm_eval")
+
+PAST = [f"the cat sat on mat {i}" for i in range(12)]
+NEW = [f"{i} plus {i} is {2 * i}" for i in range(12)]
+
+
+def point(label, kind, ap1, ap2, evals=0):
+    return FrontierPoint(label, kind, None, None, None, {}, ap1=ap1, ap2=ap2, ap=(ap1 + ap2) / 2,
+                         jacobian_evaluations=evals)
+
+
+def test_candidates_order_and_validation():
+    cands = candidates((0.5,), (0.9, 0.95), hybrid_tau=0.95, hybrid_grid=(0.5,), pre_janus_grid=(0.7,))
+    assert [c.kind for c in cands] == ["anchor", "anchor", "wise", "janus", "janus", "janus_to_reference",
+                                       "janus_to_finetuned", "wise_then_janus"]
+    assert (cands[0].a, cands[1].a) == (0.0, 1.0) and cands[-1].a == 0.7 and cands[-1].tau == 0.95
+    assert [c.kind for c in candidates((0.5,), (0.9,))] == ["anchor", "anchor", "wise", "janus"]
+    with pytest.raises(JanusError, match="strictly between 0 and 1"):
+        candidates((0.0, 0.5), (0.9,))
+    with pytest.raises(JanusError, match="taus"):
+        candidates((0.5,), (1.0,))
+
+
+def test_wise_margin_and_selection():
+    pts = [point("θ0", "anchor", 100, 0), point("θ̂", "anchor", 0, 100), point("w", "wise", 60, 60),
+           point("J", "janus", 70, 80, evals=12), point("J2", "janus", 90, 50, evals=20)]
+    # the curve at AP2=80 runs from (60, 60) to (100, 0): 60 - 60·(20/40) = 30
+    assert wise_margin(pts, 70, 80) == pytest.approx(40.0)
+    assert wise_margin(pts, 90, 50) == pytest.approx(90 - (100 - 40 * 50 / 60))
+    assert wise_margin(pts, 50, 120) is None
+    result = FrontierResult(points=pts, past_tasks=["p"], new_tasks=["n"], metrics={}, higher_is_better={})
+    assert result.select(min_ap2=75).label == "J"
+    assert result.select(min_ap1=85).label == "J2"
+    assert result.select().label == "J" and result.criterion == "max AP"
+    with pytest.raises(JanusError, match="no point keeps AP2 ≥ 101"):
+        result.select(min_ap2=101)
+    with pytest.raises(JanusError, match="holds no weights"):
+        result.save_pretrained("/nonexistent/x")
+
+
+def _train(model, texts, tok, steps, lr, seed=0):
+    torch.manual_seed(seed)
+    batch = tok(texts, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        model(**batch, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    """θ0 that has learned PAST, θ̂ fine-tuned from it on NEW, JSONL tasks for both, and the replay."""
+    tok = char_tokenizer()
+    base = build_tiny("llama", seed=0, vocab=len(tok))
+    _train(base, PAST, tok, steps=40, lr=1e-2)
+    tuned = copy.deepcopy(base)
+    _train(tuned, NEW, tok, steps=25, lr=1e-2, seed=1)
+    folder = tmp_path_factory.mktemp("frontier")
+    past = write_jsonl(str(folder / "past.jsonl"), [{"prompt": t[:8], "completion": t[9:]} for t in PAST[:6]])
+    new = write_jsonl(str(folder / "new.jsonl"), [{"prompt": t[:6], "completion": t[7:]} for t in NEW[:6]])
+    replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]
+    return tok, base, tuned, past, new, replay, folder
+
+
+def test_frontier_end_to_end(setting, tmp_path):
+    tok, base, tuned, past, new, replay, _ = setting
+    model = copy.deepcopy(tuned)
+    theta_hat = {k: v.clone() for k, v in model.state_dict().items()}
+    config = JanusConfig(tau=0.9, max_steps=4)
+    result = frontier(base, model, replay, past_tasks=[past], new_tasks=[new], config=config, wise_grid=(0.5,),
+                      taus=(0.9,), hybrid_grid=(0.5,), pre_janus_grid=(0.5,), tokenizer=tok, batch_size=2,
+                      progress=False, min_ap2=0.0)
+    assert all(torch.equal(v, theta_hat[k]) for k, v in model.state_dict().items())  # θ̂ again
+    labels = [p.label for p in result.points]
+    assert labels[:4] == ["θ0 (reference)", "θ̂ (fine-tuned)", "WiSE-FT a=0.5", "JANUS τ=0.9"]
+    by = {p.label: p for p in result.points}
+    assert by["θ0 (reference)"].ap1 == pytest.approx(100) and by["θ0 (reference)"].ap2 == pytest.approx(0)
+    assert by["θ̂ (fine-tuned)"].ap1 == pytest.approx(0) and by["θ̂ (fine-tuned)"].ap2 == pytest.approx(100)
+
+    # JANUS point: the same rectification done here scores the same
+    scorer = Scorer(resolve_tasks([past, new]), tok, batch_size=2)
+    alone = copy.deepcopy(tuned)
+    report = rectify(alone, base, replay, JanusConfig(tau=0.9, max_steps=4), progress=False)
+    assert by["JANUS τ=0.9"].jacobian_evaluations == report.num_jacobian_evals > 0
+    assert {n: r.score for n, r in scorer(alone).items()} == pytest.approx(by["JANUS τ=0.9"].scores, rel=1e-6)
+    # hybrid weights are the stated interpolations of θ0, θ_J and θ̂
+    builder = result._builder
+    cands = {c.label: c for c in candidates((0.5,), (0.9,), hybrid_tau=0.9, hybrid_grid=(0.5,),
+                                            pre_janus_grid=(0.5,))}
+    janus_w = builder.weights(cands["JANUS τ=0.9"])
+    to0 = builder.weights(cands["JANUS τ=0.9 → θ0 b=0.5"])
+    for k, w0 in builder.theta0.items():
+        assert torch.allclose(janus_w[k], alone.get_parameter(k).float(), atol=1e-6)
+        assert torch.allclose(to0[k], w0 + 0.5 * (janus_w[k] - w0))
+        assert torch.allclose(builder.weights(cands["WiSE-FT a=0.5"])[k], w0 + 0.5 * (builder.finetuned[k] - w0))
+    assert "wise_then_janus" in {p.kind for p in result.points} and len(result.reports) == 2
+    for p in result.points:
+        if p.kind not in ("anchor", "wise"):
+            assert p.above_wise is None or p.above_wise == pytest.approx(wise_margin(result.points, p.ap1, p.ap2))
+
+    # outputs: JSON, markdown, PNG, and the chosen model with its record
+    chosen = result.select(min_ap2=50.0)
+    assert chosen.ap2 >= 50.0 and all(p.ap1 <= chosen.ap1 for p in result.points if p.ap2 >= 50.0)
+    result.save(tmp_path / "frontier.json")
+    assert json.load(open(tmp_path / "frontier.json"))["criterion"] == "max AP1 with AP2 ≥ 50"
+    assert "**→**" in result.to_markdown()
+    result.plot(tmp_path / "frontier.png")
+    assert open(tmp_path / "frontier.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    out = result.save_pretrained(tmp_path / "chosen")
+    record = load_report(out)
+    assert record.frontier["chosen"]["label"] == chosen.label and record.kind == "full"
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    want = builder.weights(chosen)
+    for k, w in want.items():
+        assert torch.equal(saved.get_parameter(k).float(), w)
+    assert all(torch.equal(v, theta_hat[k]) for k, v in model.state_dict().items())
+
+
+def test_frontier_failure_leaves_the_model_as_it_was(setting):
+    tok, base, tuned, past, new, replay, _ = setting
+    model = copy.deepcopy(tuned)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        frontier(base, model, replay, past_tasks=[past], new_tasks=[new], wise_grid=(0.5,), taus=(0.9,),
+                 hybrids=False, tokenizer=tok, batch_size=2, progress=False, rectify_fn=failing)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(JanusError, match="identical"):
+        frontier(base, copy.deepcopy(base), replay, past_tasks=[past], new_tasks=[new], tokenizer=tok,
+                 progress=False)
+
+
+def test_cli_frontier_writes_table_plot_and_chosen_model(setting, tmp_path, capsys):
+    from hf_janus.cli import main
+
+    tok, base, tuned, past, new, _, folder = setting
+    dirs = {}
+    for label, model in (("base", base), ("tuned", tuned)):
+        dirs[label] = str(tmp_path / label)
+        model.save_pretrained(dirs[label])
+        tok.save_pretrained(dirs[label])
+    replay = write_jsonl(str(tmp_path / "data" / "replay.jsonl"), [{"text": t} for t in PAST[6:]])
+    out, chosen = str(tmp_path / "frontier"), str(tmp_path / "chosen")
+    argv = ["frontier", "--reference", dirs["base"], "--finetuned", dirs["tuned"], "--replay", replay,
+            "--text-field", "text", "--past-task", past, "--new-task", new, "--wise-grid", "0.5", "--taus", "0.9",
+            "--no-hybrids", "--max-steps", "3", "--batch-size", "2", "--min-ap1", "10", "--output", out,
+            "--save", chosen, "--no-progress"]
+    assert main(argv) == 0
+    assert "Chosen (max AP2 with AP1 ≥ 10)" in capsys.readouterr().out
+    data = json.load(open(f"{out}/frontier.json"))
+    assert [p["kind"] for p in data["points"]] == ["anchor", "anchor", "wise", "janus"]
+    assert data["reports"]["tau=0.9"]["config"]["max_steps"] == 3
+    assert os.path.getsize(f"{out}/frontier.png") > 0 and os.path.isfile(f"{out}/frontier.md")
+    record = load_report(chosen)
+    assert record.frontier["criterion"] == "max AP2 with AP1 ≥ 10"
+    assert "How this model was chosen" in open(f"{chosen}/README.md").read()
+    # a second run may not write over the chosen model without --overwrite, and fails before any work
+    assert main(argv) == 2
+    assert "already exists" in capsys.readouterr().err
