@@ -69,6 +69,10 @@ def test_scoring_rules():
                     {"p": False, "n": False})
     assert ap["ap1"] == pytest.approx(75.0) and ap["ap2"] == pytest.approx(50.0)
     assert ap_metrics({"p": 1.0}, {"p": 1.0}, {"p": 1.0}, ["p"], [], {"p": True})["ap2"] is None
+    with pytest.raises(JanusError, match=r"from 2 at θ0 to 1\.5 at θ̂, so AP1 .* fine-tuning raised"):
+        ap_metrics({"p": 1.0}, {"p": 2.0}, {"p": 1.5}, ["p"], [], {"p": False})  # no forgetting to undo
+    with pytest.raises(JanusError, match=r"so AP2 .* fine-tuning lowered"):
+        ap_metrics({"n": 1.0}, {"n": 2.0}, {"n": 2.5}, [], ["n"], {"n": False})  # nothing learned
     with pytest.raises(JanusError, match="scores 0"):
         ap_metrics({"p": 1.0}, {"p": 0.0}, {"p": 1.0}, ["p"], [], {"p": True})
 
@@ -170,13 +174,15 @@ def test_cli_eval_scores_saved_models(tmp_path, tok, models, capsys):
 
     from hf_janus.cli import main
 
+    rows = [{"prompt": "Q: 1\nA:", "completion": "one"}, {"prompt": "Q: 2\nA:", "completion": "two"}]
+    comp = write_jsonl(str(tmp_path / "new.jsonl"), rows)
+    # the "fine-tuned" model must have the lower new-task loss, or AP2 (a share of the loss drop) is undefined
+    ordered = sorted(models, key=lambda m: -completion_nll(m, tok, rows))
     dirs = {}
-    for label, model in zip(("base", "tuned"), models):
+    for label, model in zip(("base", "tuned"), ordered):
         dirs[label] = str(tmp_path / label)
         model.save_pretrained(dirs[label])
         tok.save_pretrained(dirs[label])
-    comp = write_jsonl(str(tmp_path / "new.jsonl"), [{"prompt": "Q: 1\nA:", "completion": "one"},
-                                                     {"prompt": "Q: 2\nA:", "completion": "two"}])
     out = str(tmp_path / "eval.json")
     assert main(["eval", "--reference", dirs["base"], "--finetuned", dirs["tuned"], "--model", f"again={dirs['base']}",
                  "--new-task", comp, "--batch-size", "2", "--output", out]) == 0
@@ -186,3 +192,23 @@ def test_cli_eval_scores_saved_models(tmp_path, tok, models, capsys):
     assert data["ap"]["finetuned"]["ap2"] == pytest.approx(100.0) and data["ap"]["again"]["ap2"] == pytest.approx(0.0)
     assert "| again |" in capsys.readouterr().out
     assert main(["eval", "--reference", dirs["base"], "--finetuned", dirs["tuned"], "--model", "oops"]) == 2
+
+
+def test_adapter_directory_is_scored_merged_on_its_base(tmp_path, tok, models):
+    """A PEFT adapter given by directory is merged on the base its config names; scores equal the merged model's."""
+    from peft import LoraConfig, get_peft_model
+
+    base_dir = str(tmp_path / "base")
+    models[0].save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    peft_model = get_peft_model(build_tiny("llama", seed=0, vocab=len(tok)),
+                                LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.peft_config["default"].base_model_name_or_path = base_dir
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    merged = peft_model.merge_and_unload()
+    comp = write_jsonl(str(tmp_path / "new.jsonl"), [{"prompt": "Q: 1\nA:", "completion": "one"},
+                                                     {"prompt": "Q: 2\nA:", "completion": "two"}])
+    result = evaluate(base_dir, str(tmp_path / "adapter"), others={"merged": merged}, new_tasks=[comp], batch_size=2)
+    name = "janus_completion_new"
+    assert result.scores["finetuned"][name] == pytest.approx(result.scores["merged"][name], rel=1e-6)
+    assert result.scores["finetuned"][name] != pytest.approx(result.scores["reference"][name], rel=1e-6)

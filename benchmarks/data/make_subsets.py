@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_ANSWER_CHARS = 24
 N_NQ, N_WQ, N_GSM_TRAIN, N_GSM_TEST = 768, 384, 3000, 300
 # The "questions" scenario (issue 19): an English-question language model, evaluated on questions it never saw.
-N_DPR_QUESTIONS, N_WQ_VAL = 4096, 256
+N_DPR_QUESTIONS, N_WQ_VAL = 8192, 256
 
 
 def _first(rows, n, answers_key):

@@ -37,7 +37,8 @@ def first_line(generation: str) -> str:
     return generation.split("\n")[0].strip()
 
 
-def task_share(score: float, anchor: float, other: float, higher_is_better: bool, *, what: str) -> float:
+def task_share(score: float, anchor: float, other: float, higher_is_better: bool, *, what: str,
+               side: str = "AP1") -> float:
     """One task's share (%) of AP1 or AP2.
 
     Args:
@@ -46,16 +47,20 @@ def task_share(score: float, anchor: float, other: float, higher_is_better: bool
         other: the other end (θ̂ for AP1, θ0 for AP2); only used for loss-like scores.
         higher_is_better: accuracy-like (share of the anchor) or loss-like (share of the change).
         what: the task's name, for errors.
+        side: ``"AP1"`` or ``"AP2"``, for errors.
     """
     if higher_is_better:
         if anchor == 0:
             raise JanusError(f"{what}: the anchor model scores 0, so a share of its score is undefined; pick a task "
                              "the anchor model scores above 0 on")
         return 100.0 * score / anchor
-    change = other - anchor
-    if change == 0:
-        raise JanusError(f"{what}: θ0 and θ̂ have the same loss ({anchor:.6g}), so a share of the change is undefined")
-    return 100.0 * (other - score) / change
+    if other - anchor <= 0:  # a share of a change that did not happen (or went the other way) means nothing
+        theta0, theta_hat = (anchor, other) if side == "AP1" else (other, anchor)
+        expected = "raised (forgetting)" if side == "AP1" else "lowered (learning)"
+        raise JanusError(f"{what}: its loss goes from {theta0:.6g} at θ0 to {theta_hat:.6g} at θ̂, so {side} (the "
+                         f"share of the change kept or undone) is undefined: a loss-like {side} task needs a loss "
+                         f"that fine-tuning {expected}; pick another task")
+    return 100.0 * (other - score) / (other - anchor)
 
 
 def ap_metrics(scores: Mapping[str, float], reference: Mapping[str, float], finetuned: Mapping[str, float],
@@ -65,14 +70,15 @@ def ap_metrics(scores: Mapping[str, float], reference: Mapping[str, float], fine
 
     A side without tasks gives ``None``; AP is then ``None`` too.
     """
-    def mean_share(tasks: Sequence[str], anchor: Mapping[str, float], other: Mapping[str, float]) -> Optional[float]:
+    def mean_share(tasks: Sequence[str], anchor: Mapping[str, float], other: Mapping[str, float],
+                   side: str) -> Optional[float]:
         if not tasks:
             return None
-        shares = [task_share(scores[t], anchor[t], other[t], higher_is_better[t], what=t) for t in tasks]
+        shares = [task_share(scores[t], anchor[t], other[t], higher_is_better[t], what=t, side=side) for t in tasks]
         return sum(shares) / len(shares)
 
-    ap1 = mean_share(past_tasks, reference, finetuned)
-    ap2 = mean_share(new_tasks, finetuned, reference)
+    ap1 = mean_share(past_tasks, reference, finetuned, "AP1")
+    ap2 = mean_share(new_tasks, finetuned, reference, "AP2")
     ap = 0.5 * (ap1 + ap2) if ap1 is not None and ap2 is not None else None
     return {"ap1": ap1, "ap2": ap2, "ap": ap}
 
