@@ -31,12 +31,10 @@ from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.harness import ModelLike, Scorer, TaskLike, load_model, load_tokenizer, resolve_tasks
 from hf_janus.evaluation.scoring import ap_metrics
-from hf_janus.io_utils import atomic_write_text
+from hf_janus.io_utils import atomic_replace, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
-#: Candidate kinds, in the order they are scored.
-KINDS = ("anchor", "wise", "janus", "janus_to_reference", "janus_to_finetuned", "wise_then_janus")
 DEFAULT_WISE_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 DEFAULT_TAUS = (0.9, 0.95, 0.98)
 DEFAULT_HYBRID_GRID = (0.25, 0.5, 0.75)
@@ -218,10 +216,9 @@ class FrontierResult:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        tmp = os.fspath(path) + ".tmp.png"
-        fig.savefig(tmp, dpi=120)
+        with atomic_replace(path) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
         plt.close(fig)
-        os.replace(tmp, os.fspath(path))
 
     # ---- the chosen model ------------------------------------------------------------------------------------
     def _require_builder(self) -> "_WeightBuilder":
@@ -273,7 +270,7 @@ class FrontierResult:
 
 class _WeightBuilder:
     """Writes any candidate's weights into the working model; holds θ0 and θ̂ of the parameters that differ and
-    the JANUS results, on the host."""
+    the JANUS results on the host, in the model's dtype (host memory: (2 + JANUS runs) × the changed parameters)."""
 
     def __init__(self, model: nn.Module, theta0: dict[str, Tensor], finetuned: dict[str, Tensor],
                  tokenizer: Any, base_name: Any, replay: Any):
@@ -290,17 +287,20 @@ class _WeightBuilder:
             return None
         return f"tau={c.tau:g}" + (f",a={c.a:g}" if c.kind == "wise_then_janus" else "")
 
-    def weights(self, c: Candidate) -> dict[str, Tensor]:
+    def weights(self, c: Any) -> dict[str, Tensor]:
+        """The changed parameters of candidate (or point) ``c``, in float32; the anchors exactly θ0 and θ̂."""
         t0, t1 = self.theta0, self.finetuned
-        if c.kind in ("anchor", "wise"):
-            return {k: t0[k] + c.a * (t1[k] - t0[k]) for k in t0}
-        j = {**t1, **self.janus[self.run_key(c)]}
+        if c.kind == "anchor":
+            return {k: v.float() for k, v in (t0 if c.a == 0 else t1).items()}
+        if c.kind == "wise":
+            return {k: t0[k].float() + c.a * (t1[k].float() - t0[k].float()) for k in t0}
+        j = {k: v.float() for k, v in {**t1, **self.janus[self.run_key(c)]}.items()}
         if c.kind in ("janus", "wise_then_janus"):
             return j
         if c.kind == "janus_to_reference":
-            return {k: t0[k] + c.b * (j[k] - t0[k]) for k in t0}
+            return {k: t0[k].float() + c.b * (j[k] - t0[k].float()) for k in t0}
         if c.kind == "janus_to_finetuned":
-            return {k: j[k] + c.b * (t1[k] - j[k]) for k in t0}
+            return {k: j[k] + c.b * (t1[k].float() - j[k]) for k in t0}
         raise JanusError(f"unknown candidate kind {c.kind!r}")  # pragma: no cover
 
     def write(self, values: Mapping[str, Tensor]) -> None:
@@ -339,9 +339,9 @@ def _differing_parameters(model: nn.Module, base: Mapping[str, Tensor]) -> dict[
     for name, param in model.named_parameters():
         if name not in base:
             raise JanusError(f"the reference model has no parameter {name!r}: θ0 and θ̂ must share an architecture")
-        # copies: on a float32 CPU model .to() would alias the live weights, which each candidate overwrites
-        ref = base[name].detach().to("cpu", torch.float32, copy=True)
-        now = param.detach().to("cpu", torch.float32, copy=True)
+        # copies: on a CPU model .to() would alias the live weights, which each candidate overwrites
+        ref = base[name].detach().to("cpu", param.dtype, copy=True)
+        now = param.detach().to("cpu", copy=True)
         if ref.shape != now.shape:
             raise JanusError(f"parameter {name!r} has shape {tuple(ref.shape)} in θ0 but {tuple(now.shape)} in θ̂")
         if not torch.equal(ref, now):
@@ -454,7 +454,7 @@ def _run_janus(builder: _WeightBuilder, c: Candidate, config: JanusConfig, repla
     reference = {**{k: p.detach() for k, p in builder.params.items()}, **builder.theta0}
     report = rectify_fn(builder.model, reference, replay, dataclasses.replace(config, tau=c.tau), progress=progress)
     key = builder.run_key(c)
-    builder.janus[key] = {k: builder.params[k].detach().to("cpu", torch.float32).clone() for k in builder.theta0}
+    builder.janus[key] = {k: builder.params[k].detach().to("cpu", copy=True) for k in builder.theta0}
     builder.reports[key] = report
     builder.write(builder.finetuned)
     return report
