@@ -192,6 +192,8 @@ class Scorer:
         except JanusError:
             raise
         except KeyError as err:
+            if "registered" not in str(err):  # lm-eval's "... is not a registered task/group/tag name"
+                raise
             raise JanusError(f"lm-eval does not know a task: {err}; pass a task name from `lm_eval --tasks list`, "
                              "a local JSONL file or a task config dict") from err
         finally:
