@@ -4,7 +4,7 @@
     python benchmarks/forgetting/frontier_study.py --scenario questions   # ~10 min (+1.5 min to pretrain once)
 
 Both scenarios fine-tune a tiny Llama θ0 on GSM8K (full fine-tuning, 200 AdamW steps, batch 16, lr 5e-4, or with
---method lora a LoRA r=8, α=16 on all linear layers at lr 2e-3, merged: the forgetting benchmark's settings in a
+--method lora a LoRA r=8, α=16 on all linear layers at lr 2e-3, or --method pissa a PiSSA r=8 at lr 1e-3, merged: the forgetting benchmark's settings in a
 plain loop instead of Trainer; --seed changes the fine-tuning's and JANUS's seed) and run ``hf_janus.frontier`` on it: WiSE-FT
 a ∈ {0.1 … 0.9}, JANUS τ ∈ {0.9, 0.95, 0.98}, JANUS(τ=0.95) → θ0 and → θ̂ at b ∈ {0.25, 0.5, 0.75}, and WiSE-FT
 a ∈ {0.5, 0.75} → JANUS(τ=0.95). Then JANUS(τ=0.95) with other replays: m=64, and (facts) answer-only labels.
@@ -19,7 +19,7 @@ a ∈ {0.5, 0.75} → JANUS(τ=0.95). Then JANUS(τ=0.95) with other replays: m=
 
 New task in both: NLL per byte of the worked answers of 256 GSM8K test problems (AP2 = share of the NLL gain kept;
 the ratio is the same per token or per byte, since the text is fixed). Writes
-results/frontier_<scenario>[_lora][_seed<N>].{json,md,png}.
+results/frontier_<scenario>[_lora|_pissa][_seed<N>].{json,md,png}.
 """
 
 from __future__ import annotations
@@ -143,22 +143,28 @@ def scenario_questions(s: Settings, folder: str, cache_dir: str):
 def finetune(theta0, train: list[dict], s: Settings, method: str, seed: int, pad_id: int):
     """θ̂: a fine-tuned copy of θ0 (LoRA is merged, so every candidate is a full model)."""
     model = copy.deepcopy(theta0)
-    if method == "lora":
+    if method in ("lora", "pissa"):
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(seed)
-        model = get_peft_model(model, LoraConfig(r=s.lora_r, lora_alpha=2 * s.lora_r, target_modules="all-linear",
-                                                 lora_dropout=0.0))
+        # the forgetting benchmark's adapters: LoRA α = 2r; PiSSA α = r, initialized from the top singular vectors
+        config = (LoraConfig(r=s.lora_r, lora_alpha=2 * s.lora_r, target_modules="all-linear", lora_dropout=0.0)
+                  if method == "lora" else
+                  LoraConfig(r=s.lora_r, lora_alpha=s.lora_r, target_modules="all-linear", lora_dropout=0.0,
+                             init_lora_weights="pissa"))
+        model = get_peft_model(model, config)
     lib.pretrain(model, train, s.ft_steps, s.ft_lr[method], s.ft_batch, seed, pad_id, log_every=0)
-    return model.merge_and_unload().eval() if method == "lora" else model
+    # merged, PiSSA's residual base plus its adapter is θ0 + ΔW
+    return model.merge_and_unload().eval() if method != "full" else model
 
 
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenario", choices=("facts", "questions"), required=True)
-    ap.add_argument("--method", choices=("full", "lora"), default="full",
-                    help="full fine-tuning (lr 5e-4), or LoRA r=8, α=16 on all linear layers (lr 2e-3), merged")
+    ap.add_argument("--method", choices=("full", "lora", "pissa"), default="full",
+                    help="full fine-tuning (lr 5e-4), LoRA r=8, α=16 (lr 2e-3) or PiSSA r=8 (lr 1e-3) on all "
+                         "linear layers, merged")
     ap.add_argument("--seed", type=int, default=0, help="seed of the fine-tuning and of JANUS (θ0 stays the same)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", default=os.path.join(HERE, "cache"))
@@ -234,7 +240,7 @@ def main(argv=None) -> int:
         lines.append(f"| {row['label']} | {row['ap1']:.1f} | {row['ap2']:.1f} | {margin} | {row['jacobian_evaluations']} |")
     with open(stem + ".md", "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
-    what = "full fine-tuning" if args.method == "full" else "LoRA r=8, merged"
+    what = {"full": "full fine-tuning", "lora": "LoRA r=8, merged", "pissa": "PiSSA r=8, merged"}[args.method]
     result.plot(stem + ".png", title=f"Frontier, scenario '{args.scenario}' ({what} on GSM8K, seed {args.seed})")
     log(f"wall time {data['wall_seconds']:.0f}s; wrote {stem}.json/.md/.png")
     return 0
