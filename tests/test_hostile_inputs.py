@@ -285,6 +285,19 @@ def test_card_escapes_ids_and_free_text(tmp_path):
     assert "`x`|y" not in card
 
 
+
+def test_card_of_an_odd_frontier_field(tmp_path):
+    """A record's frontier field of unexpected types still renders, escaped, and says what it can."""
+    from hf_janus.publish.card import render_card
+    from hf_janus.publish.record import read_record
+
+    frontier = {"chosen": {"label": "<script>x</script>", "ap1": "high", "ap2": 91.25, "tau": None},
+                "criterion": "max AP", "points": 3, "past_tasks": ["nq", 7], "new_tasks": "gsm"}
+    card = str(render_card(read_record(str(_record(tmp_path, frontier=frontier))), load_id="me/m"))
+    assert "How this model was chosen" in card and "<script>" not in card
+    assert "AP1 -% (past tasks: nq, 7), AP2 91.2% (new tasks: -)" in card and "among several candidates" in card
+    assert "involves no JANUS step" in card
+
 # ---- errors that name the problem and the fix -------------------------------------------------------------------
 
 def test_missing_base_is_named_as_such(inputs, tmp_path):

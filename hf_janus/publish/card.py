@@ -111,11 +111,20 @@ def _frontier_line(published: "PublishedReport") -> Optional[str]:
     chosen = info.get("chosen") if isinstance(info, dict) else None
     if not isinstance(chosen, dict):
         return None
+
+    def names(key: str) -> str:  # the record may come from elsewhere: only lists of strings are shown
+        value = info.get(key)
+        return _plain(", ".join(str(v) for v in value)) if isinstance(value, list) else "-"
+
+    def share(key: str) -> str:
+        value = chosen.get(key)
+        return _fmt(value, ".1f") if isinstance(value, (int, float)) else "-"
+
+    points = info.get("points")
     line = (f"Chosen by `hf-janus frontier` ({_plain(info.get('criterion', ''))}) among "
-            f"{len(info.get('points') or [])} candidates (WiSE-FT interpolations, JANUS and their hybrids): "
-            f"**{_plain(chosen.get('label', '?'))}**, AP1 {_fmt(chosen.get('ap1'), '.1f')}% (past tasks: "
-            f"{_plain(', '.join(info.get('past_tasks') or []))}), AP2 {_fmt(chosen.get('ap2'), '.1f')}% (new tasks: "
-            f"{_plain(', '.join(info.get('new_tasks') or []))}).")
+            f"{len(points) if isinstance(points, list) else 'several'} candidates (WiSE-FT interpolations, JANUS and "
+            f"their hybrids): **{_plain(chosen.get('label', '?'))}**, AP1 {share('ap1')}% (past tasks: "
+            f"{names('past_tasks')}), AP2 {share('ap2')}% (new tasks: {names('new_tasks')}).")
     if chosen.get("tau") is None:
         line += " This point involves no JANUS step, so the rectification record below is empty."
     elif chosen.get("kind") != "janus":
