@@ -248,6 +248,34 @@ greedy answer, rows {"prompt", "completion"} by the completion's negative log-li
 """
 
 
+def add_evaluation_options(group: Any, *, tasks_required: bool) -> None:
+    """The models, tasks and lm-eval settings that ``eval`` and ``frontier`` share."""
+    group.add_argument("--reference", required=True, metavar="ID_OR_DIR", help="θ0: Hub repo id or local directory")
+    group.add_argument("--finetuned", required=True, metavar="ID_OR_DIR",
+                       help="θ̂: full weights or a PEFT adapter (merged on its base), Hub repo id or local directory")
+    tasks: dict[str, Any] = {"required": True} if tasks_required else {"default": []}
+    group.add_argument("--past-task", action="append", metavar="TASK", **tasks,
+                       help="a task the model should keep (repeatable): lm-eval task name or JSONL file")
+    group.add_argument("--new-task", action="append", metavar="TASK", **tasks,
+                       help="a task fine-tuning taught (repeatable): lm-eval task name or JSONL file")
+    group.add_argument("--tokenizer", metavar="ID_OR_DIR", help="tokenizer (default: the one beside --reference)")
+    group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                       help="dtype to load the models in (default: the checkpoint's)")
+    group.add_argument("--device", default=None, help="device for the models, e.g. cuda:0 (default: cpu)")
+    group.add_argument("--batch-size", default="16", help="lm-eval batch size, an int or auto (default: 16)")
+    group.add_argument("--limit", type=float, help="at most this many documents per task (a fraction when < 1)")
+    group.add_argument("--include-path", metavar="DIR", help="a directory of more lm-eval task YAMLs")
+
+
+def evaluation_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`hf_janus.evaluate` / :func:`hf_janus.frontier` that
+    :func:`add_evaluation_options` gives, beyond the models and tasks."""
+    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    return {"tokenizer": args.tokenizer, "batch_size": batch_size, "limit": limit, "include_path": args.include_path,
+            "device": args.device, "torch_dtype": args.dtype}
+
+
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
@@ -258,23 +286,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                     "extra: pip install 'hf-janus[eval]'.",
         epilog=_EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--reference", required=True, metavar="ID_OR_DIR", help="θ0: Hub repo id or local directory")
-    p.add_argument("--finetuned", required=True, metavar="ID_OR_DIR",
-                   help="θ̂: full weights or a PEFT adapter (merged on its base), Hub repo id or local directory")
+    add_evaluation_options(p, tasks_required=False)
     p.add_argument("--rectified", metavar="ID_OR_DIR", help="the rectified model or adapter")
     p.add_argument("--model", action="append", default=[], metavar="LABEL=ID_OR_DIR",
                    help="another model to score, e.g. wise0.5=./interpolated (repeatable)")
-    p.add_argument("--past-task", action="append", default=[], metavar="TASK",
-                   help="a task the model should keep (repeatable): lm-eval task name or JSONL file")
-    p.add_argument("--new-task", action="append", default=[], metavar="TASK",
-                   help="a task fine-tuning taught (repeatable): lm-eval task name or JSONL file")
-    p.add_argument("--tokenizer", metavar="ID_OR_DIR", help="tokenizer (default: the one beside --reference)")
-    p.add_argument("--batch-size", default="16", help="lm-eval batch size, an int or auto (default: 16)")
-    p.add_argument("--limit", type=float, help="at most this many documents per task (a fraction when < 1)")
-    p.add_argument("--include-path", metavar="DIR", help="a directory of more lm-eval task YAMLs")
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype to load the models in (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help="device to evaluate on, e.g. cuda:0 (default: cpu)")
     p.add_argument("--output", metavar="PATH", help="also write the scores and AP figures as JSON to PATH")
     p.set_defaults(func=_run_eval)
 
@@ -290,13 +305,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         others[label] = name
     if not args.past_task and not args.new_task:
         raise ValueError("give at least one --past-task or --new-task")
-    limit = args.limit
-    if limit is not None and limit >= 1:
-        limit = int(limit)
-    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     result = evaluate(args.reference, args.finetuned, args.rectified, past_tasks=args.past_task,
-                      new_tasks=args.new_task, others=others, tokenizer=args.tokenizer, batch_size=batch_size,
-                      limit=limit, include_path=args.include_path, device=args.device, torch_dtype=args.dtype)
+                      new_tasks=args.new_task, others=others, **evaluation_settings(args))
     print(result.to_markdown())
     if args.output:
         result.save(args.output)
@@ -339,20 +349,7 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
         epilog=_FRONTIER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("models and tasks")
-    src.add_argument("--reference", required=True, metavar="ID_OR_DIR", help="θ0: Hub repo id or local directory")
-    src.add_argument("--finetuned", required=True, metavar="ID_OR_DIR",
-                     help="θ̂: full weights or a PEFT adapter (merged on its base), Hub repo id or local directory")
-    src.add_argument("--past-task", action="append", required=True, metavar="TASK",
-                     help="a task the model should keep (repeatable): lm-eval task name or JSONL file")
-    src.add_argument("--new-task", action="append", required=True, metavar="TASK",
-                     help="a task fine-tuning taught (repeatable): lm-eval task name or JSONL file")
-    src.add_argument("--tokenizer", metavar="ID_OR_DIR", help="tokenizer (default: the one beside --reference)")
-    src.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                     help="dtype to load the models in (default: the checkpoint's)")
-    src.add_argument("--device", default=None, help="device, e.g. cuda:0 (default: cpu)")
-    src.add_argument("--batch-size", default="16", help="lm-eval batch size, an int or auto (default: 16)")
-    src.add_argument("--limit", type=float, help="at most this many documents per task (a fraction when < 1)")
-    src.add_argument("--include-path", metavar="DIR", help="a directory of more lm-eval task YAMLs")
+    add_evaluation_options(src, tasks_required=True)
 
     rep = p.add_argument_group("replay (samples of the past task, for JANUS)")
     rep.add_argument("--replay", required=True, metavar="DATASET[:SPLIT]",
@@ -401,14 +398,11 @@ def _run_frontier(args: argparse.Namespace) -> int:
         check_output_dir(args.save, args.overwrite, inputs)
     if args.output:
         check_output_dir(args.output, True, inputs)
-    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
-    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     result = frontier(args.reference, args.finetuned, args.replay, past_tasks=args.past_task,
                       new_tasks=args.new_task, config=merge_config(args), wise_grid=args.wise_grid, taus=args.taus,
                       hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid, pre_janus_grid=args.pre_janus_grid,
-                      min_ap2=args.min_ap2, min_ap1=args.min_ap1, tokenizer=args.tokenizer, batch_size=batch_size,
-                      limit=limit, include_path=args.include_path, replay_options=replay_options(args),
-                      device=args.device, torch_dtype=args.dtype, progress=not args.no_progress)
+                      min_ap2=args.min_ap2, min_ap1=args.min_ap1, replay_options=replay_options(args),
+                      progress=not args.no_progress, **evaluation_settings(args))
     table = result.to_markdown()
     print(table)
     if args.output:

@@ -14,13 +14,14 @@ largest AP1 with AP2 ≥ 95%), which can be saved or pushed with its record like
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -308,8 +309,14 @@ class _WeightBuilder:
             for name, value in values.items():
                 self.params[name].copy_(value)
 
-    def applied(self, c: Candidate) -> "_Applied":
-        return _Applied(self, c)
+    @contextlib.contextmanager
+    def applied(self, c: Any) -> Iterator[nn.Module]:
+        """The model holding candidate (or point) ``c`` inside the block, θ̂ (as given) after it."""
+        self.write(self.weights(c))
+        try:
+            yield self.model
+        finally:
+            self.write(self.finetuned)
 
     def report_for(self, c: Candidate) -> RectificationReport:
         key = self.run_key(c)
@@ -317,20 +324,6 @@ class _WeightBuilder:
             return self.reports[key]
         # No JANUS in this point: the record still says what the weights are, and that nothing was rectified.
         return RectificationReport(config={}, stop_reason=f"not rectified: {c.label} chosen by hf-janus frontier")
-
-
-class _Applied:
-    """Context manager: the model holds candidate ``c`` inside, θ̂ (as given) after."""
-
-    def __init__(self, builder: _WeightBuilder, c: Candidate):
-        self.builder, self.c = builder, c
-
-    def __enter__(self) -> nn.Module:
-        self.builder.write(self.builder.weights(self.c))
-        return self.builder.model
-
-    def __exit__(self, *exc: Any) -> None:
-        self.builder.write(self.builder.finetuned)
 
 
 def _differing_parameters(model: nn.Module, base: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:

@@ -7,6 +7,7 @@ evaluation can run offline.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -127,6 +128,15 @@ def load_tokenizer(tokenizer: Any, models: Sequence[ModelLike], token: Any = Non
                      + (f"; tried {'; '.join(errors)}" if errors else ""))
 
 
+@functools.lru_cache(maxsize=4)
+def _task_manager(include_paths: tuple[str, ...]) -> Any:
+    """lm-eval's task index over its own tasks and ``include_paths``: building it reads every task YAML (~5 s),
+    so the Scorers of a process share one per set of paths (a Scorer's task configs are not registered in it)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include_paths))
+
+
 # ---- scoring one model --------------------------------------------------------------------------------------
 @dataclass
 class TaskResult:
@@ -162,18 +172,12 @@ class Scorer:
         self.max_length = max_length
         self.include_path = include_path
         self.add_bos_token = add_bos_token
-        self._task_manager: Any = None
 
     @property
     def task_manager(self) -> Any:
-        if self._task_manager is None:
-            from lm_eval.tasks import TaskManager
+        from hf_janus.evaluation.local_tasks import task_dir
 
-            from hf_janus.evaluation.local_tasks import task_dir
-
-            paths = [task_dir()] + ([self.include_path] if self.include_path else [])
-            self._task_manager = TaskManager(include_path=paths)
-        return self._task_manager
+        return _task_manager((task_dir(),) + ((self.include_path,) if self.include_path else ()))
 
     def __call__(self, model: nn.Module) -> dict[str, TaskResult]:
         from lm_eval import simple_evaluate

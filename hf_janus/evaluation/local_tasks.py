@@ -83,6 +83,15 @@ def _as_answers(value: Any, path: str, index: int) -> list[str]:
     return answers
 
 
+def _task_rows(data_files: Optional[PathLike], kind: str, example: str) -> tuple[str, list[dict[str, Any]]]:
+    """The path and rows of a task's file; a task built without one names how lm-eval passes it."""
+    if data_files is None:
+        raise JanusError(f"this {kind} task needs its file: pass data_files (lm_eval: --metadata "
+                         f"'{{\"data_files\": \"{example}\"}}')")
+    path = os.fspath(data_files)
+    return path, read_jsonl(path)
+
+
 def load_qa(data_files: Optional[PathLike] = None, question_field: Optional[str] = None,
             answers_field: Optional[str] = None, **_: Any) -> Any:
     """A QA JSONL as a ``DatasetDict`` with one ``test`` split of ``question`` (str) and ``answers`` (list[str]).
@@ -91,11 +100,7 @@ def load_qa(data_files: Optional[PathLike] = None, question_field: Optional[str]
     """
     from datasets import Dataset, DatasetDict
 
-    if data_files is None:
-        raise JanusError("this QA task needs its file: pass data_files (lm_eval: --metadata "
-                         "'{\"data_files\": \"questions.jsonl\"}')")
-    path = os.fspath(data_files)
-    rows = read_jsonl(path)
+    path, rows = _task_rows(data_files, "QA", "questions.jsonl")
     q_field = _pick_field(rows[0], question_field, QUESTION_FIELDS, "question", path)
     a_field = _pick_field(rows[0], answers_field, ANSWER_FIELDS, "answers", path)
     docs = []
@@ -111,11 +116,7 @@ def load_completions(data_files: Optional[PathLike] = None, prompt_field: Option
     """A prompt/completion JSONL as a ``DatasetDict`` with one ``test`` split of ``prompt`` and ``completion``."""
     from datasets import Dataset, DatasetDict
 
-    if data_files is None:
-        raise JanusError("this completion task needs its file: pass data_files (lm_eval: --metadata "
-                         "'{\"data_files\": \"completions.jsonl\"}')")
-    path = os.fspath(data_files)
-    rows = read_jsonl(path)
+    path, rows = _task_rows(data_files, "completion", "completions.jsonl")
     p_field = _pick_field(rows[0], prompt_field, PROMPT_FIELDS, "prompt", path)
     c_field = _pick_field(rows[0], completion_field, COMPLETION_FIELDS, "completion", path)
     docs = []
