@@ -70,6 +70,11 @@ class JanusConfig:
             models); about 1.7x faster on a CPU, far more on GPUs. ``"float64"``: every product in float64 (the
             slow reference path).
         gram_rcond: relative cutoff below which Gram eigenvalues count as zero (pseudo-inverse).
+        damping: Tikhonov damping of the projection, relative to the largest eigenvalue of each layer's Gram: the
+            update becomes ``ΔW - Jᵀ (J Jᵀ + λI)⁻¹ J ΔW`` with ``λ = damping · max eig(J Jᵀ)``, which keeps a share
+            ``λ / (σ² + λ)`` of the update along a Jacobian direction of singular value σ instead of none. ``0``
+            (default): the paper's exact null-space projection. An experiment of the stability-plasticity study
+            (the forgetting benchmark's README); the acceptance test does not depend on it.
         materialize_max_bytes: largest per-layer per-sample gradient tensor the engine may materialize
             when that path is cheaper than the ghost path; also the most bytes of materialized gradients
             of the current point kept, over all layers, for the trials of a step. On CPU up to 256 MiB of
@@ -131,6 +136,9 @@ class JanusConfig:
                 "refinement sweep) or float64", "choices": GHOST_MATMULS})
     gram_rcond: float = field(default=1e-10, metadata={
         "help": "relative cutoff below which Gram eigenvalues count as zero"})
+    damping: float = field(default=0.0, metadata={
+        "help": "damping λ of the projection ΔW - Jᵀ(JJᵀ+λI)⁻¹JΔW, relative to the largest Gram eigenvalue of each "
+                "layer (0 = the paper's exact projection)"})
     materialize_max_bytes: int = field(default=1 << 30, metadata={
         "help": "largest per-layer per-sample gradient tensor materialized when cheaper than the ghost path"})
     cache: str = field(default="memory", metadata={
@@ -213,6 +221,8 @@ class JanusConfig:
                " or ".join(repr(c) for c in GHOST_MATMULS))
         _check(isinstance(self.gram_rcond, (int, float)) and 0.0 <= self.gram_rcond < 1.0,
                "gram_rcond", self.gram_rcond, "a float in [0, 1)")
+        _check(isinstance(self.damping, (int, float)) and not isinstance(self.damping, bool)
+               and math.isfinite(self.damping) and self.damping >= 0.0, "damping", self.damping, "a float >= 0")
         _check(_is_int(self.materialize_max_bytes) and self.materialize_max_bytes >= 0,
                "materialize_max_bytes", self.materialize_max_bytes, "an int >= 0")
         _check(isinstance(self.cache, (str, os.PathLike)) and str(self.cache) != "",

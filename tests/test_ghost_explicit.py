@@ -336,6 +336,52 @@ def test_project_is_idempotent_and_keeps_null_space_updates(path):
     torch.testing.assert_close(project(lj, once, eig), once, rtol=1e-9, atol=1e-9)
 
 
+def explicit_damped_projection(jac: Tensor, delta: Tensor, damping: float) -> Tensor:
+    """``ΔW − Jᵀ (J Jᵀ + λI)⁻¹ J ΔW`` with ``λ = damping · max eig(J Jᵀ)``, by a dense solve."""
+    gram = jac @ jac.T
+    lam = damping * float(torch.linalg.eigvalsh(gram).max())
+    flat = delta.reshape(-1)
+    return (flat - jac.T @ torch.linalg.solve(gram + lam * torch.eye(len(gram), dtype=DT), jac @ flat)).reshape(
+        delta.shape)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("matmul", (torch.float64, torch.float32), ids=("float64", "float32"))
+@pytest.mark.parametrize("case", ("full_rank", "duplicate_samples"))
+@pytest.mark.parametrize("damping", (1e-3, 0.3))
+def test_damped_projection_matches_explicit_solve(kind, path, matmul, case, damping):
+    """Damping λ: ΔW − Jᵀ (JJᵀ + λI)⁻¹ J ΔW, on a full-rank and a singular Gram, with float64 products and with
+    float32 products (whose refinement sweep solves the damped system's residual, not the undamped one's)."""
+    p = make_problem(kind) if case == "full_rank" else RANK_DEFICIENT[case](kind)
+    delta = random_delta(p)
+    lj = LayerJacobian(p.x, p.a, path=path, matmul_dtype=matmul)
+    eig = eig_psd(lj.gram(), RCOND, damping)
+    got = project(lj, delta, eig).double()
+    want = explicit_damped_projection(p.jac, delta, damping)
+    assert _rel(got, want) < (1e-9 if matmul == torch.float64 else 1e-6)
+    # it keeps part of the update along the row space: between the exact projection and ΔW
+    exact = explicit_projection(p.jac, delta)
+    assert 0 < float((got - exact).norm()) < float((delta - exact).norm())
+
+
+def test_damping_changes_neither_the_row_space_nor_the_angles():
+    p, q = two_weight_points("linear")
+    g1, g2 = LayerJacobian(p.x, p.a), LayerJacobian(q.x, q.a)
+    plain, damped = eig_psd(g1.gram(), RCOND), eig_psd(g1.gram(), RCOND, 0.5)
+    assert damped.rank == plain.rank and plain.shift == 0.0
+    assert damped.shift == pytest.approx(0.5 * float(torch.linalg.eigvalsh(p.jac @ p.jac.T).max()), rel=1e-12)
+    other = eig_psd(g2.gram(), RCOND)
+    torch.testing.assert_close(principal_cosines(damped, eig_psd(g2.gram(), RCOND, 0.5), g1.cross_gram(g2)),
+                               principal_cosines(plain, other, g1.cross_gram(g2)), rtol=0, atol=0)
+    # damping 0 is the pseudo-inverse exactly
+    delta = random_delta(p)
+    assert torch.equal(project(g1, delta, eig_psd(g1.gram(), RCOND, 0.0)), project(g1, delta, plain))
+    for bad in (-1e-3, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="damping"):
+            eig_psd(g1.gram(), RCOND, bad)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_project_zero_jacobian_is_identity(path):
     # A layer whose output gradients vanish imposes no constraint: empty spectrum, update unchanged.

@@ -298,6 +298,18 @@ def test_card_of_an_odd_frontier_field(tmp_path):
     assert "AP1 -% (past tasks: nq, 7), AP2 91.2% (new tasks: -)" in card and "among several candidates" in card
     assert "involves no JANUS step" in card
 
+
+def test_card_names_the_settings_that_depart_from_the_paper(tmp_path):
+    """A damped, re-targeted or loss-accepted run says so in the card (odd values escaped); the defaults add no row."""
+    from hf_janus.publish.card import render_card
+    from hf_janus.publish.record import read_record
+
+    plain = str(render_card(read_record(str(_record(tmp_path))), load_id="me/m"))
+    assert "other settings" not in plain
+    config = {**JanusConfig().to_dict(), "damping": 0.05, "constraint": "target_logit", "acceptance": "<b>x</b>|"}
+    card = str(render_card(read_record(str(_record(tmp_path, config=config))), load_id="me/m"))
+    assert "| other settings | constraint=target\\_logit, acceptance=&lt;b&gt;x&lt;/b&gt;\\|, damping=0.05 |" in card
+
 # ---- errors that name the problem and the fix -------------------------------------------------------------------
 
 def test_missing_base_is_named_as_such(inputs, tmp_path):

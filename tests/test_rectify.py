@@ -535,6 +535,37 @@ def test_constraint_keeps_its_jacobian(tuned_llama, constraints, fields):
     assert residuals["paper"] > 100 * residuals["chosen"], residuals
 
 
+def test_damped_projection_of_the_loss_jacobian(tuned_llama):
+    """damping=δ: single-step JANUS writes θ0 + ΔW − Jᵀ(JJᵀ + λI)⁻¹JΔW per layer, λ = δ·max eig(JJᵀ), with J the
+    per-sample loss gradients at θ0 from torch.func; it keeps more of the update than the exact projection."""
+    model, reference = tuned_llama
+    replay = random_replay(5)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
+    theta0 = {n: reference[f"{n}.weight"].double() for n in names}
+    jac = constraint_jacobians(copy.deepcopy(model).double().eval(), theta0, replay, tempered_loss(1.0))
+    rectified = {}
+    for damping in (0.0, 0.05):
+        out = copy.deepcopy(model)
+        report = rectify(out, reference, replay, JanusConfig(tau=0.0, rank=None, damping=damping), progress=False)
+        assert report.converged and report.config["damping"] == damping
+        rectified[damping] = {n: out.get_submodule(n).weight.detach().double() - theta0[n] for n in names}
+    for n in names:
+        j = jac[n].reshape(len(replay), -1)
+        full = model.get_submodule(n).weight.detach().double() - theta0[n]
+        gram = j @ j.T
+        lam = 0.05 * float(torch.linalg.eigvalsh(gram).max())
+        want = full.reshape(-1) - j.T @ torch.linalg.solve(gram + lam * torch.eye(len(gram), dtype=gram.dtype),
+                                                           j @ full.reshape(-1))
+        got = rectified[0.05][n].reshape(-1)
+        assert float((got - want).norm()) <= 1e-5 * float(full.norm()), n
+        # the row-space part it keeps: more first-order change of the replay loss than the exact projection
+        exact = rectified[0.0][n].reshape(-1)
+        assert float((j @ got).norm()) > 10 * float((j @ exact).norm()), n
+    for bad in (-0.1, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="damping"):
+            JanusConfig(damping=bad)
+
+
 def test_a_temperature_needs_the_loss_constraint():
     with pytest.raises(ValueError, match="constraint_temperature"):
         JanusConfig(constraint="target_logit", constraint_temperature=2.0)

@@ -7,8 +7,8 @@ With factors ``X`` (m x r x d_in) and ``A`` (m x r x d_out):
 * Gram ``(J Jᵀ)_uv = Σ_kl (A_u A_vᵀ)_kl (X_u X_vᵀ)_kl``  (ghost) or ``<G_u, G_v>`` (materialized),
 * JVP ``(J ΔW)_u = Σ_k a_ukᵀ ΔW x_uk``,
 * VJP ``Jᵀ v = Σ_i v_i A_iᵀ X_i``,
-* projection ``ΔW - Jᵀ (J Jᵀ)⁺ J ΔW`` and principal-angle cosines between two row spaces from
-  ``G1``, ``G2`` and the cross-Gram ``G12``.
+* projection ``ΔW - Jᵀ (J Jᵀ)⁺ J ΔW`` (or its damped form ``ΔW - Jᵀ (J Jᵀ + λI)⁻¹ J ΔW``) and
+  principal-angle cosines between two row spaces from ``G1``, ``G2`` and the cross-Gram ``G12``.
 
 Two exact paths compute the same numbers: the ghost path (cost ~ m² r² (d_in + d_out)) and the
 materialized path that builds the m per-sample gradients (cost ~ m r d_in d_out + m² d_in d_out,
@@ -25,6 +25,7 @@ float64 products ~15x slower than TF32, and a CPU runs float32 about twice as fa
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal, Optional
@@ -209,21 +210,31 @@ def ghost_vjp(x: Tensor, a: Tensor, v: Tensor, dtype: torch.dtype = torch.float6
 
 @dataclass
 class GramEig:
-    """Eigendecomposition of a PSD Gram matrix restricted to its numerically non-zero spectrum."""
+    """Eigendecomposition of a PSD Gram matrix restricted to its numerically non-zero spectrum.
+
+    ``shift`` is the absolute damping λ of :meth:`solve` (0: the pseudo-inverse); the row space, its rank and
+    :meth:`whitened_basis` (the principal angles) never depend on it.
+    """
 
     values: Tensor  # (k,), all > rcond * max eigenvalue
     vectors: Tensor  # (m, k)
     size: int  # m
+    shift: float = 0.0
 
     @property
     def rank(self) -> int:
         return int(self.values.numel())
 
     def solve(self, b: Tensor) -> Tensor:
-        """Minimum-norm least-squares solution ``G⁺ b``."""
+        """Minimum-norm least-squares solution ``G⁺ b``, or ``(G + λI)⁻¹ b`` with a shift λ > 0.
+
+        With a shift the eigenvalues cut off as zero are left out as well: ``b`` is a JVP, so its component
+        along them is at most ``sqrt(rcond)`` of its norm, and ``(G + λI)⁻¹`` would scale it by ``1/λ`` only to
+        have ``Jᵀ`` multiply it by ``sqrt(rcond · max eigenvalue)`` again.
+        """
         if self.rank == 0:
             return torch.zeros_like(b, dtype=self.vectors.dtype)
-        coeff = (self.vectors.T @ b.to(self.vectors.dtype)) / self.values
+        coeff = (self.vectors.T @ b.to(self.vectors.dtype)) / (self.values + self.shift)
         return self.vectors @ coeff
 
     def whitened_basis(self) -> Tensor:
@@ -231,8 +242,14 @@ class GramEig:
         return self.vectors / self.values.sqrt()
 
 
-def eig_psd(gram: Tensor, rcond: float) -> GramEig:
-    """Symmetric eigendecomposition with a relative cutoff, the only inverse the engine uses."""
+def eig_psd(gram: Tensor, rcond: float, damping: float = 0.0) -> GramEig:
+    """Symmetric eigendecomposition with a relative cutoff, the only inverse the engine uses.
+
+    ``damping`` (relative, ≥ 0) sets the shift λ = damping · (largest eigenvalue) of :meth:`GramEig.solve`, so that
+    the same setting means the same softness on every layer and at every point, whatever the Jacobian's scale.
+    """
+    if not (damping >= 0.0 and math.isfinite(damping)):
+        raise ValueError(f"damping must be a finite float >= 0, got {damping!r}")
     if gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
         raise ValueError(f"Gram matrix must be square, got {tuple(gram.shape)}")
     sym = 0.5 * (gram + gram.T)
@@ -244,7 +261,8 @@ def eig_psd(gram: Tensor, rcond: float) -> GramEig:
         keep = torch.zeros_like(values, dtype=torch.bool)
     else:
         keep = values > rcond * top
-    return GramEig(values=values[keep], vectors=vectors[:, keep], size=gram.shape[0])
+    return GramEig(values=values[keep], vectors=vectors[:, keep], size=gram.shape[0],
+                   shift=float(damping * top) if top > 0 else 0.0)
 
 
 def principal_cosines(eig1: GramEig, eig2: GramEig, cross_gram: Tensor) -> Tensor:
@@ -426,7 +444,12 @@ class LayerJacobian:
 
 
 def project(jac: LayerJacobian, delta: Tensor, eig: GramEig) -> Tensor:
-    """JANUS projection ``ΔW - Jᵀ (J Jᵀ)⁺ J ΔW`` onto the null space of ``J``."""
+    """JANUS projection ``ΔW - Jᵀ (J Jᵀ)⁺ J ΔW`` onto the null space of ``J``.
+
+    With a damped ``eig`` (shift λ > 0, see :func:`eig_psd`) it is ``ΔW - Jᵀ (J Jᵀ + λI)⁻¹ J ΔW``: along a
+    singular direction of ``J`` with singular value σ, a share ``λ / (σ² + λ)`` of the update is kept instead of
+    none, so the directions the replay barely constrains keep their fine-tuning (a ridge-regularized projection).
+    """
     return project_with_jvp(jac, delta, eig)[0]
 
 
@@ -439,9 +462,14 @@ def project_with_jvp(jac: LayerJacobian, delta: Tensor, eig: GramEig) -> tuple[T
     sweep removes it from the row space (iterative refinement), at the cost of one more JVP and VJP.
     """
     jvp = jac.jvp(delta)
-    proj = delta.to(jac.matmul_dtype) - jac.vjp(eig.solve(jvp))
+    coeff = eig.solve(jvp)
+    proj = delta.to(jac.matmul_dtype) - jac.vjp(coeff)
     if jac.refines:
-        proj = proj - jac.vjp(eig.solve(jac.precise_jvp(proj)))
+        # The residual of the system (J Jᵀ + λI) v = J ΔW at v = coeff is J proj - λ coeff (λ = 0 undamped).
+        residual = jac.precise_jvp(proj)
+        if eig.shift:
+            residual = residual - eig.shift * coeff
+        proj = proj - jac.vjp(eig.solve(residual))
     return proj, jvp
 
 

@@ -369,7 +369,7 @@ class Rectifier:
                 jac = self._jacobian(layer, tag)
                 layer.path = jac.path
                 if layer.eig is None:
-                    layer.eig = eig_psd(jac.gram(), self.config.gram_rcond)
+                    layer.eig = eig_psd(jac.gram(), self.config.gram_rcond, self.config.damping)
                 delta = layer.finetuned(self.device) - layer.current.to(self.device)
                 proj, jvp = project_with_jvp(jac, delta, layer.eig)
                 layer.proj = proj.to(self._home("proj"), torch.float32)
@@ -395,7 +395,7 @@ class Rectifier:
                 cached = layer.current_jac is not None
                 cur = layer.current_jac if cached else self._jacobian(layer, current_tag)
                 trial = self._jacobian(layer, trial_tag)
-                layer.trial_eig = eig_psd(trial.gram(), self.config.gram_rcond)
+                layer.trial_eig = eig_psd(trial.gram(), self.config.gram_rcond, self.config.damping)
                 if layer.eig.rank == 0 and layer.trial_eig.rank == 0:
                     per_layer[layer.name] = None  # no constraint at either point: nothing to keep here
                 elif layer.eig.rank == 0 or layer.trial_eig.rank == 0:

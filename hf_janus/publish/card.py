@@ -66,6 +66,21 @@ def _plain(text: Any) -> str:
     return escaped
 
 
+# Settings that change what JANUS computes beyond τ, β and r (experiments of the research issues); the card names
+# those that differ from their defaults, so that a reader never takes a damped or re-targeted run for the paper's.
+_METHOD_SETTINGS = ("constraint", "constraint_projections", "constraint_temperature", "acceptance", "loss_tolerance",
+                    "damping", "final_step", "step_control")
+
+
+def _settings_line(cfg: dict[str, Any]) -> Optional[str]:
+    from hf_janus.config import JanusConfig
+
+    defaults = JanusConfig()
+    changed = [f"{name}={cfg[name]}" for name in _METHOD_SETTINGS
+               if name in cfg and cfg[name] != getattr(defaults, name)]
+    return _plain(", ".join(changed)) if changed else None
+
+
 def _code(text: Any) -> str:
     """An id or path as an inline code span: no backticks or line breaks inside, table pipes escaped."""
     return "`" + " ".join(str(text).split()).replace("`", "'").replace("|", "\\|") + "`"
@@ -179,6 +194,7 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
         "tau": _fmt(cfg.get("tau"), "g"),
         "beta": _fmt(cfg.get("beta"), "g"),
         "rank": "none (every token kept, exact)" if cfg.get("rank") is None else str(cfg["rank"]),
+        "settings_line": _settings_line(cfg),
         "m": f"{rect.num_samples}" + (f" ({rect.num_tokens} tokens)" if rect.num_tokens else ""),
         "result_line": result,
         "refactor_line": _refactor_line(published),
