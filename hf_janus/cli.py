@@ -332,8 +332,8 @@ def _floats(text: str) -> list[float]:
 
 
 def _add_frontier(sub: argparse._SubParsersAction) -> None:
-    from hf_janus.evaluation.frontier import (DEFAULT_HYBRID_GRID, DEFAULT_PRE_JANUS_GRID, DEFAULT_TAUS,
-                                              DEFAULT_WISE_GRID)
+    from hf_janus.evaluation.frontier import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_PRE_JANUS_GRID,
+                                              DEFAULT_TAUS, DEFAULT_WISE_GRID)
 
     def shown(grid: Sequence[float]) -> str:
         return ",".join(f"{v:g}" for v in grid)
@@ -342,8 +342,8 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
         "frontier",
         help="score WiSE-FT, JANUS and hybrids on your tasks, plot AP1 against AP2 and save the point you ask for",
         description="Build the stability-plasticity frontier between θ0 (--reference) and θ̂ (--finetuned): WiSE-FT "
-                    "interpolations, JANUS at each τ, JANUS followed by interpolation toward θ0 or θ̂, and "
-                    "interpolation followed by JANUS. Each is scored with lm-evaluation-harness (AP1 on --past-task, "
+                    "interpolations, JANUS at each τ, damped JANUS at each damping, JANUS followed by interpolation "
+                    "toward θ0 or θ̂, and interpolation followed by JANUS. Each is scored with lm-evaluation-harness (AP1 on --past-task, "
                     "AP2 on --new-task); the point meeting the criterion is chosen and can be saved or pushed with "
                     "its record. Needs the [eval] extra: pip install 'hf-janus[eval]'.",
         epilog=_FRONTIER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -361,6 +361,9 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
                       help=f"WiSE-FT coefficients a in (0, 1) (default: {shown(DEFAULT_WISE_GRID)})")
     grid.add_argument("--taus", type=_floats, default=list(DEFAULT_TAUS), metavar="T,T,...",
                       help=f"τ of the plain JANUS runs (default: {shown(DEFAULT_TAUS)})")
+    grid.add_argument("--dampings", type=_floats, default=list(DEFAULT_DAMPINGS), metavar="D,D,...",
+                      help="damping of the damped-JANUS runs at --tau, relative to each layer's largest Gram "
+                           f"eigenvalue; '' for none (default: {shown(DEFAULT_DAMPINGS)})")
     grid.add_argument("--no-hybrids", action="store_true", help="leave out the hybrids")
     grid.add_argument("--hybrid-grid", type=_floats, default=list(DEFAULT_HYBRID_GRID), metavar="B,B,...",
                       help="interpolation b after JANUS, toward θ0 and toward θ̂ (default: "
@@ -400,9 +403,10 @@ def _run_frontier(args: argparse.Namespace) -> int:
         check_output_dir(args.output, True, inputs)
     result = frontier(args.reference, args.finetuned, args.replay, past_tasks=args.past_task,
                       new_tasks=args.new_task, config=merge_config(args), wise_grid=args.wise_grid, taus=args.taus,
-                      hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid, pre_janus_grid=args.pre_janus_grid,
-                      min_ap2=args.min_ap2, min_ap1=args.min_ap1, replay_options=replay_options(args),
-                      progress=not args.no_progress, **evaluation_settings(args))
+                      dampings=args.dampings, hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid,
+                      pre_janus_grid=args.pre_janus_grid, min_ap2=args.min_ap2, min_ap1=args.min_ap1,
+                      replay_options=replay_options(args), progress=not args.no_progress,
+                      **evaluation_settings(args))
     table = result.to_markdown()
     print(table)
     if args.output:

@@ -38,6 +38,12 @@ def test_candidates_order_and_validation():
         candidates((0.0, 0.5), (0.9,))
     with pytest.raises(JanusError, match="taus"):
         candidates((0.5,), (1.0,))
+    damped = candidates((0.5,), (0.9,), dampings=(0.01, 0.1), damped_tau=0.95)
+    assert [(c.kind, c.tau, c.damping) for c in damped[3:]] == [("janus", 0.9, None), ("damped_janus", 0.95, 0.01),
+                                                                ("damped_janus", 0.95, 0.1)]
+    for bad in ((0.0,), (-0.1,), (float("inf"),)):
+        with pytest.raises(JanusError, match="dampings"):
+            candidates((0.5,), (0.9,), dampings=bad)
 
 
 def test_wise_margin_and_selection():
@@ -91,11 +97,12 @@ def test_frontier_end_to_end(setting, tmp_path):
     theta_hat = {k: v.clone() for k, v in model.state_dict().items()}
     config = JanusConfig(tau=0.9, max_steps=4)
     result = frontier(base, model, replay, past_tasks=[past], new_tasks=[new], config=config, wise_grid=(0.5,),
-                      taus=(0.9,), hybrid_grid=(0.5,), pre_janus_grid=(0.5,), tokenizer=tok, batch_size=2,
-                      progress=False, min_ap2=0.0)
+                      taus=(0.9,), hybrid_grid=(0.5,), pre_janus_grid=(0.5,), dampings=(0.1,), tokenizer=tok,
+                      batch_size=2, progress=False, min_ap2=0.0)
     assert all(torch.equal(v, theta_hat[k]) for k, v in model.state_dict().items())  # θ̂ again
     labels = [p.label for p in result.points]
-    assert labels[:4] == ["θ0 (reference)", "θ̂ (fine-tuned)", "WiSE-FT a=0.5", "JANUS τ=0.9"]
+    assert labels[:5] == ["θ0 (reference)", "θ̂ (fine-tuned)", "WiSE-FT a=0.5", "JANUS τ=0.9",
+                          "JANUS τ=0.9, damping 0.1"]
     by = {p.label: p for p in result.points}
     assert by["θ0 (reference)"].ap1 == pytest.approx(100) and by["θ0 (reference)"].ap2 == pytest.approx(0)
     assert by["θ̂ (fine-tuned)"].ap1 == pytest.approx(0) and by["θ̂ (fine-tuned)"].ap2 == pytest.approx(100)
@@ -106,6 +113,14 @@ def test_frontier_end_to_end(setting, tmp_path):
     report = rectify(alone, base, replay, JanusConfig(tau=0.9, max_steps=4), progress=False)
     assert by["JANUS τ=0.9"].jacobian_evaluations == report.num_jacobian_evals > 0
     assert {n: r.score for n, r in scorer(alone).items()} == pytest.approx(by["JANUS τ=0.9"].scores, rel=1e-6)
+    # the damped point is a rectification with that damping, scored the same
+    damped = copy.deepcopy(tuned)
+    report = rectify(damped, base, replay, JanusConfig(tau=0.9, max_steps=4, damping=0.1), progress=False)
+    point_d = by["JANUS τ=0.9, damping 0.1"]
+    assert (point_d.kind, point_d.damping, point_d.jacobian_evaluations) == ("damped_janus", 0.1,
+                                                                            report.num_jacobian_evals)
+    assert {n: r.score for n, r in scorer(damped).items()} == pytest.approx(point_d.scores, rel=1e-6)
+    assert result.reports["tau=0.9,damping=0.1"]["config"]["damping"] == 0.1
     # hybrid weights are the stated interpolations of θ0, θ_J and θ̂
     builder = result._builder
     cands = {c.label: c for c in candidates((0.5,), (0.9,), hybrid_tau=0.9, hybrid_grid=(0.5,),
@@ -116,7 +131,9 @@ def test_frontier_end_to_end(setting, tmp_path):
         assert torch.allclose(janus_w[k], alone.get_parameter(k).float(), atol=1e-6)
         assert torch.allclose(to0[k], w0 + 0.5 * (janus_w[k] - w0))
         assert torch.allclose(builder.weights(cands["WiSE-FT a=0.5"])[k], w0 + 0.5 * (builder.finetuned[k] - w0))
-    assert "wise_then_janus" in {p.kind for p in result.points} and len(result.reports) == 2
+    for k in builder.theta0:
+        assert torch.allclose(builder.weights(point_d)[k], damped.get_parameter(k).float(), atol=1e-6)
+    assert "wise_then_janus" in {p.kind for p in result.points} and len(result.reports) == 3
     for p in result.points:
         if p.kind not in ("anchor", "wise"):
             assert p.above_wise is None or p.above_wise == pytest.approx(wise_margin(result.points, p.ap1, p.ap2))
@@ -171,7 +188,7 @@ def test_cli_frontier_writes_table_plot_and_chosen_model(setting, tmp_path, caps
     out, chosen = str(tmp_path / "frontier"), str(tmp_path / "chosen")
     argv = ["frontier", "--reference", dirs["base"], "--finetuned", dirs["tuned"], "--replay", replay,
             "--text-field", "text", "--past-task", past, "--new-task", new, "--wise-grid", "0.5", "--taus", "0.9",
-            "--no-hybrids", "--max-steps", "3", "--batch-size", "2", "--min-ap1", "10", "--output", out,
+            "--no-hybrids", "--dampings", "", "--max-steps", "3", "--batch-size", "2", "--min-ap1", "10", "--output", out,
             "--save", chosen, "--no-progress"]
     assert main(argv) == 0
     assert "Chosen (max AP2 with AP1 ≥ 10)" in capsys.readouterr().out

@@ -1,15 +1,16 @@
 """Where does JANUS beat interpolation? The stability-plasticity frontier on two scenarios (issue 19, item 3).
 
-    python benchmarks/forgetting/frontier_study.py --scenario facts       # ~10 min on 2 idle cores
-    python benchmarks/forgetting/frontier_study.py --scenario questions   # ~10 min (+1.5 min to pretrain once)
+    python benchmarks/forgetting/frontier_study.py --scenario facts       # ~16 min on 2 idle cores
+    python benchmarks/forgetting/frontier_study.py --scenario questions   # ~9 min (+1.5 min to pretrain once)
 
 Both scenarios fine-tune a tiny Llama θ0 on GSM8K (full fine-tuning, 200 AdamW steps, batch 16, lr 5e-4, or with
---method lora a LoRA r=8, α=16 on all linear layers at lr 2e-3, or --method pissa a PiSSA r=8 at lr 1e-3, merged: the forgetting benchmark's settings in a
-plain loop instead of Trainer; --seed changes the fine-tuning's and JANUS's seed) and run ``hf_janus.frontier`` on it: WiSE-FT
-a ∈ {0.1 … 0.9}, JANUS τ ∈ {0.9, 0.95, 0.98}, JANUS(τ=0.95) → θ0 and → θ̂ at b ∈ {0.25, 0.5, 0.75}, and WiSE-FT
-a ∈ {0.5, 0.75} → JANUS(τ=0.95). Then variants of JANUS(τ=0.95) on the same anchors and WiSE-FT curve (VARIANTS):
-other replays (m=64; m=1024 on questions; answer-only labels on facts), a damped projection (JanusConfig.damping
-0.001, 0.01, 0.1) and issue 22's target-logit constraint and loss acceptance test (each capped at 60 evaluations).
+--method lora a LoRA r=8, α=16 on all linear layers at lr 2e-3, or --method pissa a PiSSA r=8 at lr 1e-3, merged:
+the forgetting benchmark's settings in a plain loop instead of Trainer; --seed changes the fine-tuning's and JANUS's
+seed) and run ``hf_janus.frontier`` on it: WiSE-FT a ∈ {0.1 … 0.9}, JANUS τ ∈ {0.9, 0.95, 0.98}, damped
+JANUS(τ=0.95) at damping 0.01 and 0.1, JANUS(τ=0.95) → θ0 and → θ̂ at b ∈ {0.25, 0.5, 0.75}, and WiSE-FT
+a ∈ {0.5, 0.75} → JANUS(τ=0.95). Then variants of JANUS(τ=0.95) on the same anchors and WiSE-FT curve
+(VARIANTS): other replays (m=64; m=1024 on questions; answer-only labels on facts), other dampings (0.001, 0.3, 1),
+and issue 22's target-logit constraint and loss acceptance test (each capped at 60 evaluations).
 
 * **facts**: the forgetting benchmark's θ0 (768 memorized NQ-open/WebQuestions pairs, cached checkpoint). Past
   tasks: exact match on the 256 + 256 memorized, never-replayed pairs (lm-eval, hf_janus.evaluation.qa_task).
@@ -61,9 +62,10 @@ VARIANTS = (
     ("m=64", "m=64, every token", {}),
     ("m=1024", "m=1024, every token", {}),
     ("m=256, answer-only labels", "m=256, answer only", {}),
+    # (the frontier itself runs damping 0.01 and 0.1: hf_janus.evaluation.frontier.DEFAULT_DAMPINGS)
     ("damping 0.001", MAIN_REPLAY, {"damping": 1e-3}),
-    ("damping 0.01", MAIN_REPLAY, {"damping": 1e-2}),
-    ("damping 0.1", MAIN_REPLAY, {"damping": 0.1}),
+    ("damping 0.3", MAIN_REPLAY, {"damping": 0.3}),
+    ("damping 1", MAIN_REPLAY, {"damping": 1.0}),
     ("constraint=target_logit", MAIN_REPLAY, {"constraint": "target_logit", "max_evaluations": 60}),
     ("acceptance=loss", MAIN_REPLAY, {"acceptance": "loss", "max_evaluations": 60}),
 )

@@ -3,7 +3,9 @@
 Each candidate is a model between θ0 (before fine-tuning) and θ̂ (after):
 
 * **WiSE-FT** ``θ0 + a(θ̂ − θ0)`` for a grid of ``a`` (free: no Jacobian);
-* **JANUS** at each configured τ (one rectification each);
+* **JANUS** at each configured τ (one rectification each), and **damped JANUS** (``JanusConfig.damping``: the
+  projection ``ΔW − Jᵀ(JJᵀ + λI)⁻¹JΔW`` keeps part of the update along weakly constrained directions) at each
+  configured damping;
 * **JANUS, then interpolation** toward θ0 (``θ0 + b(θ_J − θ0)``) or toward θ̂ (``θ_J + b(θ̂ − θ_J)``);
 * **interpolation, then JANUS** on the interpolated update (a rectification of ``θ0 + a(θ̂ − θ0)``).
 
@@ -40,6 +42,10 @@ DEFAULT_WISE_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 DEFAULT_TAUS = (0.9, 0.95, 0.98)
 DEFAULT_HYBRID_GRID = (0.25, 0.5, 0.75)
 DEFAULT_PRE_JANUS_GRID = (0.5, 0.75)
+# Dampings of the damped-JANUS candidates (relative to each layer's largest Gram eigenvalue). In the forgetting
+# benchmark's frontier study 0.01-0.1 spanned the useful range: 0.001 moved the point by under 2 AP2 points, 1 most of
+# the way to θ̂ (benchmarks/forgetting/README.md).
+DEFAULT_DAMPINGS = (0.01, 0.1)
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Candidate:
     a: Optional[float] = None  # WiSE-FT coefficient (wise, wise_then_janus)
     tau: Optional[float] = None  # JANUS τ (janus and the hybrids)
     b: Optional[float] = None  # interpolation after JANUS (janus_to_reference, janus_to_finetuned)
+    damping: Optional[float] = None  # JanusConfig.damping of a damped_janus run (None: the config's)
 
     @property
     def uses_janus(self) -> bool:
@@ -59,18 +66,24 @@ class Candidate:
 
 def candidates(wise_grid: Sequence[float] = DEFAULT_WISE_GRID, taus: Sequence[float] = DEFAULT_TAUS, *,
                hybrid_tau: Optional[float] = None, hybrid_grid: Sequence[float] = DEFAULT_HYBRID_GRID,
-               pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID) -> list[Candidate]:
-    """The candidates in scoring order: θ0 and θ̂ first (AP needs them), then WiSE-FT, JANUS and the hybrids
-    (at ``hybrid_tau``; none when it is ``None``)."""
+               pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID, dampings: Sequence[float] = (),
+               damped_tau: float = 0.95) -> list[Candidate]:
+    """The candidates in scoring order: θ0 and θ̂ first (AP needs them), then WiSE-FT, JANUS, damped JANUS (at
+    ``damped_tau``) and the hybrids (at ``hybrid_tau``; none when it is ``None``)."""
     for name, grid in (("wise_grid", wise_grid), ("hybrid_grid", hybrid_grid), ("pre_janus_grid", pre_janus_grid)):
         if any(not 0.0 < float(v) < 1.0 for v in grid):
             raise JanusError(f"{name} values must lie strictly between 0 and 1 (the ends are θ0 and θ̂), got "
                              f"{list(grid)}")
     if any(not 0.0 <= float(t) < 1.0 for t in taus):
         raise JanusError(f"taus must lie in [0, 1), got {list(taus)}")
+    if any(not (0.0 < float(d) < float("inf")) for d in dampings):
+        raise JanusError(f"dampings must be finite and > 0 (0 is plain JANUS, already among the candidates), got "
+                         f"{list(dampings)}")
     out = [Candidate("θ0 (reference)", "anchor", a=0.0), Candidate("θ̂ (fine-tuned)", "anchor", a=1.0)]
     out += [Candidate(f"WiSE-FT a={a:g}", "wise", a=float(a)) for a in wise_grid]
     out += [Candidate(f"JANUS τ={t:g}", "janus", tau=float(t)) for t in taus]
+    out += [Candidate(f"JANUS τ={float(damped_tau):g}, damping {d:g}", "damped_janus", tau=float(damped_tau),
+                      damping=float(d)) for d in dampings]
     if hybrid_tau is not None:
         t = float(hybrid_tau)
         out += [Candidate(f"JANUS τ={t:g} → θ0 b={b:g}", "janus_to_reference", tau=t, b=float(b))
@@ -99,6 +112,7 @@ class FrontierPoint:
     above_wise: Optional[float] = None
     jacobian_evaluations: int = 0
     seconds: float = 0.0
+    damping: Optional[float] = None
 
 
 def wise_margin(points: Sequence[FrontierPoint], ap1: Optional[float], ap2: Optional[float]) -> Optional[float]:
@@ -201,7 +215,8 @@ class FrontierResult:
                        and p.ap2 is not None)
         if curve:
             ax.plot([c[0] for c in curve], [c[1] for c in curve], "-o", color="0.5", ms=4, label="WiSE-FT")
-        styles = {"janus": ("s", "C0", "JANUS"), "janus_to_reference": ("v", "C1", "JANUS → θ0"),
+        styles = {"janus": ("s", "C0", "JANUS"), "damped_janus": ("P", "C4", "damped JANUS"),
+                  "janus_to_reference": ("v", "C1", "JANUS → θ0"),
                   "janus_to_finetuned": ("^", "C2", "JANUS → θ̂"), "wise_then_janus": ("D", "C3", "WiSE-FT → JANUS")}
         for kind, (marker, color, name) in styles.items():
             pts = [p for p in self.points if p.kind == kind and p.ap1 is not None and p.ap2 is not None]
@@ -286,7 +301,8 @@ class _WeightBuilder:
     def run_key(c: Candidate) -> Optional[str]:
         if c.tau is None:
             return None
-        return f"tau={c.tau:g}" + (f",a={c.a:g}" if c.kind == "wise_then_janus" else "")
+        return (f"tau={c.tau:g}" + (f",damping={c.damping:g}" if c.damping is not None else "")
+                + (f",a={c.a:g}" if c.kind == "wise_then_janus" else ""))
 
     def weights(self, c: Any) -> dict[str, Tensor]:
         """The changed parameters of candidate (or point) ``c``, in float32; the anchors exactly θ0 and θ̂."""
@@ -296,7 +312,7 @@ class _WeightBuilder:
         if c.kind == "wise":
             return {k: t0[k].float() + c.a * (t1[k].float() - t0[k].float()) for k in t0}
         j = {k: v.float() for k, v in {**t1, **self.janus[self.run_key(c)]}.items()}
-        if c.kind in ("janus", "wise_then_janus"):
+        if c.kind in ("janus", "damped_janus", "wise_then_janus"):
             return j
         if c.kind == "janus_to_reference":
             return {k: t0[k].float() + c.b * (j[k] - t0[k].float()) for k in t0}
@@ -349,7 +365,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
              config: Optional[JanusConfig] = None, wise_grid: Sequence[float] = DEFAULT_WISE_GRID,
              taus: Sequence[float] = DEFAULT_TAUS, hybrids: bool = True,
              hybrid_grid: Sequence[float] = DEFAULT_HYBRID_GRID,
-             pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID, min_ap2: Optional[float] = None,
+             pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID,
+             dampings: Sequence[float] = DEFAULT_DAMPINGS, min_ap2: Optional[float] = None,
              min_ap1: Optional[float] = None, tokenizer: Any = None, batch_size: Union[int, str] = 16,
              limit: Optional[Union[int, float]] = None, include_path: Optional[str] = None,
              replay_options: Any = None, device: Any = None, torch_dtype: Any = None, token: Any = None,
@@ -369,6 +386,7 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
             hybrids use ``config.tau``).
         wise_grid: WiSE-FT coefficients a (θ0 + a(θ̂ − θ0)), strictly between 0 and 1.
         taus: the τ values of plain JANUS.
+        dampings: the ``JanusConfig.damping`` values of the damped-JANUS runs (at ``config.tau``); ``()`` for none.
         hybrids: also score JANUS → θ0 and JANUS → θ̂ at ``hybrid_grid`` and WiSE-FT → JANUS at ``pre_janus_grid``.
         min_ap2 / min_ap1: the choice (see :meth:`FrontierResult.select`); default the largest AP.
         tokenizer, batch_size, limit, include_path: evaluation options (see :func:`hf_janus.evaluate`).
@@ -381,7 +399,7 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
 
     config = config if config is not None else JanusConfig()
     cands = candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None, hybrid_grid=hybrid_grid,
-                       pre_janus_grid=pre_janus_grid)
+                       pre_janus_grid=pre_janus_grid, dampings=dampings, damped_tau=config.tau)
     past, new = resolve_tasks(past_tasks), resolve_tasks(new_tasks)
     if not past or not new:
         raise JanusError("the frontier needs past_tasks (for AP1) and new_tasks (for AP2)")
@@ -418,7 +436,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
             metrics = {n: r.metric for n, r in results.items()}
             higher = {n: r.higher_is_better for n, r in results.items()}
             points.append(FrontierPoint(c.label, c.kind, c.a, c.tau, c.b, {n: r.score for n, r in results.items()},
-                                        jacobian_evaluations=evals, seconds=time.perf_counter() - t0))
+                                        jacobian_evaluations=evals, seconds=time.perf_counter() - t0,
+                                        damping=c.damping))
             logger.info("frontier: %s scored %s in %.1fs", c.label, points[-1].scores, points[-1].seconds)
             if len(points) == 2:  # θ0 and θ̂: fail now, not after every JANUS run, if AP is undefined
                 ap_metrics(points[0].scores, points[0].scores, points[1].scores, past_names, new_names, higher)
@@ -445,7 +464,8 @@ def _run_janus(builder: _WeightBuilder, c: Candidate, config: JanusConfig, repla
     builder.write(builder.weights(start))
     # θ0 of every layer: the kept copy where fine-tuning changed it, the model's own (equal) weights elsewhere.
     reference = {**{k: p.detach() for k, p in builder.params.items()}, **builder.theta0}
-    report = rectify_fn(builder.model, reference, replay, dataclasses.replace(config, tau=c.tau), progress=progress)
+    changes = {"tau": c.tau} if c.damping is None else {"tau": c.tau, "damping": c.damping}
+    report = rectify_fn(builder.model, reference, replay, dataclasses.replace(config, **changes), progress=progress)
     key = builder.run_key(c)
     builder.janus[key] = {k: builder.params[k].detach().to("cpu", copy=True) for k in builder.theta0}
     builder.reports[key] = report
