@@ -9,7 +9,8 @@ the forgetting benchmark's settings in a plain loop instead of Trainer; --seed c
 seed) and run ``hf_janus.frontier`` on it: WiSE-FT a ∈ {0.1 … 0.9}, JANUS τ ∈ {0.9, 0.95, 0.98}, damped
 JANUS(τ=0.95) at damping 0.01 and 0.1, JANUS(τ=0.95) → θ0 and → θ̂ at b ∈ {0.25, 0.5, 0.75}, and WiSE-FT
 a ∈ {0.5, 0.75} → JANUS(τ=0.95). Then variants of JANUS(τ=0.95) on the same anchors and WiSE-FT curve
-(VARIANTS): other replays (m=64; m=1024 on questions; answer-only labels on facts), other dampings (0.001, 0.3, 1),
+(VARIANTS): other replays (m=64; m=1024 on questions and with --facts-replay 1024; answer-only labels on facts),
+other dampings (0.001, 0.3, 1),
 and issue 22's target-logit constraint and loss acceptance test (each capped at 60 evaluations).
 
 * **facts**: the forgetting benchmark's θ0 (768 memorized NQ-open/WebQuestions pairs, cached checkpoint). Past
@@ -55,8 +56,8 @@ JANUS_TAU = 0.95
 QUESTIONS_PRE_STEPS = 400
 MAIN_REPLAY = "m=256, every token"
 # Variants of JANUS(τ=0.95), each scored against the same anchors and WiSE-FT curve: (label, replay, config changes).
-# A variant whose replay a scenario does not have is left out (facts has no 1,024 memorized pairs outside its
-# evaluation pairs; questions has no prompt/answer split). The issue-22 variants get a budget: in the well-fit study
+# A variant whose replay a scenario does not have is left out (facts holds 1,024 replay pairs only with
+# --facts-replay 1024, a θ0 that memorized them; questions has no prompt/answer split). The issue-22 variants get a budget: in the well-fit study
 # they used all of 60 evaluations.
 VARIANTS = (
     ("m=64", "m=64, every token", {}),
@@ -91,7 +92,7 @@ def gsm_task_rows(problems: list[lib.Math]) -> list[dict]:
 # scenarios: θ0, its tokenizer, the tasks and the replay
 # ---------------------------------------------------------------------------------------------------------
 def scenario_facts(s: Settings, folder: str):
-    splits = lib.load_splits(s.n_replay, s.n_eval, s.n_gsm_train, s.n_gsm_test)
+    splits = lib.load_splits(s.n_replay, s.n_eval, s.n_gsm_train, s.n_gsm_test, s.replay_pool)
     tok, model, _, _ = get_pretrained(s, splits, os.path.join(HERE, "cache"))
     from hf_janus.evaluation import completion_task, qa_task
 
@@ -101,11 +102,10 @@ def scenario_facts(s: Settings, folder: str):
     past = [qa_task(write_rows(os.path.join(folder, "nq.jsonl"), qa_rows(splits.nq_eval)), "nq_em", max_new_tokens=16),
             qa_task(write_rows(os.path.join(folder, "wq.jsonl"), qa_rows(splits.wq_eval)), "wq_em", max_new_tokens=16)]
     new = [completion_task(write_rows(os.path.join(folder, "gsm.jsonl"), gsm_task_rows(splits.gsm_test)), "gsm8k_nll")]
-    replays = {
-        "m=256, every token": [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, True) for q in splits.replay],
-        "m=64, every token": [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, True) for q in splits.replay[:64]],
-        "m=256, answer only": [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, False) for q in splits.replay],
-    }
+    replays = {f"m={m}, every token": [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, True)
+                                       for q in splits.replay[:m]] for m in sorted({256, 64, len(splits.replay)})}
+    replays["m=256, answer only"] = [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, False)
+                                     for q in splits.replay[:256]]
     return tok, model, splits.gsm_train, past, new, replays
 
 
@@ -183,6 +183,10 @@ def main(argv=None) -> int:
                     help="full fine-tuning (lr 5e-4), LoRA r=8, α=16 (lr 2e-3) or PiSSA r=8 (lr 1e-3) on all "
                          "linear layers, merged")
     ap.add_argument("--seed", type=int, default=0, help="seed of the fine-tuning and of JANUS (θ0 stays the same)")
+    ap.add_argument("--facts-replay", type=int, default=256, metavar="M",
+                    help="facts: how many memorized pairs are set aside for replay. Above 256 they are pairs of "
+                         "NQ-open's DPR dev split (the dev subset holds too few) and θ0 is pretrained anew on them "
+                         "and the 512 evaluated pairs (~6 min, cached); JANUS τ=0.95 then also runs with all M")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", default=os.path.join(HERE, "cache"))
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -203,6 +207,10 @@ def main(argv=None) -> int:
     from hf_janus.evaluation.scoring import ap_metrics
 
     s = Settings()
+    if args.facts_replay != 256:
+        if args.scenario != "facts" or args.facts_replay < 256:
+            ap.error("--facts-replay takes M > 256, with --scenario facts")
+        s = dataclasses.replace(s, n_replay=args.facts_replay, replay_pool="nq_open_dpr")
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="janus-frontier-") as folder:
         if args.scenario == "facts":
@@ -246,8 +254,9 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out_dir, exist_ok=True)
     suffix = ("" if args.method == "full" else f"_{args.method}") + ("" if args.seed == 0 else f"_seed{args.seed}")
+    suffix += "" if args.facts_replay == 256 else f"_replay{args.facts_replay}"
     stem = os.path.join(args.out_dir, f"frontier_{args.scenario}{suffix}")
-    data = {"scenario": args.scenario, "method": args.method, "seed": args.seed, "frontier": result.to_dict(), "variants": extra,
+    data = {"scenario": args.scenario, "method": args.method, "seed": args.seed, "facts_replay": args.facts_replay, "frontier": result.to_dict(), "variants": extra,
             "finetune_seconds": ft_seconds, "wall_seconds": time.perf_counter() - t_start,
             "torch": torch.__version__, "threads": args.threads}
     with open(stem + ".json", "w", encoding="utf-8") as fh:

@@ -73,15 +73,30 @@ class Splits:
         return self.replay + self.nq_eval + self.wq_eval
 
 
-def load_splits(n_replay: int, n_eval: int, n_gsm_train: int, n_gsm_test: int) -> Splits:
+REPLAY_POOLS = ("nq_open_dev", "nq_open_dpr")
+
+
+def load_splits(n_replay: int, n_eval: int, n_gsm_train: int, n_gsm_test: int,
+                replay_pool: str = "nq_open_dev") -> Splits:
+    """``replay_pool="nq_open_dev"``: the replay pairs follow the evaluation pairs in the NQ-open dev subset (768
+    rows, so at most 768 - n_eval). ``"nq_open_dpr"``: they are the first NQ-open pairs of DPR's dev split (8,192
+    rows), for replays larger than the dev subset holds."""
     nq = [QA(r["question"], r["answer"], "nq") for r in read_jsonl("nq_open_dev_subset.jsonl")]
     wq = [QA(r["qText"], r["answers"], "wq") for r in read_jsonl("webquestions_trainmodel_subset.jsonl")]
     gsm_train = [Math(r["question"], r["answer"]) for r in read_jsonl("gsm8k_train_subset.jsonl")]
     gsm_test = [Math(r["question"], r["answer"]) for r in read_jsonl("gsm8k_test_subset.jsonl")]
-    if n_replay + n_eval > len(nq) or n_eval > len(wq):
+    if replay_pool not in REPLAY_POOLS:
+        raise ValueError(f"replay_pool must be one of {REPLAY_POOLS}, got {replay_pool!r}")
+    if replay_pool == "nq_open_dpr":
+        pool = [QA(r["question"], r["answers"], "nq") for r in read_jsonl("nq_open_dpr_dev_subset.jsonl")]
+        evaluated = {q.question.lower() for q in nq[:n_eval] + wq[:n_eval]}
+        replay = [q for q in pool if q.question.lower() not in evaluated][:n_replay]
+    else:
+        # Evaluation pairs first, replay pairs after them: the two sets are disjoint by construction.
+        replay = nq[n_eval:n_eval + n_replay]
+    if len(replay) < n_replay or n_eval > len(nq) or n_eval > len(wq):
         raise ValueError("not enough QA rows in benchmarks/data; rerun benchmarks/data/make_subsets.py")
-    # Evaluation pairs first, replay pairs after them: the two sets are disjoint by construction.
-    return Splits(replay=nq[n_eval:n_eval + n_replay], nq_eval=nq[:n_eval], wq_eval=wq[:n_eval],
+    return Splits(replay=replay, nq_eval=nq[:n_eval], wq_eval=wq[:n_eval],
                   gsm_train=gsm_train[:n_gsm_train], gsm_test=gsm_test[:n_gsm_test])
 
 

@@ -83,13 +83,19 @@ class Settings:
     spectral_ranks: tuple = (1, 2, 4, 8, 16, 32)
     intruder_lambdas: tuple = (0.75, 0.5, 0.0)
     seed: int = 0
+    # where the replayed pairs come from (lib.load_splits): only frontier_study.py --facts-replay uses another
+    replay_pool: str = "nq_open_dev"
 
     def pretrain_key(self) -> str:
         keys = ("n_replay", "n_eval", "n_gsm_train", "qa_max_len", "vocab", "hidden", "layers", "intermediate",
                 "heads", "pre_steps", "pre_lr", "pre_batch", "seed")
+        # the default pool is left out of the key, so that the shipped checkpoint's key stays what it was
+        keys += ("replay_pool",) if self.replay_pool != "nq_open_dev" else ()
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         digest = hashlib.sha256(blob.encode())
-        for name in ("nq_open_dev_subset.jsonl", "webquestions_trainmodel_subset.jsonl", "gsm8k_train_subset.jsonl"):
+        names = ("nq_open_dev_subset.jsonl", "webquestions_trainmodel_subset.jsonl", "gsm8k_train_subset.jsonl")
+        names += ("nq_open_dpr_dev_subset.jsonl",) if self.replay_pool == "nq_open_dpr" else ()
+        for name in names:
             with open(os.path.join(lib.DATA_DIR, name), "rb") as fh:
                 digest.update(fh.read())
         return digest.hexdigest()[:12]

@@ -76,8 +76,11 @@ def _settings_line(cfg: dict[str, Any]) -> Optional[str]:
     from hf_janus.config import JanusConfig
 
     defaults = JanusConfig()
+    # a knob of a constraint or test that the run did not use changed nothing: it is not named
+    unused = {"constraint_projections": cfg.get("constraint") != "logit_projections",
+              "loss_tolerance": cfg.get("acceptance") not in ("loss", "both")}
     changed = [f"{name}={cfg[name]}" for name in _METHOD_SETTINGS
-               if name in cfg and cfg[name] != getattr(defaults, name)]
+               if name in cfg and cfg[name] != getattr(defaults, name) and not unused.get(name, False)]
     return _plain(", ".join(changed)) if changed else None
 
 
