@@ -55,7 +55,9 @@ def table(runs: list[dict]) -> str:
             cells[(row["label"], i)] = cell(row)
     # rows in the order of the run with the most candidates, then any others
     for data in sorted(runs, key=lambda d: -len(rows_of(d))):
-        labels += [row["label"] for row in rows_of(data) if row["label"] not in labels]
+        for row in rows_of(data):
+            if row["label"] not in labels:
+                labels.append(row["label"])
     head = "| candidate | " + " | ".join(column_name(d) for d in runs) + " |"
     lines = [head, "|---|" + "---:|" * len(runs)]
     for label in labels:
