@@ -187,6 +187,9 @@ def main(argv=None) -> int:
                     help="facts: how many memorized pairs are set aside for replay. Above 256 they are pairs of "
                          "NQ-open's DPR dev split (the dev subset holds too few) and θ0 is pretrained anew on them "
                          "and the 512 evaluated pairs (~6 min, cached); JANUS τ=0.95 then also runs with all M")
+    ap.add_argument("--variants", nargs="+", default=[v[0] for v in VARIANTS], choices=[v[0] for v in VARIANTS],
+                    metavar="LABEL", help="which VARIANTS to run after the frontier (default: all): "
+                                          + "; ".join(v[0] for v in VARIANTS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", default=os.path.join(HERE, "cache"))
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -235,7 +238,7 @@ def main(argv=None) -> int:
         anchors = result.points[0].scores, result.points[1].scores
         extra = []
         for label, replay_name, changes in VARIANTS:
-            if replay_name not in replays:
+            if replay_name not in replays or label not in args.variants:
                 continue
             model = copy.deepcopy(finetuned)
             t0 = time.perf_counter()
