@@ -9,9 +9,9 @@ the forgetting benchmark's settings in a plain loop instead of Trainer; --seed c
 seed) and run ``hf_janus.frontier`` on it: WiSE-FT a ∈ {0.1 … 0.9}, JANUS τ ∈ {0.9, 0.95, 0.98}, damped
 JANUS(τ=0.95) at damping 0.01 and 0.1, JANUS(τ=0.95) → θ0 and → θ̂ at b ∈ {0.25, 0.5, 0.75}, and WiSE-FT
 a ∈ {0.5, 0.75} → JANUS(τ=0.95). Then variants of JANUS(τ=0.95) on the same anchors and WiSE-FT curve
-(VARIANTS): other replays (m=64; m=1024 on questions and with --facts-replay 1024; answer-only labels on facts),
-other dampings (0.001, 0.3, 1),
-and issue 22's target-logit constraint and loss acceptance test (each capped at 60 evaluations).
+(VARIANTS, or those --variants names): other replays (m=64; m=1024 on questions and with --facts-replay 1024;
+answer-only labels on facts), other dampings (0.001, 0.3, 1), and issue 22's target-logit constraint and loss
+acceptance test (each capped at 60 evaluations).
 
 * **facts**: the forgetting benchmark's θ0 (768 memorized NQ-open/WebQuestions pairs, cached checkpoint). Past
   tasks: exact match on the 256 + 256 memorized, never-replayed pairs (lm-eval, hf_janus.evaluation.qa_task).
@@ -57,8 +57,8 @@ QUESTIONS_PRE_STEPS = 400
 MAIN_REPLAY = "m=256, every token"
 # Variants of JANUS(τ=0.95), each scored against the same anchors and WiSE-FT curve: (label, replay, config changes).
 # A variant whose replay a scenario does not have is left out (facts holds 1,024 replay pairs only with
-# --facts-replay 1024, a θ0 that memorized them; questions has no prompt/answer split). The issue-22 variants get a budget: in the well-fit study
-# they used all of 60 evaluations.
+# --facts-replay 1024, a θ0 that memorized them; questions has no prompt/answer split). The issue-22 variants get a
+# budget: in the well-fit study they used all of 60 evaluations.
 VARIANTS = (
     ("m=64", "m=64, every token", {}),
     ("m=1024", "m=1024, every token", {}),
