@@ -344,8 +344,8 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
         description="Build the stability-plasticity frontier between θ0 (--reference) and θ̂ (--finetuned): WiSE-FT "
                     "interpolations, JANUS at each τ, damped JANUS at each damping, JANUS followed by interpolation "
                     "toward θ0 or θ̂, and interpolation followed by JANUS. Each is scored with lm-evaluation-harness "
-                    "(AP1 on --past-task, AP2 on --new-task); the point meeting the criterion is chosen and can be saved or pushed with "
-                    "its record. Needs the [eval] extra: pip install 'hf-janus[eval]'.",
+                    "(AP1 on --past-task, AP2 on --new-task); the point meeting the criterion is chosen and can be "
+                    "saved or pushed with its record. Needs the [eval] extra: pip install 'hf-janus[eval]'.",
         epilog=_FRONTIER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("models and tasks")

@@ -297,6 +297,12 @@ def test_card_of_an_odd_frontier_field(tmp_path):
     assert "How this model was chosen" in card and "<script>" not in card
     assert "AP1 -% (past tasks: nq, 7), AP2 91.2% (new tasks: -)" in card and "among several candidates" in card
     assert "involves no JANUS step" in card
+    # a damped-JANUS point is the rectification itself; a hybrid was built from it
+    for kind, built_from in (("damped_janus", False), ("janus_to_finetuned", True)):
+        chosen = {"label": kind, "kind": kind, "ap1": 80.0, "ap2": 91.0, "tau": 0.95}
+        card = str(render_card(read_record(str(_record(tmp_path, frontier={**frontier, "chosen": chosen}))),
+                               load_id="me/m"))
+        assert ("is the rectification this point was built from" in card) is built_from, kind
 
 
 def test_card_names_the_settings_that_depart_from_the_paper(tmp_path):

@@ -145,7 +145,7 @@ def _frontier_line(published: "PublishedReport") -> Optional[str]:
             f"{names('past_tasks')}), AP2 {share('ap2')}% (new tasks: {names('new_tasks')}).")
     if chosen.get("tau") is None:
         line += " This point involves no JANUS step, so the rectification record below is empty."
-    elif chosen.get("kind") != "janus":
+    elif chosen.get("kind") not in ("janus", "damped_janus"):  # those two are the run below itself
         line += " The JANUS run below is the rectification this point was built from."
     return line
 
