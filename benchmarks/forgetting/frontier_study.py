@@ -10,8 +10,10 @@ seed) and run ``hf_janus.frontier`` on it: WiSE-FT a ∈ {0.1 … 0.9}, JANUS τ
 JANUS(τ=0.95) at damping 0.01 and 0.1, JANUS(τ=0.95) → θ0 and → θ̂ at b ∈ {0.25, 0.5, 0.75}, and WiSE-FT
 a ∈ {0.5, 0.75} → JANUS(τ=0.95). Then variants of JANUS(τ=0.95) on the same anchors and WiSE-FT curve
 (VARIANTS, or those --variants names): other replays (m=64; m=1024 on questions and with --facts-replay 1024;
-answer-only labels on facts), other dampings (0.001, 0.3, 1), and issue 22's target-logit constraint and loss
-acceptance test (each capped at 60 evaluations).
+answer-only labels on facts), other dampings (0.001, 0.3, 1), issue 22's target-logit constraint and loss
+acceptance test (each capped at 60 evaluations), and single-step JANUS with the paper's, the target-logit and the
+random-logit-projection constraints (k = 2, 8). ``--wise-only`` leaves out the frontier tool's JANUS candidates
+(WiSE-FT alone makes the curve the variants are measured against).
 
 * **facts**: the forgetting benchmark's θ0 (768 memorized NQ-open/WebQuestions pairs, cached checkpoint). Past
   tasks: exact match on the 256 + 256 memorized, never-replayed pairs (lm-eval, hf_janus.evaluation.qa_task).
@@ -69,6 +71,14 @@ VARIANTS = (
     ("damping 1", MAIN_REPLAY, {"damping": 1.0}),
     ("constraint=target_logit", MAIN_REPLAY, {"constraint": "target_logit", "max_evaluations": 60}),
     ("acceptance=loss", MAIN_REPLAY, {"acceptance": "loss", "max_evaluations": 60}),
+    # single-step (τ=0) constraints of the well-fit study (issue 22; diagnose_first_order.py): the paper's loss,
+    # the target logit, and k random logit projections (k Jacobian rows per sample, k backward passes per batch)
+    ("single-step", MAIN_REPLAY, {"tau": 0.0}),
+    ("single-step, constraint=target_logit", MAIN_REPLAY, {"tau": 0.0, "constraint": "target_logit"}),
+    ("single-step, constraint=logit_projections k=2", MAIN_REPLAY,
+     {"tau": 0.0, "constraint": "logit_projections", "constraint_projections": 2}),
+    ("single-step, constraint=logit_projections k=8", MAIN_REPLAY,
+     {"tau": 0.0, "constraint": "logit_projections", "constraint_projections": 8}),
 )
 
 
@@ -190,6 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=[v[0] for v in VARIANTS], choices=[v[0] for v in VARIANTS],
                     metavar="LABEL", help="which VARIANTS to run after the frontier (default: all): "
                                           + "; ".join(v[0] for v in VARIANTS))
+    ap.add_argument("--wise-only", action="store_true",
+                    help="score only WiSE-FT (the anchors and the curve) before the variants, no JANUS candidates of "
+                         "the frontier tool; writes results/frontier_<scenario>..._variants.*")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", default=os.path.join(HERE, "cache"))
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -229,8 +242,9 @@ def main(argv=None) -> int:
         config = JanusConfig(tau=JANUS_TAU, beta=s.beta, rank=s.janus_rank, replay_batch_size=s.replay_batch,
                              seed=args.seed)
         main_replay = replays[MAIN_REPLAY]
+        only_wise = dict(taus=(), hybrids=False, dampings=()) if args.wise_only else {}
         result = frontier(theta0, finetuned, main_replay, past_tasks=past, new_tasks=new, config=config,
-                          tokenizer=hf_tok, batch_size=64, progress=False, min_ap2=90.0)
+                          tokenizer=hf_tok, batch_size=64, progress=False, min_ap2=90.0, **only_wise)
         log(result.to_markdown())
 
         # variants of JANUS(τ=0.95), on the same anchors and WiSE-FT curve
@@ -246,7 +260,7 @@ def main(argv=None) -> int:
                              progress=False)
             scores = {n: r.score for n, r in scorer(model).items()}
             ap = ap_metrics(scores, *anchors, result.past_tasks, result.new_tasks, result.higher_is_better)
-            row = {"label": f"JANUS τ={JANUS_TAU:g}, {label}", "replay": replay_name, "config_changes": changes,
+            row = {"label": f"JANUS τ={changes.get('tau', JANUS_TAU):g}, {label}", "replay": replay_name, "config_changes": changes,
                    "scores": scores, **ap, "above_wise": wise_margin(result.points, ap["ap1"], ap["ap2"]),
                    "jacobian_evaluations": report.num_jacobian_evals, "converged": report.converged,
                    "stop_reason": report.stop_reason, "seconds": time.perf_counter() - t0}
@@ -258,13 +272,14 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     suffix = ("" if args.method == "full" else f"_{args.method}") + ("" if args.seed == 0 else f"_seed{args.seed}")
     suffix += "" if args.facts_replay == 256 else f"_replay{args.facts_replay}"
+    suffix += "_variants" if args.wise_only else ""
     stem = os.path.join(args.out_dir, f"frontier_{args.scenario}{suffix}")
     data = {"scenario": args.scenario, "method": args.method, "seed": args.seed, "facts_replay": args.facts_replay, "frontier": result.to_dict(), "variants": extra,
             "finetune_seconds": ft_seconds, "wall_seconds": time.perf_counter() - t_start,
             "torch": torch.__version__, "threads": args.threads}
     with open(stem + ".json", "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2, default=float)
-    lines = [result.to_markdown(), "", "| variants of JANUS τ=0.95 | AP1 (%) | AP2 (%) | AP1 vs WiSE-FT | Jacobian evals | s |",
+    lines = [result.to_markdown(), "", "| variants of JANUS | AP1 (%) | AP2 (%) | AP1 vs WiSE-FT | Jacobian evals | s |",
              "|---|---:|---:|---:|---:|---:|"]
     for row in extra:
         margin = "" if row["above_wise"] is None else f"{row['above_wise']:+.1f}"
