@@ -11,10 +11,10 @@ loosely fit past task to a well-fit one:
 - how much of the rise single-step JANUS (τ=0, no compression) undoes, and its first-order residual;
 - the same with ``constraint_temperature`` T > 1 (the loss at a softer softmax as the constraint);
 - variants (``--variants``): single-step and multi-step JANUS with the paper's loss constraint and with
-  ``constraint="target_logit"`` or ``"logit_projections"`` (k=8), and multi-step with the replay-loss acceptance test (``acceptance="loss"``, and
-  ``"both"`` with the τ test). For each: the share of the replay loss rise undone, the share of the new-task gain
-  kept (GSM8K answers held out from the fine-tune), Jacobian evaluations and time, and the WiSE-FT curve at equal
-  new-task gain: θ0 + a(θ̂ − θ0) with ``a`` chosen (linear interpolation on a grid) to keep the same share of the
+  ``constraint="target_logit"`` or ``"logit_projections"`` (k = 2, 8, 32), and multi-step with the replay-loss
+  acceptance test (``acceptance="loss"``, also with logit projections, and ``"both"`` with the τ test). For
+  each: the share of the replay loss rise undone, the share of the new-task gain kept (GSM8K answers held out from
+  the fine-tune), Jacobian evaluations and time, and the WiSE-FT curve at equal new-task gain: θ0 + a(θ̂ − θ0) with ``a`` chosen (linear interpolation on a grid) to keep the same share of the
   new-task gain, and the share of the replay rise it undoes there; and the hybrid "JANUS, then interpolation toward
   θ̂" (θ_J + b(θ̂ − θ_J), b on the same grid) against WiSE-FT at 90% of the new-task gain.
 

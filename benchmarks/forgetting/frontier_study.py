@@ -260,8 +260,8 @@ def main(argv=None) -> int:
                              progress=False)
             scores = {n: r.score for n, r in scorer(model).items()}
             ap = ap_metrics(scores, *anchors, result.past_tasks, result.new_tasks, result.higher_is_better)
-            row = {"label": f"JANUS τ={changes.get('tau', JANUS_TAU):g}, {label}", "replay": replay_name, "config_changes": changes,
-                   "scores": scores, **ap, "above_wise": wise_margin(result.points, ap["ap1"], ap["ap2"]),
+            row = {"label": f"JANUS τ={changes.get('tau', JANUS_TAU):g}, {label}", "replay": replay_name,
+                   "config_changes": changes, "scores": scores, **ap, "above_wise": wise_margin(result.points, ap["ap1"], ap["ap2"]),
                    "jacobian_evaluations": report.num_jacobian_evals, "converged": report.converged,
                    "stop_reason": report.stop_reason, "seconds": time.perf_counter() - t0}
             extra.append(row)
