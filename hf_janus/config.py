@@ -171,14 +171,12 @@ class JanusConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field outside its valid range."""
         _check(isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0, "tau", self.tau, "a float in [0, 1]")
-        _check(isinstance(self.constraint_temperature, (int, float)) and not isinstance(self.constraint_temperature, bool)
-               and math.isfinite(self.constraint_temperature) and self.constraint_temperature > 0,
-               "constraint_temperature", self.constraint_temperature, "a float > 0")
+        _check(_is_real(self.constraint_temperature) and self.constraint_temperature > 0, "constraint_temperature",
+               self.constraint_temperature, "a float > 0")
         _check(self.acceptance in ("cosine", "loss", "both"), "acceptance", self.acceptance,
                "'cosine', 'loss' or 'both'")
-        _check(isinstance(self.loss_tolerance, (int, float)) and not isinstance(self.loss_tolerance, bool)
-               and math.isfinite(self.loss_tolerance) and self.loss_tolerance > 0,
-               "loss_tolerance", self.loss_tolerance, "a float > 0")
+        _check(_is_real(self.loss_tolerance) and self.loss_tolerance > 0, "loss_tolerance", self.loss_tolerance,
+               "a float > 0")
         _check(self.constraint in CONSTRAINTS, "constraint", self.constraint, " or ".join(repr(c) for c in CONSTRAINTS))
         _check(_is_int(self.constraint_projections) and self.constraint_projections >= 1, "constraint_projections",
                self.constraint_projections, "an int >= 1")
@@ -186,7 +184,7 @@ class JanusConfig:
                self.constraint_temperature, "1 unless constraint='loss' (a temperature scales only the loss)")
         _check(isinstance(self.beta, (int, float)) and 0.0 < self.beta < 1.0, "beta", self.beta, "a float in (0, 1)")
         _check(
-            self.rank is None or (isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1),
+            self.rank is None or (_is_int(self.rank) and self.rank >= 1),
             "rank", self.rank, "None or an int >= 1",
         )
         _check(self.compression in COMPRESSION_CHOICES, "compression", self.compression,
@@ -211,9 +209,7 @@ class JanusConfig:
         _check(self.final_step in FINAL_STEPS, "final_step", self.final_step, " or ".join(repr(c) for c in FINAL_STEPS))
         _check(self.max_evaluations is None or (_is_int(self.max_evaluations) and self.max_evaluations >= 2),
                "max_evaluations", self.max_evaluations, "None or an int >= 2 (θ0's capture and one trial)")
-        _check(self.max_seconds is None
-               or (isinstance(self.max_seconds, (int, float)) and not isinstance(self.max_seconds, bool)
-                   and math.isfinite(self.max_seconds) and self.max_seconds > 0),
+        _check(self.max_seconds is None or (_is_real(self.max_seconds) and self.max_seconds > 0),
                "max_seconds", self.max_seconds, "None or a number of seconds > 0")
         _check(self.gram_dtype in (torch.float64, torch.float32), "gram_dtype", self.gram_dtype,
                "torch.float64 or torch.float32")
@@ -221,8 +217,7 @@ class JanusConfig:
                " or ".join(repr(c) for c in GHOST_MATMULS))
         _check(isinstance(self.gram_rcond, (int, float)) and 0.0 <= self.gram_rcond < 1.0,
                "gram_rcond", self.gram_rcond, "a float in [0, 1)")
-        _check(isinstance(self.damping, (int, float)) and not isinstance(self.damping, bool)
-               and math.isfinite(self.damping) and self.damping >= 0.0, "damping", self.damping, "a float >= 0")
+        _check(_is_real(self.damping) and self.damping >= 0.0, "damping", self.damping, "a float >= 0")
         _check(_is_int(self.materialize_max_bytes) and self.materialize_max_bytes >= 0,
                "materialize_max_bytes", self.materialize_max_bytes, "an int >= 0")
         _check(isinstance(self.cache, (str, os.PathLike)) and str(self.cache) != "",
@@ -269,6 +264,11 @@ class JanusConfig:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A finite int or float (not a bool, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, value: Any, valid: str) -> None:
