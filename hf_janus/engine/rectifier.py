@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -169,8 +169,10 @@ class _KeptTrial:
 class _Budget:
     """``JanusConfig.max_evaluations`` / ``max_seconds``: whether another Jacobian evaluation still fits."""
 
-    def __init__(self, max_evaluations: Optional[int], max_seconds: Optional[float], start: float):
-        self.max_evaluations, self.max_seconds, self.start = max_evaluations, max_seconds, start
+    def __init__(self, max_evaluations: Optional[int], max_seconds: Optional[float],
+                 clock: Callable[[], float] = time.perf_counter):
+        self.max_evaluations, self.max_seconds, self.clock = max_evaluations, max_seconds, clock
+        self.start = clock()
         self.reason: Optional[str] = None
         self.knob = ""
 
@@ -181,7 +183,7 @@ class _Budget:
             self.reason = f"budget: max_evaluations={self.max_evaluations} reached"
             self.knob = "JanusConfig.max_evaluations (--max-evaluations)"
         elif self.max_seconds is not None:
-            elapsed = time.perf_counter() - self.start
+            elapsed = self.clock() - self.start
             # Stop before a trial that would end past the limit, not after it: one evaluation can take minutes.
             if elapsed + elapsed / max(evaluations, 1) > self.max_seconds:
                 self.reason = (f"budget: max_seconds={self.max_seconds:g} would be exceeded by the next evaluation "
@@ -189,6 +191,8 @@ class _Budget:
                 self.knob = "JanusConfig.max_seconds (--max-seconds)"
         return self.reason is not None
 
+
+_CURRENT = "θ_t"  # Rectifier._held: the model holds the current point, not a trial
 
 # The step controller's threshold for the loss-based acceptance tests (_acceptance_score maps a pass to score >= it).
 SCORE_THRESHOLD = 0.5
@@ -204,7 +208,9 @@ class Rectifier:
 
     def __init__(self, model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None,
                  progress: bool = True, keep_reference_factors: bool = False,
-                 factor_dtype: Optional[torch.dtype] = None, memory_budget_bytes: Optional[int] = None):
+                 factor_dtype: Optional[torch.dtype] = None, memory_budget_bytes: Optional[int] = None,
+                 cosine_override: Optional[Callable[[int, float, float], float]] = None,
+                 clock: Callable[[], float] = time.perf_counter):
         """See :func:`rectify` for the first four arguments.
 
         Args:
@@ -215,7 +221,15 @@ class Rectifier:
                 ``torch.bfloat16`` halves their memory, as the paper's float16 cache, at bf16 precision.
             memory_budget_bytes: with ``config.cache`` a directory, how many bytes of factors to keep in
                 host memory before spilling to disk (default: half the available host memory).
+            cosine_override: called as ``cosine_override(step, alpha, measured)`` after each trial's comparison,
+                with the model holding the trial; what it returns replaces the measured mean cosine c̄ in the
+                acceptance test and the report. For tests and experiments that drive the loop through chosen c̄
+                landscapes; the comparison itself still runs (the next step projects with the trial's row space).
+            clock: the time source of ``config.max_seconds`` (seconds, monotonic).
         """
+        self.cosine_override = cosine_override
+        self.clock = clock
+        self._held: Optional[str] = None  # what the target layers hold: see _write_trial
         self.model = model
         self.keep_reference_factors = keep_reference_factors
         #: Set by :meth:`run`: the report and, per layer, θ0, θ̂, θ_rect (and J0 with keep_reference_factors).
@@ -358,6 +372,43 @@ class Rectifier:
             current = layer.current.to(self.device)
             layer.write(current if alpha is None else current + alpha * layer.proj.to(self.device))
 
+    # What the target layers hold is decided here only: θ_t (_CURRENT), a trial's tag, or None (unknown).
+    def _write_trial(self, alpha: float, tag: str) -> None:
+        """Write the trial point θ_t + α·Δθ_proj, to be captured as ``tag``."""
+        self._held = None
+        self._write_all(alpha)
+        self._held = tag
+
+    def _hold_current(self) -> None:
+        """Make the model hold θ_t, unless it already does."""
+        if self._held != _CURRENT:
+            self._write_all()
+            self._held = _CURRENT
+
+    def _move_to(self, tag: str, alpha: float) -> None:
+        """Take the trial ``tag`` at step size ``alpha``: θ_t ← θ_t + α·Δθ_proj, and the model holds the new θ_t.
+
+        The model holds the taken trial only when it was the last one written; after a fall-back to a kept trial
+        it holds the failed larger probe, so θ_t is written now, before a budget or anything else can end the loop.
+        """
+        self._release_current()
+        for layer in self.layers:
+            # in place (no second θ_t-sized tensor), rounded as the trial written by _write_trial was
+            layer.current.add_(alpha * layer.proj.to(layer.current.device))
+            layer.proj, layer.eig, layer.trial_eig = None, layer.trial_eig, None
+        if self._held == tag:
+            self._held = _CURRENT
+        self._hold_current()
+
+    def _warn_empty_null_spaces(self) -> None:
+        for layer in self.layers:
+            layer.gram_rank0 = layer.eig.rank
+            if layer.eig.rank >= layer.d_in * layer.d_out:
+                logger.warning(
+                    "JANUS: the replay's Jacobian of %s has rank %d = d_in·d_out: its null space is empty, so the "
+                    "whole fine-tuning update of this layer is removed. Replay fewer samples than the layer has "
+                    "weights, or exclude the layer (exclude_modules)", layer.name, layer.eig.rank)
+
     # ---- the algorithm ------------------------------------------------------------------------------
     def _project_all(self, tag: str) -> None:
         # Every trial of this step compares against J_t: layers on the materialized path keep their per-sample
@@ -416,6 +467,7 @@ class Rectifier:
         cfg = self.config
         report = RectificationReport(config=cfg.to_dict())
         start = time.perf_counter()
+        budget = _Budget(cfg.max_evaluations, cfg.max_seconds, self.clock)
         bar = tqdm(desc="JANUS rectification", unit="eval", disable=not self.progress, leave=False)
         phase = "measuring the fine-tuned replay loss"
         try:
@@ -426,7 +478,8 @@ class Rectifier:
             if self.world.active:
                 finetuned_loss = self._combine_losses(finetuned_loss)
             phase = "capturing the Jacobian at the reference weights"
-            self._write_all()
+            self._held = None
+            self._hold_current()
             base = self._capture("c0")
             report.num_jacobian_evals = 1
             bar.update(1)
@@ -438,38 +491,33 @@ class Rectifier:
             controller = make_step_controller(cfg.step_control, threshold, cfg.beta, cfg.min_alpha)
             # the fine-tune's replay-loss rise, the loss tests' unit (the paper's test does not need it)
             rise = finetuned_loss.loss - base.loss if cfg.acceptance != "cosine" else math.nan
-            budget = _Budget(cfg.max_evaluations, cfg.max_seconds, start)
             for step in range(cfg.max_steps):
                 if budget.exhausted(report.num_jacobian_evals):
                     break
                 phase = f"projecting the update at step {step}"
                 self._project_all(current_tag)
                 if step == 0:
-                    for layer in self.layers:
-                        layer.gram_rank0 = layer.eig.rank
-                        if layer.eig.rank >= layer.d_in * layer.d_out:
-                            logger.warning(
-                                "JANUS: the replay's Jacobian of %s has rank %d = d_in·d_out: its null space is "
-                                "empty, so the whole fine-tuning update of this layer is removed. Replay fewer "
-                                "samples than the layer has weights, or exclude the layer (exclude_modules)",
-                                layer.name, layer.eig.rank)
+                    self._warn_empty_null_spaces()
                 final_allowed = step == cfg.max_steps - 1
                 proj_norm = math.sqrt(sum(float(layer.proj.norm()) ** 2 for layer in self.layers))
                 # Every replica must try the same step sizes: rank 0's choice is the one taken.
                 alpha = self.world.from_rank0(controller.start_step(proj_norm, final=final_allowed))
                 record = StepRecord(step=step, alpha=alpha)
                 kept: Optional[_KeptTrial] = None  # a passing trial held while a larger α is checked
+                taken: Optional[tuple[str, CaptureResult, float, float]] = None  # (tag, capture, α, score)
                 while True:
                     if budget.exhausted(report.num_jacobian_evals):
                         if kept is not None:  # the budget ends the step, but a passing trial is at hand
-                            tag, trial, alpha, score = kept.take(self.layers, record)
+                            taken = kept.take(self.layers, record)
                         break
                     tag = f"s{step}t{len(record.trials)}"
                     phase = f"evaluating trial α={alpha:.4g} at step {step}"
-                    self._write_all(alpha)
+                    self._write_trial(alpha, tag)
                     trial = self._capture(tag)
                     report.num_jacobian_evals += 1
                     cbar, per_layer = self._compare_all(current_tag, tag)
+                    if self.cosine_override is not None:
+                        cbar = float(self.cosine_override(step, alpha, cbar))
                     cbar = self.world.from_rank0(cbar)  # every replica must take the same decision
                     score = self._acceptance_score(cbar, alpha, trial, last_capture, rise)
                     decision = controller.decide(alpha, score, forced_ok=final_allowed)
@@ -500,16 +548,21 @@ class Rectifier:
                         alpha = self.world.from_rank0(decision.alpha)
                         continue
                     if decision.action == "accept_kept":
+                        if kept is None:
+                            raise RuntimeError("the step controller fell back to a kept trial, but none is kept "
+                                               "in this step")
                         self.store.drop(tag)
-                        tag, trial, alpha, score = kept.take(self.layers, record)
-                    elif kept is not None:
-                        self.store.drop(kept.tag)
+                        taken = kept.take(self.layers, record)
+                    else:
+                        if kept is not None:
+                            self.store.drop(kept.tag)
+                        taken = (tag, trial, alpha, score)
                     self._show_trial(bar, report, record, cfg.tau,
-                                     controller.estimated_remaining_evaluations(alpha, cfg.max_steps - step - 1))
+                                     controller.estimated_remaining_evaluations(taken[2], cfg.max_steps - step - 1))
                     break
-                if not any(t.accepted for t in record.trials):
+                if taken is None:
                     # The budget ran out inside the step, or its unchecked final step was left out: θ_t, the last
-                    # accepted point, is what the model keeps.
+                    # accepted point, is what the model keeps (written after the loop).
                     if report.discarded_final_step is not None:
                         found = report.discarded_final_step
                         report.stop_reason = (
@@ -521,15 +574,11 @@ class Rectifier:
                     self._release_current()
                     for layer in self.layers:
                         layer.proj, layer.trial_eig = None, None
-                    self._write_all()
                     break
+                tag, trial, alpha, score = taken
                 record.alpha, record.forced = alpha, not score >= threshold  # NaN (undefined) counts as forced
                 report.steps.append(record)
-                self._release_current()
-                for layer in self.layers:
-                    # in place (no second θ_t-sized tensor), rounded as the trial written by _write_all(alpha) was
-                    layer.current.add_(alpha * layer.proj.to(layer.current.device))
-                    layer.proj, layer.eig, layer.trial_eig = None, layer.trial_eig, None
+                self._move_to(tag, alpha)
                 if current_tag != "c0":
                     self.store.drop(current_tag)
                 current_tag, last_capture = tag, trial
@@ -541,6 +590,8 @@ class Rectifier:
                     logger.warning("JANUS step %d: step size would fall below min_alpha=%g; took α=%.4g failing the "
                                    "acceptance test (%s; mean cosine %.4f, τ=%.3g)", step, cfg.min_alpha, alpha,
                                    cfg.acceptance, record.taken.mean_cosine if record.taken else math.nan, cfg.tau)
+            # Whatever ended the loop (convergence, a budget, a left-out final step), the model holds θ_t from here.
+            self._hold_current()
             if budget.reason is not None:
                 report.stopped_early = True
                 report.stop_reason = budget.reason
@@ -556,7 +607,8 @@ class Rectifier:
                     on_device = layer.current.to(self.world.device)
                     self.world.broadcast_(on_device)
                     layer.current.copy_(on_device)
-                self._write_all()
+                self._held = None
+                self._hold_current()
             phase = "computing per-layer statistics"
             report.layers = self._layer_stats()
             report.memory_plan = self.memory_plan.to_dict()
@@ -680,6 +732,7 @@ class Rectifier:
         return stats
 
     def _restore(self) -> None:
+        self._held = None
         reshard(self.model, after_error=True)
         for layer in self.layers:
             layer.restore()

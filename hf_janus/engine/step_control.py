@@ -78,7 +78,11 @@ class StepController(ABC):
         """The first step size to try at a step whose projected update has Frobenius norm ``proj_norm`` (over all
         layers). The last allowed step always starts at α=1: it takes the remaining update unchecked."""
         self.proj_norm = proj_norm
+        self._begin_step()  # every step, the final one included, starts from fresh per-step state
         return 1.0 if final else self._first_alpha()
+
+    def _begin_step(self) -> None:
+        """Forget what the trials of the previous step found (nothing to forget by default)."""
 
     def decide(self, alpha: float, cbar: float, forced_ok: bool) -> Decision:
         """The decision after a trial at ``alpha`` measured ``cbar``; ``forced_ok``: the loop may take this trial
@@ -149,8 +153,10 @@ class AdaptiveStepController(StepController):
                 return j
         return len(self.grid) - 1
 
-    def _first_alpha(self) -> float:
+    def _begin_step(self) -> None:
         self._passed, self._failed, self._kept = {}, {}, None
+
+    def _first_alpha(self) -> float:
         if self._reference is None:
             return 1.0
         return self.grid[self._predict_index(*self._reference, TARGET_SHARE)]
