@@ -62,6 +62,11 @@ The output directory is written atomically and also holds janus_rectification.js
 """
 
 
+_ALLOW_PICKLE_HELP = ("read weights stored only as a pickle (adapter_model.bin, pytorch_model.bin), which are refused "
+                      "by default because unpickling can run code; they are then read with torch's restricted "
+                      "unpickler (weights_only=True). Convert them to safetensors instead when you can")
+
+
 def _add_merge(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "merge",
@@ -84,6 +89,7 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--allow-base-mismatch", action="store_true",
                      help="warn instead of failing when the adapter names a different base model (shapes are "
                           "still checked)")
+    src.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE_HELP)
     src.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                      help="dtype to load the base model in (default: the checkpoint's; float32 is the most exact)")
     src.add_argument("--device", default=None,
@@ -206,6 +212,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         device=args.device, base_revision=args.base_revision, initial_adapter=args.initial_adapter,
         allow_base_mismatch=args.allow_base_mismatch, replay_options=replay_options(args),
         progress=not args.no_progress, quantization_config=_quantization_config(args),
+        allow_pickle=args.allow_pickle,
     )
     delta = merger.run()
     if args.output_format == "adapter":
@@ -261,6 +268,7 @@ def add_evaluation_options(group: Any, *, tasks_required: bool) -> None:
     group.add_argument("--tokenizer", metavar="ID_OR_DIR", help="tokenizer (default: the one beside --reference)")
     group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="dtype to load the models in (default: the checkpoint's)")
+    group.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE_HELP)
     group.add_argument("--device", default=None, help="device for the models, e.g. cuda:0 (default: cpu)")
     group.add_argument("--batch-size", default="16", help="lm-eval batch size, an int or auto (default: 16)")
     group.add_argument("--limit", type=float, help="at most this many documents per task (a fraction when < 1)")
@@ -273,7 +281,7 @@ def evaluation_settings(args: argparse.Namespace) -> dict[str, Any]:
     batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     return {"tokenizer": args.tokenizer, "batch_size": batch_size, "limit": limit, "include_path": args.include_path,
-            "device": args.device, "torch_dtype": args.dtype}
+            "device": args.device, "torch_dtype": args.dtype, "allow_pickle": args.allow_pickle}
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:

@@ -35,8 +35,8 @@ class JanusConfig:
             gradients; ``None`` keeps every token (exact, more memory).
         compression: how that rank-r approximation is computed. ``"exact"``: QR + SVD of the core, the
             optimum (the paper's). ``"randomized"``: randomized subspace iteration, batched matrix products,
-            within 2% of the optimum's error and exact when a sample has at most ``rank + 16``
-            tokens; on a GPU it avoids one slow LAPACK call per sample and layer. ``"auto"`` (default):
+            within 1% of the optimum's error (tests/test_compression.py) and exact when a sample has at most
+            ``rank + 16`` tokens; on a GPU it avoids one slow LAPACK call per sample and layer. ``"auto"`` (default):
             exact on the CPU, randomized on accelerators.
         target_modules: ``"all-linear"`` (every ``nn.Linear``/GPT-2 ``Conv1D`` except the output head),
             a list of module names or name suffixes, or a regular expression matched against full names.
@@ -66,9 +66,9 @@ class JanusConfig:
         ghost_matmul: dtype of the ghost math's large matrix products (Gram blocks, JVPs, VJPs, materialized
             per-sample gradients). ``"float32"`` (default): float32 products (TF32 tensor cores on CUDA), sums
             accumulated in ``gram_dtype`` and one refinement sweep of each projection with a ``gram_dtype`` residual,
-            which keeps the projection's null-space residual within 1e-6 of ``J ΔW`` (measured: 1-3e-8 on tiny
-            models); about 1.7x faster on a CPU, far more on GPUs. ``"float64"``: every product in float64 (the
-            slow reference path).
+            which keeps the projection's null-space residual within 1e-6 of ``J ΔW`` (held on tiny layers by
+            tests/test_ghost_explicit.py); about 1.7x faster on a CPU, far more on GPUs. ``"float64"``: every
+            product in float64 (the slow reference path).
         gram_rcond: relative cutoff below which Gram eigenvalues count as zero (pseudo-inverse).
         damping: Tikhonov damping of the projection, relative to the largest eigenvalue of each layer's Gram: the
             update becomes ``ΔW - Jᵀ (J Jᵀ + λI)⁻¹ J ΔW`` with ``λ = damping · max eig(J Jᵀ)``, which keeps a share

@@ -163,7 +163,7 @@ def _lora_story(pretrained: dict, replay: list[dict], held_out: list[dict], math
 
         torch.manual_seed(seed + 2)
         lora = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear", lora_dropout=0.0)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), lora)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, use_safetensors=True), lora)
         say(f"LoRA: training a rank-{LORA_RANK} adapter on GSM8K from the same pretrained model")
         train(model, math_train, steps, LORA_LR, 16, seed + 3, "LoRA fine-tuning on GSM8K", progress)
         rows[f"LoRA r={LORA_RANK} fine-tuned"] = _measure(model, held_out, math_test)
@@ -174,7 +174,8 @@ def _lora_story(pretrained: dict, replay: list[dict], held_out: list[dict], math
         delta.model.eval()
         rows["LoRA + JANUS (merged weights)"] = _measure(delta.model, held_out, math_test)
         delta.save_adapter(rect_dir, rank="same", progress=progress)
-        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), rect_dir).eval()
+        reloaded_base = AutoModelForCausalLM.from_pretrained(base_dir, use_safetensors=True)
+        reloaded = PeftModel.from_pretrained(reloaded_base, rect_dir).eval()
         rows[f"LoRA + JANUS (saved as r={LORA_RANK} adapter)"] = _measure(reloaded, held_out, math_test)
         report = delta.report.rectification
     return rows, report

@@ -13,7 +13,7 @@ from test_callback import CONFIG, FAST, Probe, collate, make_trainer, pretrained
 from transformers import AutoModelForCausalLM
 
 from hf_janus import JanusConfig, JanusError, rectify
-from hf_janus.adapters.live_peft import effective_weights
+from hf_janus.adapters.live_peft import adapted_linear_layers, effective_weights, theta0_weights
 from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.publish.record import REPORT_NAME
 
@@ -53,6 +53,11 @@ def logits(model, batch):
     model.eval()
     with torch.no_grad():
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+def theta0_of(model, janus):
+    """θ0 of the adapted layers, rebuilt from the callback's snapshot (the adapter's initial tensors)."""
+    return theta0_weights(adapted_linear_layers(model), janus.theta0())
 
 
 def adapted_weight_keys(state):
@@ -132,7 +137,7 @@ def test_pissa_snapshot_is_the_effective_weight_and_reloads(tmp_path):
     residual = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
     assert not torch.allclose(residual, original["model.layers.0.self_attn.q_proj.weight"])
     trainer.train()
-    theta0 = janus.theta0()
+    theta0 = theta0_of(model, janus)
     for key, value in theta0.items():  # θ0 = W_res + s·B0A0 = the original weight
         torch.testing.assert_close(value, original[key], rtol=0, atol=1e-5)
 
@@ -170,7 +175,7 @@ def test_dora_full_rank_write_back_is_exact(tmp_path):
     trainer.train()
     twin = plain_twin(probe.finetuned)
     config = JanusConfig(**{**FAST.to_dict(), "target_modules": TARGETS})
-    rectify(twin, janus.theta0(), replay_data(), config, progress=False)
+    rectify(twin, theta0_of(model, janus), replay_data(), config, progress=False)
     got = merged_state(model)
     for key in adapted_weight_keys(got):
         torch.testing.assert_close(got[key], twin.state_dict()[key], rtol=0, atol=2e-5)
@@ -190,7 +195,9 @@ def test_merged_output_replaces_the_trainer_model_and_saves_full_weights(tmp_pat
     assert not isinstance(trainer.model, PeftModel)
     twin = plain_twin(probe.finetuned)
     config = JanusConfig(**{**FAST.to_dict(), "target_modules": TARGETS})
-    rectify(twin, janus.theta0(), replay_data(), config, progress=False)
+    # θ0 is the base's weights: the adapter starts at a zero update (the model is merged now, so the snapshot's
+    # initial adapter tensors have nothing left to be put into)
+    rectify(twin, pretrained_llama().state_dict(), replay_data(), config, progress=False)
     trainer.save_model()
     loaded = AutoModelForCausalLM.from_pretrained(trainer.args.output_dir)
     for key, value in loaded.state_dict().items():
@@ -219,7 +226,7 @@ def test_loha_merged_output(tmp_path):
     trainer.train()
     twin = plain_twin(probe.finetuned)
     config = JanusConfig(**{**FAST.to_dict(), "target_modules": TARGETS})
-    rectify(twin, janus.theta0(), replay_data(), config, progress=False)
+    rectify(twin, pretrained_llama().state_dict(), replay_data(), config, progress=False)  # LoHa starts at ΔW=0
     for key, value in trainer.model.state_dict().items():
         torch.testing.assert_close(value, twin.state_dict()[key], rtol=0, atol=1e-6)
 
@@ -245,7 +252,9 @@ def test_only_the_adapted_layers_are_snapshotted(tmp_path):
     model = peft_model()
     janus = JanusCallback(replay_data(), FAST)
     make_trainer(tmp_path, model, [janus], max_steps=1).train()
-    names = sorted(janus.theta0())
+    names = sorted(theta0_of(model, janus))
+    # a frozen base needs only the adapter's initial tensors in the snapshot
+    assert all(".lora_" in key for key in janus.theta0())
     assert names == sorted(effective_weights({
         n: m for n, m in model.get_base_model().named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A
     }))
@@ -324,7 +333,7 @@ def test_gpt2_conv1d_lora_write_back(tmp_path):
                                             fan_in_fan_out=True, lora_dropout=0.0))
     probe, janus = PeftProbe(), JanusCallback(replay_data(), FAST, adapter_rank=FULL_RANK)
     make_trainer(tmp_path, model, [probe, janus]).train()
-    for key, value in janus.theta0().items():
+    for key, value in theta0_of(model, janus).items():
         assert torch.equal(value, theta0_plain[key])
     twin = build_tiny("gpt2", vocab=VOCAB)
     twin.load_state_dict(probe.finetuned)

@@ -103,7 +103,9 @@ def test_randomized_capture_reads_back_per_batch_not_per_layer(monkeypatch):
     # per batch: two waits around the pass, the replay-loss checks and copies, one NaN flag read for all layers, the
     # plan's host work, and the Ritz step's eigenproblems of every layer, one batched pair per sketch size
     assert sum(three.values()) <= 20 * 3, three
-    assert three["linalg_eigh"] <= 2 * 2 * 3  # two sketch sizes in this model: (16 -> 16) and (16 -> 8) layers
+    # torch.linalg.eigh dispatches as aten::_linalg_eigh (the name READS counts); two sketch sizes in this model,
+    # (16 -> 16) and (16 -> 8) layers, so at most two batched pairs per batch, and at least one pair ran
+    assert 2 <= three["_linalg_eigh"] <= 2 * 2 * 3, three
 
 
 def test_the_counter_sees_per_layer_reads(monkeypatch):
@@ -115,6 +117,7 @@ def test_the_counter_sees_per_layer_reads(monkeypatch):
     with HostReads(monkeypatch) as reads:
         compress_sequence(x, a, 2, method="randomized")
     assert reads.total >= 1
+    assert reads.calls["_linalg_eigh"] == 2, reads.calls  # the Ritz step's pair: eigh is seen under its aten name
 
 
 @pytest.mark.parametrize("method", ["exact", "randomized"])

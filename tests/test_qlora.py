@@ -7,7 +7,6 @@ The rectified update must lie in the null space of explicit per-sample Jacobians
 
 from __future__ import annotations
 
-import weakref
 
 import pytest
 import torch
@@ -169,8 +168,9 @@ def test_qlora_rectified_update_is_in_the_null_space_at_the_dequantized_base(bas
         if quant == "int8":
             # LLM.int8 also quantizes the activations (per row, to 1/127): the layers compute a slightly different
             # function than their dequantized weights, so the null space of the model as it computes, which the
-            # engine sees, is that of the dequantized weights only up to that noise (measured: 7.7e-5 vs 1.8e-2).
-            assert residual < 0.02 * before, f"{name}: {residual:.2e} vs {before:.2e} before rectification"
+            # engine sees, is that of the dequantized weights only up to that noise. Measured residual / before over
+            # the six layers: 1.4e-3 to 1.03e-2 (largest: layers.1 q_proj, 1.36e-4 vs 1.32e-2); the bound is ~1.55x.
+            assert residual < 0.016 * before, f"{name}: {residual:.2e} vs {before:.2e} before rectification"
         else:
             assert residual < 1e-6, f"{name}: |J0 ΔW_rect| / (|J0| |ΔW_rect|) = {residual:.2e} ({before:.2e} before)"
 
@@ -197,18 +197,16 @@ def test_qlora_adapter_reloads_on_a_freshly_quantized_base(base_dir, tmp_path):
                                    rtol=0, atol=1e-5)
 
 
-def test_qlora_dequantizes_one_layer_at_a_time(base_dir, tmp_path, monkeypatch):
-    """No whole-model dequantization: the snapshot at train begin dequantizes nothing, and at any time at most
-    one dequantized base weight is alive (tracked by its storage, which views and in-place updates share)."""
+def test_qlora_snapshot_dequantizes_nothing(base_dir, tmp_path, monkeypatch):
+    """The θ0 snapshot at train begin holds the adapter's tensors only: it dequantizes no base weight. (What the
+    rectification at train end holds densely is tracked, tensor by tensor, in test_qlora_memory.py.)"""
     import peft.utils.integrations as integrations
 
-    real, alive, calls = integrations.dequantize_module_weight, weakref.WeakSet(), []
+    real, calls = integrations.dequantize_module_weight, []
 
     def counting(module):
-        weight = real(module)
-        alive.add(weight.untyped_storage())
-        calls.append(len(alive))
-        return weight
+        calls.append(module)
+        return real(module)
 
     monkeypatch.setattr(integrations, "dequantize_module_weight", counting)
 
@@ -222,7 +220,7 @@ def test_qlora_dequantizes_one_layer_at_a_time(base_dir, tmp_path, monkeypatch):
     train(model, tmp_path, [janus, begin])
     assert janus.report is not None
     assert begin.calls == 0  # θ0 snapshot: the adapter's tensors only
-    assert calls and max(calls) == 1, f"dequantized weights alive at once: {max(calls)}"
+    assert calls  # ... and the rectification at train end did read the base (the counter is live)
 
 
 @pytest.mark.parametrize("case,fragment", [

@@ -49,7 +49,7 @@ from hf_janus.adapters.loading import (
     load_base_model,
     resolve_adapter,
 )
-from hf_janus.adapters.live_peft import check_quantized_layers, dense_stand_in, on_quantized_base
+from hf_janus.adapters.live_peft import check_quantized_layers, dense_stand_in, effective_params, on_quantized_base
 from hf_janus.engine.layers import rule_for
 from hf_janus.engine.quantized import dequantized_weight
 from hf_janus.errors import JanusError
@@ -77,7 +77,7 @@ class EffectiveModel:
     """The base model with the adapter merged in (``W0 + ΔW`` per adapted layer) and ``θ0`` of those layers."""
 
     model: nn.Module
-    reference: dict[str, Tensor]  # "<layer>.weight" -> base weight W0, native layout and dtype, CPU
+    reference: dict[str, Tensor]  # "<layer>.weight" -> θ0, native layout, CPU (float32 where rebuilt with PEFT)
     layers: dict[str, AdaptedLayer]
     adapter: AdapterSource
     base_model: str
@@ -85,6 +85,9 @@ class EffectiveModel:
     modules_to_save: list[str] = field(default_factory=list)  # qualified names of fully trained modules
     changes_bias: bool = False  # the adapter also trains biases (bias != "none" or lora_bias)
     quantized: bool = False  # the base is quantized: adapted layers are dense stand-ins, the rest stays quantized
+    # "<layer>.weight" -> θ̂ = W0 + ΔW of every adapted linear layer, merged by PEFT in float32 (native layout,
+    # CPU): the model holds it rounded to its dtype, and on a bf16 base that rounding would swamp a small ΔW
+    finetuned: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def linear_layers(self) -> list[str]:
@@ -92,8 +95,10 @@ class EffectiveModel:
 
     def delta(self, name: str) -> Tensor:
         """``ΔW`` = effective − base weight of one adapted layer, float32, native layout."""
-        module = self.model.get_submodule(name)
-        return module.weight.detach().float().cpu() - self.reference[name + ".weight"].float()
+        exact = self.finetuned.get(name + ".weight")
+        if exact is None:
+            exact = self.model.get_submodule(name).weight.detach().float().cpu()
+        return exact - self.reference[name + ".weight"].float()
 
 
 
@@ -134,19 +139,23 @@ def _is_conv1d(module: nn.Module) -> bool:
     return isinstance(module, Conv1D)
 
 
-def _reconstruct_pissa(module: nn.Module, init: str) -> None:
-    """Turn the loaded layer (original base W, trained A/B) into PEFT's PiSSA state: base W_res, trained A/B."""
+def _reconstruct_pissa(module: nn.Module, init: str) -> Tensor:
+    """Turn the loaded layer (original base W, trained A/B) into PEFT's PiSSA state: base W_res, trained A/B.
+    Returns θ0 = W_res + s·B0A0 in float32 (W up to the rounding of W_res in the base's dtype)."""
     if not hasattr(module, "pissa_init"):
         raise JanusError(f"cannot rebuild the PiSSA residual of a {type(module).__name__} layer")
     trained_a = module.lora_A[_ADAPTER_NAME].weight.data.clone()
     trained_b = module.lora_B[_ADAPTER_NAME].weight.data.clone()
     module.pissa_init(_ADAPTER_NAME, init)  # base <- W - s·B0A0 (exact SVD), factors <- A0, B0
+    theta0 = effective_params(module, torch.float32)[0].detach().cpu()
     module.lora_A[_ADAPTER_NAME].weight.data = trained_a.to(module.lora_A[_ADAPTER_NAME].weight.dtype)
     module.lora_B[_ADAPTER_NAME].weight.data = trained_b.to(module.lora_B[_ADAPTER_NAME].weight.dtype)
+    return theta0
 
 
-def _subtract_initial(module: nn.Module, name: str, initial: dict[str, Tensor], initial_name: str) -> None:
-    """base <- W − s·B0A0 with (A0, B0) from the adapter saved before training."""
+def _subtract_initial(module: nn.Module, name: str, initial: dict[str, Tensor], initial_name: str) -> Tensor:
+    """base <- W − s·B0A0 with (A0, B0) from the adapter saved before training. Returns θ0 = that base + s·B0A0
+    in float32, as the model was when training began."""
     key = PEFT_PREFIX + name
     a0, b0 = initial.get(f"{key}.lora_A.weight"), initial.get(f"{key}.lora_B.weight")
     if a0 is None or b0 is None:
@@ -168,6 +177,7 @@ def _subtract_initial(module: nn.Module, name: str, initial: dict[str, Tensor], 
         product = product.T
     with torch.no_grad():
         base.weight.data = (base.weight.data.to(torch.float32) - product.to(base.weight.device)).to(base.weight.dtype)
+        return (base.weight.data.to(torch.float32) + product.to(base.weight.device)).cpu()
 
 
 def read_adapter_weights(path: str, name: str) -> dict[str, Tensor]:
@@ -187,9 +197,10 @@ def read_adapter_weights(path: str, name: str) -> dict[str, Tensor]:
         ) from err
 
 
-def _load_initial_adapter(initial_adapter: Union[str, os.PathLike], token: Union[str, bool, None]) -> dict[str, Tensor]:
+def _load_initial_adapter(initial_adapter: Union[str, os.PathLike], token: Union[str, bool, None],
+                          allow_pickle: bool = False) -> dict[str, Tensor]:
     """The factors (A0, B0) of the adapter as saved right after initialization, keyed as PEFT saves them."""
-    source = resolve_adapter(initial_adapter, token=token)
+    source = resolve_adapter(initial_adapter, token=token, allow_pickle=allow_pickle)
     return read_adapter_weights(source.path, source.name)
 
 
@@ -206,6 +217,7 @@ def load_effective_model(
     token: Union[str, bool, None] = None,
     progress: bool = True,
     quantization_config: Any = None,
+    allow_pickle: bool = False,
 ) -> EffectiveModel:
     """Load ``base_model`` once, merge ``adapter`` into it layer by layer, keep ``θ0`` of the adapted layers.
 
@@ -224,6 +236,9 @@ def load_effective_model(
             it), to rectify a QLoRA adapter against the base it was trained on. θ0 of an adapted layer is then
             its dequantized base weight, and the adapted layers become dense stand-ins holding dequantized base +
             ``ΔW`` (one layer at a time); the other layers stay quantized.
+        allow_pickle: read weights stored only as a pickle (``adapter_model.bin`` of the adapter or of
+            ``initial_adapter``, ``pytorch_model.bin`` of the base), with torch's restricted unpickler
+            (``weights_only=True``); without it they are refused with an error that names the file.
 
     Raises:
         JanusError: for a missing adapter config or weights, a wrong base model (ids or shapes), an
@@ -234,7 +249,8 @@ def load_effective_model(
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     base_name = os.fspath(base_model)
-    src = adapter if isinstance(adapter, AdapterSource) else resolve_adapter(adapter, revision, token)
+    src = (adapter if isinstance(adapter, AdapterSource)
+           else resolve_adapter(adapter, revision, token, allow_pickle=allow_pickle))
     config = src.config
     if getattr(config, "is_prompt_learning", False) or src.peft_type.upper() in ("ADAPTION_PROMPT", "CPT"):
         raise JanusError(
@@ -254,7 +270,7 @@ def load_effective_model(
     if initial_adapter is not None:
         if src.peft_type.upper() != "LORA" or getattr(config, "use_dora", False):
             raise JanusError("initial_adapter is only meaningful for unconverted PiSSA-like LoRA adapters (not DoRA)")
-        initial = _load_initial_adapter(initial_adapter, token)
+        initial = _load_initial_adapter(initial_adapter, token, allow_pickle)
     elif mutating is not None and not reconstruct:
         raise JanusError(
             f"adapter {src.name!r} was initialized with init_lora_weights={mutating!r} and saved unconverted: its "
@@ -267,7 +283,8 @@ def load_effective_model(
         raise JanusError(f"adapter {src.name!r} combines DoRA with init_lora_weights={mutating!r}; convert it first")
 
     weights = read_adapter_weights(src.path, src.name)
-    model = load_base_model(base_name, base_revision, torch_dtype, device, token, quantization_config)
+    model = load_base_model(base_name, base_revision, torch_dtype, device, token, quantization_config,
+                            allow_pickle=allow_pickle)
     check_adapter_shapes(model, weights, src, base_name)
     del weights
 
@@ -285,6 +302,7 @@ def load_effective_model(
 
     check_quantized_layers(peft_model)
     reference: dict[str, Tensor] = {}
+    finetuned: dict[str, Tensor] = {}
     layers: dict[str, AdaptedLayer] = {}
     tuners = [(n, m) for n, m in peft_model.named_modules() if isinstance(m, BaseTunerLayer)]
     tuners = [(n, m) for n, m in tuners if hasattr(m, "get_base_layer") and m.get_base_layer() is not m]
@@ -303,16 +321,19 @@ def load_effective_model(
                 continue
             layers[name] = info
             if on_quantized_base(module):
-                reference[name + ".weight"] = dequantized_weight(module.get_base_layer()).cpu()
+                reference[name + ".weight"] = dequantized_weight(module.get_base_layer()).float().cpu()
+                exact = finetuned[name + ".weight"] = effective_params(module, torch.float32)[0].cpu()
                 # PEFT's merge would requantize (and round ΔW away): a dense stand-in holds W0 + ΔW instead
-                peft_model.get_base_model().set_submodule(name, dense_stand_in(module, None))
+                peft_model.get_base_model().set_submodule(name, dense_stand_in(module, exact))
                 continue
             if info.layer_type in ("linear", "embedding"):
                 reference[name + ".weight"] = module.get_base_layer().weight.detach().clone().cpu()
             if reconstruct and info.layer_type != "other":
-                _reconstruct_pissa(module, mutating)
+                reference[name + ".weight"] = _reconstruct_pissa(module, mutating)
             elif initial is not None:
-                _subtract_initial(module, name, initial, initial_name)
+                reference[name + ".weight"] = _subtract_initial(module, name, initial, initial_name)
+            if info.layer_type == "linear":
+                finetuned[name + ".weight"] = effective_params(module, torch.float32)[0].detach().cpu()
     if not layers:
         raise JanusError(f"adapter {src.name!r} adapts no layer of base model {base_name!r}")
     modules_to_save = sorted(
@@ -330,5 +351,5 @@ def load_effective_model(
     return EffectiveModel(
         model=merged, reference=reference, layers=layers, adapter=src, base_model=base_name,
         base_revision=base_revision, modules_to_save=modules_to_save, changes_bias=changes_bias,
-        quantized=bool(quantized),
+        quantized=bool(quantized), finetuned=finetuned,
     )

@@ -87,20 +87,55 @@ def on_quantized_base(module: nn.Module) -> bool:
     return is_supported_quantized(module.get_base_layer())
 
 
-def effective_params(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+@contextlib.contextmanager
+def computing_in(module: nn.Module, dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """Hold the tuner layer's dense base weight and bias and its adapter tensors as ``dtype`` copies inside,
+    the original tensors again on exit (``None``: as they are).
+
+    PEFT merges in the base's dtype: on a bf16 base ``W + ΔW`` is rounded to bf16, and its difference from ``W``
+    is rounding noise wherever ``ΔW`` is small against ``W``. Merging float32 copies gives the update exactly.
+    """
+    if dtype is None:
+        yield
+        return
+    base = module.get_base_layer()
+    tensors = list(_adapter_tensors(module).values())
+    if not on_quantized_base(module):
+        tensors += [t for t in (getattr(base, "weight", None), getattr(base, "bias", None)) if isinstance(t, Tensor)]
+    saved = [(t, t.data) for t in tensors if t.is_floating_point() and t.dtype != dtype]
+    try:
+        with torch.no_grad():
+            for tensor, data in saved:
+                tensor.data = data.to(dtype)
+        yield
+    finally:
+        for tensor, data in saved:
+            tensor.data = data
+
+
+def effective_params(module: nn.Module, dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Optional[Tensor]]:
     """The weight and bias PEFT's merge would give this tuner layer (stored layout of the base layer).
 
     Runs PEFT's own ``merge(safe_merge=True)``, which computes into copies, then puts the original tensors
     back, so any adapter kind PEFT can merge is covered and the layer is left exactly as it was. On a quantized
-    base, where merging would requantize, it is the dequantized base plus PEFT's ``get_delta_weight``, in the
-    layer's compute dtype (the LoRA kinds :func:`check_quantized_layers` lets through are exactly that).
+    base, where merging would requantize, it is the dequantized base plus PEFT's ``get_delta_weight`` (the LoRA
+    kinds :func:`check_quantized_layers` lets through are exactly that). ``dtype``: compute and return in this
+    dtype (float32 for an exact update, see :func:`computing_in`); by default the base's (compute) dtype.
     """
+    with computing_in(module, dtype):
+        return _effective_params(module, dtype)
+
+
+def _effective_params(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[Tensor, Optional[Tensor]]:
     base = module.get_base_layer()
     if on_quantized_base(module):
         with torch.no_grad():
             weight = dequantized_weight(base)
+            weight = weight.to(dtype) if dtype is not None else weight
             weight += module.get_delta_weight(active_adapter(module)).to(weight.dtype)
         bias = base.bias.detach().clone() if isinstance(getattr(base, "bias", None), Tensor) else None
+        if bias is not None and dtype is not None:
+            bias = bias.to(dtype)
         return weight, bias
     weight = base.weight.data
     bias = base.bias.data if isinstance(getattr(base, "bias", None), Tensor) else None
@@ -123,13 +158,14 @@ def effective_params(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
 
 
 def effective_weights(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
-    """``{"<name>.weight": effective weight on the CPU}`` for the given tuner layers (one layer at a time)."""
+    """``{"<name>.weight": effective weight on the CPU, float32}`` for the given tuner layers (one layer at a
+    time), computed in float32 whatever the base dtype (see :func:`computing_in`)."""
     return {f"{name}.weight": _effective_on_cpu(module) for name, module in layers.items()}
 
 
 def _effective_on_cpu(module: nn.Module) -> Tensor:
     with torch.no_grad():
-        return effective_params(module)[0].to("cpu", copy=True).contiguous()
+        return effective_params(module, torch.float32)[0].to("cpu", copy=True).contiguous()
 
 
 def check_quantized_layers(peft_model: nn.Module) -> None:
@@ -152,6 +188,11 @@ def check_quantized_layers(peft_model: nn.Module) -> None:
             )
 
 
+def _base_trains(module: nn.Module) -> bool:
+    base = module.get_base_layer()
+    return any(p.requires_grad for p in base.parameters(recurse=False))
+
+
 def _adapter_tensors(module: nn.Module) -> dict[str, Tensor]:
     """The adapter's own parameters of a tuner layer (everything but its base layer), by local name."""
     return {n: p for n, p in module.named_parameters() if not n.startswith("base_layer.")}
@@ -160,14 +201,14 @@ def _adapter_tensors(module: nn.Module) -> dict[str, Tensor]:
 def initial_state(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
     """What θ0 of the adapted layers needs, taken at train begin, on the CPU.
 
-    For a layer on a dense base that is its effective weight (``"<name>.weight"``). For a layer on a quantized
-    base it is only the adapter's own tensors (``"<name>.<local parameter name>"``): the base is frozen, so θ0
-    is rebuilt from it at train end by :func:`theta0_weights`, and the snapshot costs about the adapter's size
-    instead of a dense copy of the model.
+    For a layer whose base is frozen (PEFT's default, and always on a quantized base) it is only the adapter's
+    own tensors (``"<name>.<local parameter name>"``): θ0 is rebuilt from the base and them at train end by
+    :func:`theta0_weights`, in float32, and the snapshot costs about the adapter's size instead of a dense copy.
+    A layer whose base weight trains too keeps its effective weight (``"<name>.weight"``, float32).
     """
     out = {}
     for name, module in layers.items():
-        if on_quantized_base(module):
+        if on_quantized_base(module) or not _base_trains(module):
             out.update({f"{name}.{local}": p.detach().to("cpu", copy=True).contiguous()
                         for local, p in _adapter_tensors(module).items()})
         else:
@@ -176,16 +217,14 @@ def initial_state(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
 
 
 def theta0_weights(layers: dict[str, nn.Module], state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``{"<name>.weight": θ0 on the CPU}`` from an :func:`initial_state`: as saved for dense bases; for
-    quantized ones the dequantized base plus the delta of the initial adapter tensors, put in for the
+    """``{"<name>.weight": θ0 on the CPU, float32}`` from an :func:`initial_state`: as saved for a base that
+    trains; otherwise the (dequantized) base merged with the initial adapter tensors in float32, put in for the
     computation (one layer at a time) and taken out again."""
     out = {}
     for name, module in layers.items():
-        if not on_quantized_base(module):
-            key = f"{name}.weight"
-            if key not in state:
-                raise JanusError(f"the θ0 snapshot has no entry for layer {name!r}: it was taken of another model")
-            out[key] = state[key]
+        key = f"{name}.weight"
+        if key in state:  # a base that trains (or a snapshot of hf-janus ≤ 0.1 for a dense base)
+            out[key] = state[key].float()
             continue
         current = _adapter_tensors(module)
         missing = [local for local in current if f"{name}.{local}" not in state]
@@ -251,14 +290,23 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor]) -> Iterator[nn
             _set_child(model, name, module)
 
 
+class DenseStandIn(nn.Linear):
+    """A dense ``nn.Linear`` in a quantized layer's place. Like bitsandbytes' layers it computes in its own dtype
+    (the quantized layer's compute dtype) and hands back the input's dtype: an 8-bit layer of a bf16 model has no
+    compute dtype of its own, so its stand-in holds float32 while the activations around it are bf16."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+
+
 def dense_stand_in(module: nn.Module, weight: Optional[Tensor]) -> nn.Linear:
-    """An ``nn.Linear`` computing what the tuner layer on a quantized base computes, holding ``weight`` (its
+    """A :class:`DenseStandIn` computing what the tuner layer on a quantized base computes, holding ``weight`` (its
     effective weight when ``None``) in the base's compute dtype, on its device."""
     base = module.get_base_layer()
     if weight is None:
         weight = effective_params(module)[0]
     bias = base.bias if isinstance(getattr(base, "bias", None), Tensor) else None
-    dense = nn.Linear(base.in_features, base.out_features, bias=bias is not None, device="meta")
+    dense = DenseStandIn(base.in_features, base.out_features, bias=bias is not None, device="meta")
     device, dtype = base.weight.device, compute_dtype(base)
     dense.weight = nn.Parameter(weight.to(device=device, dtype=dtype, copy=True), requires_grad=False)
     if bias is not None:

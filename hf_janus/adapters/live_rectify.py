@@ -106,13 +106,14 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
         ``format="adapter"``, the merged plain model for ``format="merged"``) and the rectifier.
     """
     layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
+    # θ0 and θ̂ in float32 whatever the base dtype: the update is the adapter's own, not round(W + ΔW) − W
     theta0 = theta0_weights(layers, initial)
     finetuned = effective_weights(layers)
     # Only the adapted layers moved during training: they are the targets, whatever "all-linear" says.
     config = dataclasses.replace(config, target_modules=list(layers), exclude_modules=None)
     with plain_view(model, finetuned) as plain:
         rectifier = Rectifier(plain, theta0, replay, config, progress=progress,
-                              keep_reference_factors=output.format == "adapter")
+                              keep_reference_factors=output.format == "adapter", finetuned=finetuned)
         report = rectifier.run()
     result = rectifier.result
     if output.format == "merged":

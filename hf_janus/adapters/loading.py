@@ -1,4 +1,9 @@
-"""Find a saved PEFT adapter (local directory or Hub repo) and its base model, and check they belong together."""
+"""Find a saved PEFT adapter (local directory or Hub repo) and its base model, and check they belong together.
+
+Weights are read from safetensors files. An adapter or model whose weights exist only as a pickle
+(``adapter_model.bin``, ``pytorch_model.bin``) is refused unless ``allow_pickle=True`` (:func:`pickle_refused`
+says why and what to do); with it the pickle is read with torch's restricted unpickler (``weights_only=True``).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,12 @@ from hf_janus.io_utils import hub_cache_snapshot, looks_like_local_path
 logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
+SAFE_ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PICKLED_ADAPTER_WEIGHTS = "adapter_model.bin"
+ADAPTER_WEIGHT_NAMES = (SAFE_ADAPTER_WEIGHTS, PICKLED_ADAPTER_WEIGHTS)
+# The weight files transformers' from_pretrained reads, in its order of preference.
+SAFE_MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PICKLED_MODEL_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 PEFT_PREFIX = "base_model.model."
 # init_lora_weights values that move part of the base weight into the adapter at initialization.
 MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
@@ -68,14 +78,88 @@ class AdapterSource:
 
 
 
+# ---- pickled weights -------------------------------------------------------------------------------------
+def pickle_refused(what: str, name: str, filename: str, convert: str) -> JanusError:
+    """The error for weights stored only as a pickle and read without ``allow_pickle``: the file, why it is
+    refused, and the two ways out (``convert``: how to re-save it as safetensors)."""
+    return JanusError(
+        f"{what} {name!r} has its weights only as a pickle ({filename}), which is refused by default: unpickling a "
+        f"file can run code hidden in it. Convert it to safetensors ({convert}), or, if you trust where it comes "
+        "from, pass allow_pickle=True (--allow-pickle): it is then read with torch's restricted unpickler "
+        "(torch.load(weights_only=True)), which loads tensors only and still refuses a pickle that would run code"
+    )
+
+
+def hub_has_file(repo_id: str, filename: str, revision: Optional[str],
+                 token: Union[str, bool, None]) -> Optional[bool]:
+    """Whether a Hub repo holds ``filename``, asked without downloading it (offline: whether the cache holds it).
+    ``None`` when that cannot be told (unreachable Hub, gated repo): the load that follows then reports the real
+    error. A repo or revision that does not exist reads as ``False``, as ``huggingface_hub.file_exists`` has it."""
+    from huggingface_hub import constants, file_exists, try_to_load_from_cache
+
+    try:
+        if constants.HF_HUB_OFFLINE:
+            return isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str)
+        return file_exists(repo_id, filename, revision=revision, token=token)
+    except Exception as err:  # GatedRepoError, transport errors: left to the loader, which names them
+        logger.debug("could not tell whether %s has %s: %s: %s", repo_id, filename, type(err).__name__, err)
+        return None
+
+
+def model_weights_format(base_model: Union[str, os.PathLike], revision: Optional[str] = None,
+                         token: Union[str, bool, None] = None) -> tuple[str, Optional[str]]:
+    """How a model (local directory or Hub repo) stores its weights, looked up without reading them:
+    ``("safetensors", file)``, ``("pickle", file)`` when it has only ``pytorch_model.bin`` (or its index),
+    ``("none", None)`` when it has neither, ``("unknown", None)`` when the Hub could not tell."""
+    name = os.fspath(base_model)
+    path = os.path.expanduser(name)
+    unknown = False
+    for kind, names in (("safetensors", SAFE_MODEL_WEIGHTS), ("pickle", PICKLED_MODEL_WEIGHTS)):
+        for filename in names:
+            found = (os.path.isfile(os.path.join(path, filename)) if os.path.isdir(path)
+                     else hub_has_file(name, filename, revision, token))
+            if found:
+                return kind, filename
+            unknown = unknown or found is None
+    return ("unknown" if unknown else "none"), None
+
+
+def _no_model_weights(name: str, revision: Optional[str], token: Union[str, bool, None]) -> Optional[JanusError]:
+    """The error for a model with no weight file at all, or ``None`` when the Hub repo itself is missing or
+    unreachable (``from_pretrained`` then names that). Raised here because ``from_pretrained`` with
+    ``use_safetensors=True`` would otherwise ask the Hub's conversion service to convert the repo, sending the
+    token to it."""
+    from huggingface_hub import constants
+
+    path = os.path.expanduser(name)
+    local = os.path.isdir(path)
+    has = ((lambda f: os.path.isfile(os.path.join(path, f))) if local
+           else (lambda f: hub_has_file(name, f, revision, token)))
+    if has(ADAPTER_CONFIG_NAME):
+        return JanusError(f"{name!r} holds a PEFT adapter ({ADAPTER_CONFIG_NAME}), not a base model: pass it as the "
+                          "adapter, and as base model the one the adapter was trained on")
+    if not local and not has("config.json"):
+        return None
+    where = " in the local cache (HF_HUB_OFFLINE is set)" if not local and constants.HF_HUB_OFFLINE else ""
+    looked = ", ".join(SAFE_MODEL_WEIGHTS + PICKLED_MODEL_WEIGHTS)
+    return JanusError(f"base model {name!r}{f' at revision {revision!r}' if revision else ''} has no weights{where}: "
+                      f"none of {looked}. Pass a folder written by save_pretrained, or a repo that holds them")
+
+
 # ---- resolving and validating inputs ---------------------------------------------------------------------
 def resolve_adapter(adapter: Union[str, os.PathLike], revision: Optional[str] = None,
-                    token: Union[str, bool, None] = None) -> AdapterSource:
-    """Find the adapter (local directory or Hub repo via ``snapshot_download``) and read its ``PeftConfig``."""
+                    token: Union[str, bool, None] = None, *, allow_pickle: bool = False) -> AdapterSource:
+    """Find the adapter (local directory or Hub repo via ``snapshot_download``) and read its ``PeftConfig``.
+
+    An adapter whose weights are only ``adapter_model.bin`` (a pickle) is refused unless ``allow_pickle``; with
+    it, PEFT reads that file with ``torch.load(weights_only=True)``. From the Hub the pickle is only downloaded
+    with ``allow_pickle``.
+    """
     from peft import PeftConfig
 
     name = os.fspath(adapter)
     path = os.path.expanduser(name)
+    from_hub = False
     if os.path.isdir(path):
         local = path
     elif os.path.exists(path):
@@ -85,10 +169,12 @@ def resolve_adapter(adapter: Union[str, os.PathLike], revision: Optional[str] = 
     else:
         from huggingface_hub import snapshot_download
 
+        from_hub = True
         try:
+            weights = ADAPTER_WEIGHT_NAMES if allow_pickle else (SAFE_ADAPTER_WEIGHTS,)
             local = snapshot_download(
                 repo_id=name, revision=revision, token=token,
-                allow_patterns=[ADAPTER_CONFIG_NAME, *ADAPTER_WEIGHT_NAMES, "README.md"],
+                allow_patterns=[ADAPTER_CONFIG_NAME, *weights, "README.md"],
             )
         except Exception as err:  # RepositoryNotFoundError, RevisionNotFoundError, offline, HTTP errors
             raise hub_error("fetch the adapter", name, err, revision=revision,
@@ -101,6 +187,17 @@ def resolve_adapter(adapter: Union[str, os.PathLike], revision: Optional[str] = 
             f"adapter {name!r} has no {ADAPTER_CONFIG_NAME}: it is not a PEFT adapter (save one with "
             f"peft_model.save_pretrained(dir)).{hint}"
         )
+    if not os.path.isfile(os.path.join(local, SAFE_ADAPTER_WEIGHTS)) and not allow_pickle:
+        # PEFT falls back to adapter_model.bin when there is no safetensors file
+        if os.path.isfile(os.path.join(local, PICKLED_ADAPTER_WEIGHTS)):
+            pickled: Optional[str] = os.path.join(local, PICKLED_ADAPTER_WEIGHTS)
+        elif from_hub and hub_has_file(name, PICKLED_ADAPTER_WEIGHTS, revision, token):
+            pickled = f"{PICKLED_ADAPTER_WEIGHTS} in the Hub repo"  # not downloaded above
+        else:
+            pickled = None
+        if pickled is not None:
+            raise pickle_refused("adapter", name, pickled, "load it with PEFT and save it with "
+                                 "peft_model.save_pretrained(dir, safe_serialization=True)")
     if not any(os.path.isfile(os.path.join(local, w)) for w in ADAPTER_WEIGHT_NAMES):
         raise JanusError(
             f"adapter {name!r} has {ADAPTER_CONFIG_NAME} but no weights ({' or '.join(ADAPTER_WEIGHT_NAMES)}); "
@@ -168,13 +265,28 @@ def resolve_dtype(dtype: DTypeLike) -> Union[torch.dtype, str, None]:
     return value
 
 
+def _takes_weights_only() -> bool:
+    """Whether this transformers' ``from_pretrained`` has ``weights_only`` (older ones pass unknown keywords on to
+    the model's constructor, which fails)."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    return "weights_only" in inspect.signature(PreTrainedModel.from_pretrained).parameters
+
+
 def load_base_model(base_model: Union[str, os.PathLike], revision: Optional[str] = None,
                     torch_dtype: DTypeLike = None, device: Union[str, torch.device, None] = None,
-                    token: Union[str, bool, None] = None, quantization_config: Any = None) -> nn.Module:
+                    token: Union[str, bool, None] = None, quantization_config: Any = None, *,
+                    allow_pickle: bool = False) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` with errors that name the model and the fix.
 
     ``quantization_config`` (e.g. a ``BitsAndBytesConfig``) is passed on as ``from_pretrained`` takes it; the
     quantized model is then placed by ``device_map`` (``device``, else ``"auto"``) instead of moved after.
+
+    Weights are read from safetensors files (``use_safetensors=True``). A model that has only pickled weights
+    (``pytorch_model.bin``) is refused unless ``allow_pickle``; with it, transformers reads them with
+    ``torch.load(weights_only=True)``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -182,7 +294,22 @@ def load_base_model(base_model: Union[str, os.PathLike], revision: Optional[str]
     path = os.path.expanduser(name)
     if not os.path.isdir(path) and looks_like_local_path(name):
         raise JanusError(f"base model directory {name!r} does not exist; pass an existing directory or a Hub repo id")
-    kwargs: dict[str, Any] = {}
+    weights_format, weights_file = model_weights_format(name, revision, token)
+    if weights_format == "pickle":
+        if not allow_pickle:
+            where = os.path.join(path, weights_file) if os.path.isdir(path) else f"{weights_file} in the Hub repo"
+            raise pickle_refused("base model", name, where, "load it with transformers and save it with "
+                                 "model.save_pretrained(dir), which writes model.safetensors")
+        logger.warning("base model %r has only pickled weights (%s): reading them with torch.load(weights_only=True) "
+                       "because allow_pickle=True", name, weights_file)
+    elif weights_format == "none":
+        missing = _no_model_weights(name, revision, token)
+        if missing is not None:
+            raise missing
+    # use_safetensors=True: a pickle next to the safetensors files is never read.
+    kwargs: dict[str, Any] = {"use_safetensors": weights_format != "pickle"}
+    if _takes_weights_only():
+        kwargs["weights_only"] = True  # transformers' default, stated so that no change of default can unrestrict it
     if revision:
         kwargs["revision"] = revision
     if token is not None:

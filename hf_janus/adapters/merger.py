@@ -115,6 +115,10 @@ class JanusMerger:
         quantization_config: load the base quantized, as ``from_pretrained`` takes it (a
             ``BitsAndBytesConfig``): rectify a QLoRA adapter against the quantized base it was trained on. The
             result can then be saved as an adapter only (see the README's QLoRA section).
+        allow_pickle: accept weights stored only as a pickle (``adapter_model.bin`` of the adapter or of
+            ``initial_adapter``, ``pytorch_model.bin`` of the base). They are refused by default, because
+            unpickling can run code; with ``True`` they are read with torch's restricted unpickler
+            (``torch.load(weights_only=True)``). Safetensors files are always preferred when both exist.
     """
 
     def __init__(self, base_model: Union[str, os.PathLike], adapter: Union[str, os.PathLike], replay: Any,
@@ -123,13 +127,15 @@ class JanusMerger:
                  base_revision: Optional[str] = None, initial_adapter: Union[str, os.PathLike, None] = None,
                  allow_base_mismatch: bool = False, tokenizer: Any = None,
                  replay_options: Optional[ReplayOptions] = None, token: Union[str, bool, None] = None,
-                 progress: bool = True, quantization_config: Any = None):
+                 progress: bool = True, quantization_config: Any = None, allow_pickle: bool = False):
         if config is not None and not isinstance(config, JanusConfig):
             raise JanusError(f"config must be a JanusConfig, got {type(config).__name__}")
         if replay is None:
             raise JanusError("replay is None: pass samples of the past task (a dataset id, file, Dataset or list)")
         if isinstance(replay, (list, tuple)) and len(replay) == 0:
             raise JanusError("replay is empty: JANUS needs samples of the past task (typically ~256)")
+        if not isinstance(allow_pickle, bool):  # a truthy string such as "no" must not open the pickle path
+            raise JanusError(f"allow_pickle must be True or False, got {allow_pickle!r}")
         self.base_model = os.fspath(base_model)
         self.adapter = os.fspath(adapter)
         self.replay = replay
@@ -145,6 +151,7 @@ class JanusMerger:
         self.token = token
         self.progress = progress
         self.quantization_config = quantization_config
+        self.allow_pickle = allow_pickle
 
     def _load_tokenizer(self) -> Any:
         if self.tokenizer is not None:
@@ -182,14 +189,16 @@ class JanusMerger:
             self.base_model, self.adapter, revision=self.revision, base_revision=self.base_revision,
             torch_dtype=self.torch_dtype, device=self.device, initial_adapter=self.initial_adapter,
             allow_base_mismatch=self.allow_base_mismatch, token=self.token, progress=self.progress,
-            quantization_config=self.quantization_config,
+            quantization_config=self.quantization_config, allow_pickle=self.allow_pickle,
         )
         targets = _select_targets(effective, self.config)
         config = dataclasses.replace(self.config, target_modules=list(targets), exclude_modules=None)
         reference = {k: v for k, v in effective.reference.items() if k[: -len(".weight")] in targets}
+        # ΔW in float32 from PEFT's float32 merge, not from the model's weights (rounded on a bf16 base)
+        finetuned = {k: v for k, v in effective.finetuned.items() if k[: -len(".weight")] in targets}
         rectifier = Rectifier(effective.model, reference, replay, config, progress=self.progress,
-                              keep_reference_factors=True)
-        del reference
+                              keep_reference_factors=True, finetuned=finetuned)
+        del reference, finetuned
         rect_report = rectifier.run()
         result = rectifier.result
         del rectifier
@@ -207,7 +216,9 @@ class JanusMerger:
             for name, info in effective.layers.items():
                 if name in layers or info.layer_type == "other":
                     continue
-                weight = effective.model.get_submodule(name).weight.detach()
+                weight = effective.finetuned.get(name + ".weight")
+                if weight is None:
+                    weight = effective.model.get_submodule(name).weight.detach()
                 ref = effective.reference.pop(name + ".weight")
                 if info.layer_type == "linear":
                     rule = rule_for(effective.model.get_submodule(name))

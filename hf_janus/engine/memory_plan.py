@@ -7,14 +7,17 @@ of host memory per capture, with up to four captures alive. Without a plan such 
 either fits (pieces moved to the host or to disk) or is refused at once with what to change.
 
 The figures are arithmetic on the model's shapes, the replay (samples m, batch size, longest sequence T), the
-compression rank r and the dtypes. ``tests/test_memory_plan.py`` checks the predicted host peak against the
-measured peak RSS of whole rectifications on the CPU (within 15%); on a GPU the prediction is logged next to
+compression rank r and the dtypes. ``tests/test_memory_plan.py`` checks the predicted host bytes of whole
+rectifications on the CPU against those measured (peak RSS above the RSS before the run, within 15%); they model
+live bytes, not what the C allocator keeps after a free. On a GPU the prediction is logged next to
 ``torch.cuda.max_memory_allocated`` by ``benchmarks/perf/scale.py``.
 
 Pieces (all bytes, summed over the target layers):
 
-* ``backup``: the fine-tuned weights, kept on the host to restore the model on failure (native dtype);
-* ``theta0``: the reference weights (native dtype);
+* ``backup``: the fine-tuned weights, kept on the host to restore the model on failure (native dtype; none when
+  the caller gives the exact θ̂, which restores the model as well);
+* ``theta0``: the reference weights (native dtype; a state dict's tensors on the host are kept, not copied, and
+  add nothing);
 * ``current``: θ_t in float32; ``proj``: the projected update of the step in float32;
 * ``factors``: compressed Jacobian factors, per capture ``m · slots · (d_in + d_out)`` in the factor dtype, with
   up to four captures alive (θ0's, the current point's, a passing trial held by the adaptive controller, the trial);
@@ -82,6 +85,10 @@ class Workload:
     tempered: bool = False  # constraint_temperature != 1: one more logits-sized tensor
     randomized: bool = False  # randomized compression: sketches wait for their batched Ritz step (capture's budget)
     rows_per_sample: int = 1  # Jacobian rows per replay sample (constraint="logit_projections": one per projection)
+    # θ0 given as a state dict: the rectifier keeps the caller's tensors (already in memory) where they lie
+    theta0_borrowed: bool = False
+    # False when the caller gives the exact θ̂ (adapters): the rectifier restores from it and keeps no backup
+    backup_kept: bool = True
 
     @property
     def rows(self) -> int:
@@ -209,8 +216,12 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
     def phases() -> dict[str, dict[str, int]]:
         resident = {"device": 0, "host": 0}  # bytes held across phases
         for name in ("current", "proj", "factors", "theta0", "backup"):
-            if placements[name] != "disk":
-                resident["host" if shared or placements[name] == "host" else "device"] += pieces[name]
+            where = "host" if shared or placements[name] == "host" else "device"
+            if placements[name] == "disk" or (name == "backup" and not work.backup_kept):
+                continue
+            if name == "theta0" and work.theta0_borrowed and where == "host":
+                continue  # the caller's θ0 on the host, counted in ``in_use`` already
+            resident[where] += pieces[name]
         resident["host"] += held[0]
         work_on = "host" if shared else "device"
         resident[work_on] += pieces["eigendecompositions"]

@@ -71,7 +71,9 @@ class _Layer:
     name: str
     module: nn.Module
     rule: LayerRule
-    finetuned_backup: Tensor  # exact copy of the whole stored weight (native layout and dtype), for restoring
+    # exact copy of the whole stored weight (native layout and dtype), for restoring; None where finetuned_exact,
+    # written back, gives the stored weight bit for bit (no second copy of θ̂ is kept then)
+    finetuned_backup: Optional[Tensor]
     # θ0, (d_out, d_in), in its own dtype: exact, and bf16 takes half the bytes of fp32. θ0, θ_t and the projection
     # live where the memory plan put them (the device, or the host when the device cannot hold them all).
     reference_matrix: Tensor
@@ -84,6 +86,10 @@ class _Layer:
     jvp0: Optional[Tensor] = None  # J_0 (θ̂ - θ0), computed by the first projection, reused by the statistics
     current_jac: Optional[LayerJacobian] = None  # J_t with its materialized rows, kept for the trials of a step
     master_backup: Optional[Tensor] = None  # a ZeRO-3 optimizer's fp32 master copy of a low-precision weight
+    # θ̂ as float32 (d_out, d_in) when the caller knows it more exactly than the model's weight holds it (an
+    # adapter's update on a bf16 base: the model holds round(W + ΔW), whose difference from W is rounding noise
+    # where ΔW is small), on the CPU
+    finetuned_exact: Optional[Tensor] = None
 
     def reference(self, device: torch.device) -> Tensor:
         """θ0 as float32 (d_out, d_in) on ``device``; no copy for float32 weights already there."""
@@ -98,13 +104,22 @@ class _Layer:
         return self.current.shape[1]
 
     def finetuned(self, device: torch.device) -> Tensor:
+        """θ̂ as float32 (d_out, d_in) on ``device``: the exact one when given, else the model's weight."""
+        if self.finetuned_exact is not None:
+            return self.finetuned_exact.to(device, torch.float32)
         return self.rule.to_matrix(self.finetuned_backup).to(device, torch.float32)
+
+    def stored_finetuned(self) -> Tensor:
+        """θ̂ as the module stores it (native layout; the exact θ̂ is rounded to the weight's dtype on writing)."""
+        if self.finetuned_backup is not None:
+            return self.finetuned_backup
+        return self.rule.from_matrix(self.finetuned_exact)
 
     def write(self, matrix: Tensor) -> None:
         self.rule.set_weight(self.module, matrix)
 
     def restore(self) -> None:
-        write_full_(self.module.weight, self.finetuned_backup, master=self.master_backup)
+        write_full_(self.module.weight, self.stored_finetuned(), master=self.master_backup)
 
 
 def _reference_weight(reference: Reference, name: str, module: nn.Module, rule: LayerRule) -> Tensor:
@@ -203,6 +218,31 @@ def _check_finite(tensor: Tensor, what: str) -> None:
         raise JanusError(f"{what} contains NaN/Inf values; rectification needs finite weights")
 
 
+def _storage_of(tensor: Tensor) -> Optional[int]:
+    """Where a tensor's data lives, to tell a caller's tensor from the model's own; None where that cannot be read
+    (meta tensors, FSDP's DTensors, ZeRO-3's partitioned parameters: none of them is a caller's plain tensor)."""
+    if tensor.is_meta:
+        return None
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _given_finetuned(finetuned: Mapping[str, Tensor], name: str, stored: Tensor) -> Tensor:
+    """The caller's exact θ̂ of one layer (Rectifier's ``finetuned``), checked against the model's weight."""
+    key = name + ".weight"
+    weight = finetuned.get(key)
+    if not isinstance(weight, Tensor):
+        raise JanusError(f"finetuned has no tensor {key!r}: it must hold θ̂ of every target layer, keyed "
+                         "'<module name>.weight' in the module's layout")
+    if tuple(weight.shape) != tuple(stored.shape) or not weight.is_floating_point():
+        raise JanusError(f"finetuned[{key!r}] is a {weight.dtype} tensor of shape {tuple(weight.shape)}; the "
+                         f"layer's weight is {tuple(stored.shape)}: pass θ̂ in the module's layout")
+    _check_finite(weight, f"fine-tuned weight of {name!r}")
+    return weight
+
+
 class Rectifier:
     """Runs Algorithm 1 on one model. Use :func:`rectify` unless you need the pieces."""
 
@@ -210,7 +250,7 @@ class Rectifier:
                  progress: bool = True, keep_reference_factors: bool = False,
                  factor_dtype: Optional[torch.dtype] = None, memory_budget_bytes: Optional[int] = None,
                  cosine_override: Optional[Callable[[int, float, float], float]] = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, finetuned: Optional[Mapping[str, Tensor]] = None):
         """See :func:`rectify` for the first four arguments.
 
         Args:
@@ -226,6 +266,11 @@ class Rectifier:
                 acceptance test and the report. For tests and experiments that drive the loop through chosen c̄
                 landscapes; the comparison itself still runs (the next step projects with the trial's row space).
             clock: the time source of ``config.max_seconds`` (seconds, monotonic).
+            finetuned: θ̂ of every target layer, keyed ``"<layer name>.weight"`` in the module's layout, when the
+                caller knows it more exactly than the model's weights hold it: an adapter's update on a bf16 base
+                (the model holds round(W + ΔW), and round(W + ΔW) − W is rounding noise where ΔW is small). ΔW is
+                then ``finetuned − reference`` in float32, the model still runs the captures in its own dtype, and
+                the caller keeps the float32 θ_rect (``result.layers[name].rectified``); the statistics measure it.
         """
         self.cosine_override = cosine_override
         self.clock = clock
@@ -250,8 +295,9 @@ class Rectifier:
         if isinstance(factor_dtype, str):
             factor_dtype = getattr(torch, factor_dtype.replace("torch.", ""))
         #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
-        self.memory_plan = self._plan_memory(modules, factor_dtype)
-        self.layers = self._build_layers(modules, reference)
+        self.memory_plan = self._plan_memory(modules, factor_dtype, theta0_borrowed=isinstance(reference, Mapping),
+                                             backup_kept=finetuned is None)
+        self.layers = self._build_layers(modules, reference, finetuned)
         self.timer = PhaseTimer(self.device)
         self.workspace = Workspace()
         factors = self.memory_plan.placements["factors"]
@@ -267,7 +313,8 @@ class Rectifier:
         collective = passes_are_collective(model)
         self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if collective else []
 
-    def _plan_memory(self, modules: dict[str, nn.Module], factor_dtype: Optional[torch.dtype]) -> MemoryPlan:
+    def _plan_memory(self, modules: dict[str, nn.Module], factor_dtype: Optional[torch.dtype],
+                     theta0_borrowed: bool, backup_kept: bool) -> MemoryPlan:
         """The memory plan (:mod:`.memory_plan`), before anything is allocated; refuses a run that cannot fit."""
         cfg = self.config
         shapes = []
@@ -287,6 +334,7 @@ class Rectifier:
             materialize_max_bytes=cfg.materialize_max_bytes, captures_alive=CAPTURES_ALIVE[cfg.step_control],
             tempered=cfg.constraint_temperature != 1.0,
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
+            theta0_borrowed=theta0_borrowed, backup_kept=backup_kept,
             **model_dimensions(self.model, shapes))
         in_use, capacity = measure_in_use_and_capacity(self.device)
         plan = plan_memory(work, self.device, cfg.cache, in_use, capacity)
@@ -299,9 +347,11 @@ class Rectifier:
         """Where the memory plan keeps ``piece`` between uses."""
         return self.device if self.memory_plan.placements[piece] == "device" else torch.device("cpu")
 
-    def _build_layers(self, modules: dict[str, nn.Module], reference: Reference) -> list[_Layer]:
+    def _build_layers(self, modules: dict[str, nn.Module], reference: Reference,
+                      finetuned: Optional[Mapping[str, Tensor]]) -> list[_Layer]:
         reshard(self.model)
         layers = []
+        self._model_storages = {_storage_of(p) for p in self.model.parameters()} - {None}
         # Under FSDP and ZeRO-3 each read below is a collective: every rank walks the same layers in the same order.
         for name, module in modules.items():
             rule = rule_for(module)
@@ -316,11 +366,23 @@ class Rectifier:
             _check_finite(stored, f"fine-tuned weight of {name!r}")
             ref = _reference_weight(reference, name, module, rule)
             _check_finite(ref, f"reference weight of {name!r}")
-            ref_matrix = rule.to_matrix(ref).to(self._home("theta0"), copy=True)
+            # A state dict's tensors are the caller's and nothing here writes into θ0: no copy, unless one
+            # shares storage with the model (θ0 = model.state_dict() itself), whose weights every trial overwrites.
+            # A reference model's weights are copied: they can change under the result that holds them.
+            owned = isinstance(reference, Mapping) and _storage_of(ref) not in self._model_storages | {None}
+            ref_matrix = rule.to_matrix(ref).to(self._home("theta0"), copy=not owned)
+            exact, backup = None, stored.clone().cpu()
+            if finetuned is not None:
+                exact = _given_finetuned(finetuned, name, stored)
+                exact = rule.to_matrix(exact).to("cpu", torch.float32)
+                if _storage_of(exact) in self._model_storages | {None}:
+                    exact = exact.clone()
+                if torch.equal(rule.from_matrix(exact).to(stored.dtype), backup):
+                    backup = None
             layers.append(_Layer(
-                name=name, module=module, rule=rule, finetuned_backup=stored.clone().cpu(),
+                name=name, module=module, rule=rule, finetuned_backup=backup,
                 reference_matrix=ref_matrix, current=ref_matrix.to(self._home("current"), torch.float32, copy=True),
-                master_backup=full_master_weight(module.weight),
+                master_backup=full_master_weight(module.weight), finetuned_exact=exact,
             ))
         return layers
 
@@ -639,7 +701,9 @@ class Rectifier:
         report.timings = self.timer.as_dict()
         self.result = RectificationResult(report, {
             layer.name: LayerResult(name=layer.name, rule=layer.rule, reference_weight=layer.reference_matrix,
-                                    finetuned_weight=layer.finetuned_backup, rectified=layer.current,
+                                    finetuned_weight=(layer.finetuned_backup if layer.finetuned_exact is None
+                                                      else layer.rule.from_matrix(layer.finetuned_exact)),
+                                    rectified=layer.current,
                                     jacobian=jacobians.get(layer.name))
             for layer in self.layers})
         logger.info(report.summary())
@@ -706,7 +770,9 @@ class Rectifier:
                 jac = self._jacobian(layer, "c0")
                 reference = layer.reference(self.device)
                 delta = layer.finetuned(self.device) - reference
-                written = layer.rule.weight(layer.module).detach()
+                # the caller of an exact θ̂ keeps θ_t itself; otherwise the model's (possibly rounded) weights count
+                written = (layer.current.to(self.device) if layer.finetuned_exact is not None
+                           else layer.rule.weight(layer.module).detach())
                 rect = written.to(torch.float32) - reference
                 before = float((layer.jvp0 if layer.jvp0 is not None else jac.jvp(delta)).norm())
                 after = float(jac.precise_jvp(rect).norm())

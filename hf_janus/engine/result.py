@@ -21,7 +21,9 @@ class LayerResult:
     name: str
     rule: LayerRule
     reference_weight: Tensor  # θ0 as (d_out, d_in), in its own dtype
-    finetuned_weight: Tensor  # θ̂ as the module stores it (native layout and dtype), on the CPU
+    # θ̂ in the module's layout on the CPU: as the module stores it, or the float32 θ̂ the caller gave the rectifier
+    # (an adapter's exact update on a bf16 base, see Rectifier's ``finetuned``)
+    finetuned_weight: Tensor
     rectified: Tensor  # θ_rect, float32 (d_out, d_in), where the memory plan kept θ_t (the device, or the host)
     jacobian: Optional[LayerJacobian] = None  # J0 (compressed factors at θ0), when kept
 

@@ -370,7 +370,7 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
              min_ap1: Optional[float] = None, tokenizer: Any = None, batch_size: Union[int, str] = 16,
              limit: Optional[Union[int, float]] = None, include_path: Optional[str] = None,
              replay_options: Any = None, device: Any = None, torch_dtype: Any = None, token: Any = None,
-             progress: bool = True,
+             progress: bool = True, allow_pickle: bool = False,
              rectify_fn: Callable[..., RectificationReport] = rectify) -> FrontierResult:
     """Score WiSE-FT, JANUS and hybrids on the user's tasks and choose a point.
 
@@ -391,6 +391,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         min_ap2 / min_ap1: the choice (see :meth:`FrontierResult.select`); default the largest AP.
         tokenizer, batch_size, limit, include_path: evaluation options (see :func:`hf_janus.evaluate`).
         progress: a progress bar over the candidates (its time estimate grows with each JANUS run).
+        allow_pickle: accept ``reference``/``finetuned`` given by name whose weights are only a pickle, read with
+            ``torch.load(weights_only=True)`` (see :func:`hf_janus.evaluate`); refused by default.
 
     Returns:
         A :class:`FrontierResult`; ``result.best`` is the chosen point.
@@ -408,8 +410,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         from hf_janus.replay.sources import load_replay
 
         replay = load_replay(os.fspath(replay), tok, replay_options)
-    model = load_model(finetuned, device=device, torch_dtype=torch_dtype, token=token)
-    base = load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token)
+    model = load_model(finetuned, device=device, torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
+    base = load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
     differing = _differing_parameters(model, dict(base.named_parameters()))
     base_name = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None
     del base

@@ -86,24 +86,57 @@ def resolve_tasks(tasks: Union[TaskLike, Sequence[TaskLike], None]) -> list[Task
 
 # ---- models --------------------------------------------------------------------------------------------------
 def load_model(model: ModelLike, *, revision: Optional[str] = None, torch_dtype: Any = None,
-               device: Any = None, token: Any = None) -> nn.Module:
-    """A model object as is; a local directory or Hub repo id of full weights or of a PEFT adapter (merged)."""
+               device: Any = None, token: Any = None, allow_pickle: bool = False) -> nn.Module:
+    """A model object as is; a local directory or Hub repo id of full weights or of a PEFT adapter (merged on the
+    base its ``adapter_config.json`` names).
+
+    Weights are read from safetensors files; weights stored only as a pickle (``pytorch_model.bin``,
+    ``adapter_model.bin``) are refused unless ``allow_pickle``, and then read with ``torch.load(weights_only=True)``.
+    """
     if isinstance(model, nn.Module):
         return model
-    from hf_janus.adapters.loading import load_base_model
+    from hf_janus.adapters.loading import ADAPTER_CONFIG_NAME, hub_has_file, load_base_model
 
     name = os.path.expanduser(os.fspath(model))
-    if os.path.isfile(os.path.join(name, "adapter_config.json")):
-        from peft import AutoPeftModelForCausalLM
+    if os.path.isdir(name):
+        adapter = os.path.isfile(os.path.join(name, ADAPTER_CONFIG_NAME))
+    else:  # a Hub repo: transformers would load an adapter repo itself, pickles included, so it is routed here
+        adapter = bool(hub_has_file(name, ADAPTER_CONFIG_NAME, revision, token))
+    if adapter:
+        return _load_merged_adapter(name, revision=revision, torch_dtype=torch_dtype, device=device, token=token,
+                                    allow_pickle=allow_pickle)
+    return load_base_model(name, revision=revision, torch_dtype=torch_dtype, device=device, token=token,
+                           allow_pickle=allow_pickle)
 
-        try:
-            peft_model = AutoPeftModelForCausalLM.from_pretrained(name, token=token)
-        except Exception as err:
-            raise JanusError(f"could not load the adapter in {name!r} on its base model: {type(err).__name__}: "
-                             f"{err}") from err
-        merged = peft_model.merge_and_unload()
-        return (merged.to(device) if device is not None else merged).eval()
-    return load_base_model(name, revision=revision, torch_dtype=torch_dtype, device=device, token=token)
+
+def _load_merged_adapter(name: str, *, revision: Optional[str], torch_dtype: Any, device: Any, token: Any,
+                         allow_pickle: bool) -> nn.Module:
+    """A PEFT adapter merged on its base, both read under the same pickle policy as :func:`load_model`. As PEFT's
+    ``AutoPeftModelForCausalLM``, the base's embeddings grow to a larger tokenizer saved with the adapter."""
+    from peft import PeftModel
+
+    from hf_janus.adapters.loading import load_base_model, resolve_adapter
+
+    src = resolve_adapter(name, revision, token, allow_pickle=allow_pickle)
+    base_name = getattr(src.config, "base_model_name_or_path", None)
+    if not base_name:
+        raise JanusError(f"adapter {name!r} does not name its base model (base_model_name_or_path in "
+                         "adapter_config.json): load the adapter on its base yourself and pass the model object")
+    base = load_base_model(base_name, revision=getattr(src.config, "revision", None), torch_dtype=torch_dtype,
+                           token=token, allow_pickle=allow_pickle)
+    if os.path.isfile(os.path.join(src.path, "tokenizer_config.json")) and hasattr(base, "get_input_embeddings"):
+        from transformers import AutoTokenizer
+
+        size = len(AutoTokenizer.from_pretrained(src.path))
+        if size > base.get_input_embeddings().weight.shape[0]:
+            base.resize_token_embeddings(size)
+    try:
+        peft_model = PeftModel.from_pretrained(base, src.path)
+    except Exception as err:
+        raise JanusError(f"could not load the adapter in {name!r} on its base model {base_name!r}: "
+                         f"{type(err).__name__}: {err}") from err
+    merged = peft_model.merge_and_unload()
+    return (merged.to(device) if device is not None else merged).eval()
 
 
 def load_tokenizer(tokenizer: Any, models: Sequence[ModelLike], token: Any = None) -> Any:
@@ -272,7 +305,7 @@ def evaluate(reference: ModelLike, finetuned: ModelLike, rectified: Optional[Mod
              batch_size: Union[int, str] = 16, limit: Optional[Union[int, float]] = None,
              max_length: Optional[int] = None, add_bos_token: Optional[bool] = None,
              include_path: Optional[str] = None, device: Any = None, torch_dtype: Any = None,
-             token: Any = None) -> EvaluationResult:
+             token: Any = None, allow_pickle: bool = False) -> EvaluationResult:
     """Run lm-eval tasks on θ0, θ̂ and the rectified model and compute the paper's AP1/AP2/AP.
 
     Args:
@@ -292,6 +325,9 @@ def evaluate(reference: ModelLike, finetuned: ModelLike, rectified: Optional[Mod
         add_bos_token: prepend BOS to every input (lm-eval's ``add_bos_token``; default: the tokenizer's habit).
         include_path: a directory of more lm-eval task YAMLs.
         device, torch_dtype, token: used to load models given by name.
+        allow_pickle: accept models and adapters given by name whose weights are only a pickle
+            (``pytorch_model.bin``, ``adapter_model.bin``), read with ``torch.load(weights_only=True)``; refused
+            by default, because unpickling can run code.
 
     Returns:
         An :class:`EvaluationResult` (``to_markdown()``, ``save()``); rows ``reference``, ``finetuned``,
@@ -318,7 +354,7 @@ def evaluate(reference: ModelLike, finetuned: ModelLike, rectified: Optional[Mod
     seconds: dict[str, float] = {}
     for label, given in models.items():
         start = time.perf_counter()
-        model = load_model(given, device=device, torch_dtype=torch_dtype, token=token)
+        model = load_model(given, device=device, torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
         with torch.no_grad():
             results = scorer(model)
         if model is not given:

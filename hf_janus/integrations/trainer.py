@@ -12,6 +12,8 @@ with DeepSpeed are refused with a clear error.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from typing import Any, Optional
@@ -53,6 +55,54 @@ def _wait_for_everyone() -> None:
     wait_for_everyone()
 
 
+def _trainer_being_built() -> Any:
+    """The ``Trainer`` whose ``__init__`` is running (it calls ``on_init_end`` a few frames up), or ``None``.
+
+    Trainer hands itself to no callback, and a failed ``train()`` calls none, so this is the one moment a callback
+    given as ``Trainer(callbacks=[...])`` can reach the trainer before ``train()`` is first called.
+    """
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if frame.f_code.co_name == "__init__" and isinstance(candidate, Trainer):
+                return candidate
+        return None
+    finally:
+        del frame  # a frame reference kept here would keep every local of the caller chain alive
+
+
+def _guard_failed_training(trainer: Any, callback: "JanusCallback") -> None:
+    """Make ``trainer.train()`` tell ``callback`` when it raises, then re-raise the same exception.
+
+    Trainer calls no callback when training raises (no ``on_train_end``), so the instance's ``train`` is wrapped
+    (the ``Trainer`` class is untouched), once per trainer whatever the number of callbacks.
+    """
+    guarded = getattr(trainer, "_janus_failure_guards", None)
+    if guarded is None:
+        guarded = []
+        original = trainer.train
+
+        @functools.wraps(original)
+        def train(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except BaseException:  # Ctrl-C included: the snapshot must not outlive an interrupted run either
+                for cb in guarded:
+                    cb._after_failed_training(trainer)
+                raise
+
+        trainer.train = train
+        trainer._janus_failure_guards = guarded
+    if not any(cb is callback for cb in guarded):
+        guarded.append(callback)
+
+
 class JanusCallback(TrainerCallback):
     """Rectify the fine-tuned weights at the end of ``trainer.train()`` so the model forgets less.
 
@@ -62,7 +112,10 @@ class JanusCallback(TrainerCallback):
             is tokenized with the trainer's tokenizer.
         config: :class:`JanusConfig` (defaults to τ=0.95, β=0.7, r=32).
         snapshot: where θ0 is kept during training: ``"cpu"`` (host memory) or ``"disk"`` (a safetensors
-            file in ``args.output_dir``). θ0 never stays on the accelerator.
+            file in ``args.output_dir``). θ0 never stays on the accelerator. The file is removed when the run
+            ends, and also when ``trainer.train()`` raises before train end (a failing training step, Ctrl-C):
+            the callback wraps the ``train`` method of its trainer, which it knows from ``trainer=`` or, when
+            given in ``Trainer(callbacks=[...])``, from the Trainer being built. Copies in checkpoints stay.
         on_error: ``"raise"`` (default) or ``"warn"``: on failure the model keeps its fine-tuned weights
             either way; ``"warn"`` logs the error and lets training finish normally.
         trainer: optional ``Trainer``; when given, the rectification steps are logged with ``trainer.log``
@@ -91,6 +144,9 @@ class JanusCallback(TrainerCallback):
         self.replay = replay
         self.config = config if config is not None else JanusConfig()
         self.on_error = on_error
+        self._trainer: Any = None
+        self._guarded = False  # a trainer's train() will call _after_failed_training if it raises
+        self._train_ended = False  # on_train_end was reached in the current run
         self.trainer = trainer
         self._tokenized: Any = None  # the replay as checked at train begin (tokenized once)
         self.report: Optional[RectificationReport] = None
@@ -99,14 +155,29 @@ class JanusCallback(TrainerCallback):
         self.model: Optional[nn.Module] = None
 
     @property
+    def trainer(self) -> Any:
+        """The ``Trainer`` given to the callback (``None``: none given): its ``log`` receives the janus figures,
+        its ``save_model``/``push_to_hub`` publish the record, and its ``train`` removes a disk θ0 snapshot when
+        training fails."""
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Any) -> None:
+        self._trainer = trainer
+        if trainer is not None:
+            _guard_failed_training(trainer, self)
+            self._guarded = True
+
+    @property
     def snapshot_bytes(self) -> int:
         """Size of the θ0 snapshot."""
         return self.snapshot.nbytes
 
     def theta0(self) -> dict[str, Tensor]:
         """What the snapshot holds (loaded from disk when ``snapshot="disk"``): the pre-training weights of the
-        target layers, ``"<layer>.weight"``; for adapted layers on a quantized base, the adapter's initial
-        tensors instead (θ0 is rebuilt from them and the frozen base at train end)."""
+        target layers, ``"<layer>.weight"``; for adapted layers on a frozen base (PEFT's default, and every
+        quantized base), the adapter's initial tensors instead: θ0 is rebuilt from them and the base at train end,
+        in float32 (:func:`hf_janus.adapters.live_peft.theta0_weights`)."""
         return self.snapshot.tensors()
 
     def _check_supported(self, model: nn.Module, args: TrainingArguments) -> Optional[dict[str, nn.Module]]:
@@ -139,8 +210,35 @@ class JanusCallback(TrainerCallback):
         return check_live_peft(model, self.config, self.peft_output)
 
     # ---- Trainer events -----------------------------------------------------------------------------
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        # Only the failure guard is installed: the Trainer found this way does not become self.trainer, which
+        # would also route the logs and wrap save_model/push_to_hub, things a user asks for with trainer=.
+        if self._trainer is None:
+            trainer = _trainer_being_built()
+            if trainer is not None:
+                _guard_failed_training(trainer, self)
+                self._guarded = True
+
+    def _after_failed_training(self, trainer: Any) -> None:
+        """Called by a guarded ``trainer.train()`` that raised. Before train end that is a failed training: the
+        working θ0 snapshot leaves ``output_dir`` (checkpoint copies stay, for resuming; a resumed run reads its
+        θ0 from the checkpoint, so ``discard`` leaves that one alone). From train end on, ``on_train_end`` has
+        dealt with the failure itself: a failed rectification keeps the file for a retry, and says so."""
+        if self._train_ended or self.snapshot.place != "disk":
+            return
+        try:
+            # No barrier: the other ranks may have died. The writer of the file removes it, as it wrote it.
+            if trainer.args.process_index == 0:
+                self.snapshot.discard(trainer.args.output_dir)
+        except Exception as err:  # never mask the training error with a cleanup error
+            logger.warning("JANUS: could not remove the θ0 snapshot %s after the failed run (%s: %s); delete it "
+                           "before publishing that folder", os.path.join(trainer.args.output_dir, SNAPSHOT_NAME),
+                           type(err).__name__, err)
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Optional[nn.Module] = None, processing_class: Any = None, **kwargs: Any) -> None:
+        self._train_ended = False
         # Everything that can be checked is checked here, before the first optimizer step: a refusal at train
         # end would cost the whole training run.
         check_sharding(model)  # before unwrapping: an FSDP1 wrapper would be peeled off like DDP's
@@ -161,6 +259,11 @@ class JanusCallback(TrainerCallback):
             logger.warning("JANUS: hub_strategy=%r uploads every checkpoint folder whole, so the θ0 snapshot is kept "
                            "out of them (θ0 is never published): resuming this run will be refused. Use "
                            "hub_strategy='every_save' or 'end' to keep resuming possible", str(args.hub_strategy))
+        if self.snapshot.place == "disk" and not self._guarded:
+            logger.warning("JANUS: if training fails, the θ0 snapshot will stay in %s: the callback does not know its "
+                           "Trainer (added with add_callback after the Trainer was built?), so it cannot see a failed "
+                           "train(). Pass JanusCallback(..., trainer=trainer) or set callback.trainer = trainer before "
+                           "train()", os.path.join(args.output_dir, SNAPSHOT_NAME))
         self.snapshot.take(model, peft_layers, self.config.target_modules, self.config.exclude_modules,
                          args.output_dir, is_writer=args.process_index == 0)
         if self.snapshot.place == "disk":
@@ -181,6 +284,7 @@ class JanusCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      model: Optional[nn.Module] = None, processing_class: Any = None, **kwargs: Any) -> None:
+        self._train_ended = True
         model = _unwrap(model)
         progress = not args.disable_tqdm and state.is_local_process_zero
         try:
