@@ -23,7 +23,7 @@ Part C - model level, what the paper says the ghost path avoids: per-sample back
     of every target weight; m=64 random-token replay samples of T=128. Single-step JANUS at θ0 is computed
       * explicit: one forward+backward per sample (per-sample gradients = J row by row, stored float32),
                   float64 Gram, pinv and projection per layer;
-      * by the engine: ``Rectifier._capture("c0")`` + ``Rectifier._project_all("c0")`` (one batched
+      * by the engine: ``Rectifier.capture("c0")`` + ``StepLoop.project_all("c0")`` (one batched
                   capture, Gram, eigendecomposition, projection) with rank=None and the ghost path forced
                   (equal error), rank=None and the engine's path choice, and rank=r (the default).
     The projected updates are compared (equal error) and each one's residual is measured against the
@@ -251,7 +251,7 @@ def explicit_projection(x: Tensor, a: Tensor, delta: Tensor) -> tuple[Tensor, Te
 
 
 def janus_projection(x: Tensor, a: Tensor, delta: Tensor, path: str) -> Tensor:
-    """What the engine does per layer (rectifier._project_all): Gram, eigendecomposition, projection."""
+    """What the engine does per layer (StepLoop.project_all): Gram, eigendecomposition, projection."""
     jac = LayerJacobian(x, a, dtype=torch.float64, path=path)
     eig = eig_psd(jac.gram(), RCOND)
     proj = project(jac, delta, eig)
@@ -548,34 +548,35 @@ def explicit_model_projection(model: torch.nn.Module, weights: dict[str, Tensor]
 def ghost_model_projection(model: torch.nn.Module, theta0: dict[str, Tensor], replay: list[dict[str, list[int]]],
                            config: "hf_janus.JanusConfig") -> dict[str, Any]:
     """The engine's part of single-step JANUS that corresponds to the explicit computation: Rectifier's
-    ``_capture("c0")`` (one batched forward/backward per replay batch at θ0, hooks record X and A, compressed
-    to rank r unless rank=None) and ``_project_all("c0")`` (Gram, eigendecomposition, projection of every
-    layer, on the path LayerJacobian picks). Not timed: Rectifier() (replay collation, weight copies) and
-    ``_write_all()`` (writes θ0 into the model), as the explicit side's θ0 load; not run at all: the
+    ``capture("c0")`` (one batched forward/backward per replay batch at θ0, hooks record X and A, compressed
+    to rank r unless rank=None) and its step loop's ``project_all("c0")`` (Gram, eigendecomposition, projection of
+    every layer, on the path LayerJacobian picks). Not timed: Rectifier() (replay collation, weight copies) and
+    ``layers.rewrite_current()`` (writes θ0 into the model), as the explicit side's θ0 load; not run at all: the
     fine-tuned replay loss, the trial capture at θ0 + ΔW_proj, the orientation comparison and the per-layer
     statistics that ``rectify`` adds. The float64 projections used for the error check are recomputed from
     the same factors and eigendecompositions after the timed block (the engine keeps them as float32)."""
     from hf_janus.engine.rectifier import Rectifier
 
     rect = Rectifier(model, theta0, replay, config, progress=False)
-    rect._write_all()
+    loop = rect.make_loop()
+    rect.layers.rewrite_current()
 
     def timed() -> None:
-        rect._capture("c0")
-        rect._project_all("c0")
+        rect.capture("c0")
+        loop.project_all("c0")
 
     try:
         res = measure(timed, 1)
         phases = {k: v for k, v in rect.timer.seconds.items()}
         proj64, proj32, paths = {}, {}, {}
         for layer in rect.layers:
-            jac = rect._jacobian(layer, "c0")
-            proj64[layer.name] = project(jac, layer.finetuned() - layer.current, layer.eig)  # (d_out, d_in)
+            jac = rect.jacobians.jacobian(layer.name, "c0")
+            proj64[layer.name] = project(jac, layer.finetuned(layer.current.device) - layer.current, layer.eig)
             proj32[layer.name] = layer.proj
             paths[layer.name] = layer.path
             jac.release()
     finally:
-        rect._restore()
+        rect.layers.restore()
         rect.store.close()
     return {"measured": res, "phases": phases, "proj": proj64, "proj_engine_float32": proj32, "paths": paths}
 
@@ -610,10 +611,10 @@ def run_part_c(args: argparse.Namespace) -> dict[str, Any]:
     model.load_state_dict(theta_hat)
     warm = Rectifier(model, theta0, replay[:4], hf_janus.JanusConfig(rank=min(r, 4), tau=0.0, replay_batch_size=4),
                      progress=False)
-    warm._write_all()
-    warm._capture("c0")
-    warm._project_all("c0")
-    warm._restore()
+    warm.layers.rewrite_current()
+    warm.capture("c0")
+    warm.make_loop().project_all("c0")
+    warm.layers.restore()
     warm.store.close()
     del warm
 
@@ -858,7 +859,7 @@ def part_c_table(part: dict[str, Any]) -> str:
                    "max correction rel diff vs explicit"], err_rows)
     notes = (f"\nTimed: explicit = m per-sample forward+backward passes filling J (float32, "
              f"{mib(st['explicit_J_bytes_float32'])} MiB for all layers) + per layer float64 Gram, pinv, projection; "
-             "ghost rows = `Rectifier._capture(\"c0\")` + `Rectifier._project_all(\"c0\")` (batched capture at θ0, "
+             "ghost rows = `Rectifier.capture(\"c0\")` + `StepLoop.project_all(\"c0\")` (batched capture at θ0, "
              "Gram, eigendecomposition, projection), i.e. without the trial capture, orientation comparison and "
              "statistics that `rectify()` adds. Errors: max over layers, against the explicit J; ghost projections "
              "recomputed in float64 from the same factors (the engine keeps float32).\n")

@@ -1,9 +1,9 @@
 """hf-janus: undo catastrophic forgetting after fine-tuning by JAcobian NUll Space projection."""
 
-from hf_janus.adapters.delta import RectifiedDelta
-from hf_janus.adapters.merge_report import MergeReport
-from hf_janus.adapters.merger import JanusMerger
-from hf_janus.config import JanusConfig
+from hf_janus.adapters.saved.delta import RectifiedDelta
+from hf_janus.adapters.saved.merge_report import MergeReport
+from hf_janus.adapters.saved.merger import JanusMerger
+from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.layers import register_layer_rule, resolve_target_modules
 from hf_janus.engine.rectifier import Rectifier, rectify
 from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
@@ -15,8 +15,8 @@ from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.publish.hub import load_report
 from hf_janus.publish.record import PublishedReport
 from hf_janus.replay.sources import ReplayOptions
+from hf_janus.version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
     "JanusCallback",

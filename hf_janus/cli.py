@@ -9,10 +9,11 @@ import logging
 import sys
 from typing import Any, Optional, Sequence
 
-from hf_janus import __version__
-from hf_janus.config import JanusConfig
-from hf_janus.engine.step_control import STEP_CONTROLS
+from hf_janus.cli_options import (ALLOW_PICKLE_HELP, CONFIG_PREFIX, REPLAY_PREFIX, add_dataclass_options,
+                                  add_evaluation_options, dataclass_values, evaluation_settings)
+from hf_janus.engine.config import STEP_CONTROLS, JanusConfig
 from hf_janus.replay.sources import ReplayOptions
+from hf_janus.version import __version__
 
 
 #: The demo's rectifications took 27 and 54 evaluations with the adaptive controller (68 and 202 with the paper's):
@@ -62,11 +63,6 @@ The output directory is written atomically and also holds janus_rectification.js
 """
 
 
-_ALLOW_PICKLE_HELP = ("read weights stored only as a pickle (adapter_model.bin, pytorch_model.bin), which are refused "
-                      "by default because unpickling can run code; they are then read with torch's restricted "
-                      "unpickler (weights_only=True). Convert them to safetensors instead when you can")
-
-
 def _add_merge(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "merge",
@@ -77,30 +73,7 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
                     "weights.",
         epilog=_MERGE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    src = p.add_argument_group("inputs")
-    src.add_argument("--base", required=True, metavar="ID_OR_DIR", help="base model: Hub repo id or local directory")
-    src.add_argument("--adapter", required=True, metavar="ID_OR_DIR",
-                     help="PEFT adapter: Hub repo id or local directory")
-    src.add_argument("--revision", help="revision (branch, tag, commit) of the adapter repo")
-    src.add_argument("--base-revision", help="revision of the base model repo")
-    src.add_argument("--initial-adapter", metavar="ID_OR_DIR",
-                     help="for an unconverted PiSSA-like adapter with a randomized or data-dependent init "
-                          "(pissa_niter_k, olora, corda, lora_ga, loftq): the adapter saved right after initialization")
-    src.add_argument("--allow-base-mismatch", action="store_true",
-                     help="warn instead of failing when the adapter names a different base model (shapes are "
-                          "still checked)")
-    src.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE_HELP)
-    src.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                     help="dtype to load the base model in (default: the checkpoint's; float32 is the most exact)")
-    src.add_argument("--device", default=None,
-                     help="device for the model and the Jacobians, e.g. cuda:0 (default: cpu)")
-    quant = src.add_mutually_exclusive_group()
-    quant.add_argument("--load-in-4bit", action="store_true",
-                       help="load the base in 4 bits with bitsandbytes (nf4, double quantization, computing in --dtype "
-                            "or float32), to rectify a QLoRA adapter against the base it was trained on; --format "
-                            "adapter only. For other settings use JanusMerger(quantization_config=...)")
-    quant.add_argument("--load-in-8bit", action="store_true",
-                       help="load the base in 8 bits with bitsandbytes (LLM.int8); --format adapter only")
+    _add_merge_inputs(p.add_argument_group("inputs"))
 
     rep = p.add_argument_group("replay (samples of the past task to protect)")
     rep.add_argument("--replay", required=True, metavar="DATASET[:SPLIT]",
@@ -113,7 +86,40 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
     jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
     add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX)
 
-    out = p.add_argument_group("output")
+    _add_merge_output(p.add_argument_group("output"))
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.set_defaults(func=_run_merge)
+
+
+def _add_merge_inputs(src: argparse._ArgumentGroup) -> None:
+    """``merge``'s base model and adapter, and how they are loaded."""
+    src.add_argument("--base", required=True, metavar="ID_OR_DIR", help="base model: Hub repo id or local directory")
+    src.add_argument("--adapter", required=True, metavar="ID_OR_DIR",
+                     help="PEFT adapter: Hub repo id or local directory")
+    src.add_argument("--revision", help="revision (branch, tag, commit) of the adapter repo")
+    src.add_argument("--base-revision", help="revision of the base model repo")
+    src.add_argument("--initial-adapter", metavar="ID_OR_DIR",
+                     help="for an unconverted PiSSA-like adapter with a randomized or data-dependent init "
+                          "(pissa_niter_k, olora, corda, lora_ga, loftq): the adapter saved right after initialization")
+    src.add_argument("--allow-base-mismatch", action="store_true",
+                     help="warn instead of failing when the adapter names a different base model (shapes are "
+                          "still checked)")
+    src.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
+    src.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                     help="dtype to load the base model in (default: the checkpoint's; float32 is the most exact)")
+    src.add_argument("--device", default=None,
+                     help="device for the model and the Jacobians, e.g. cuda:0 (default: cpu)")
+    quant = src.add_mutually_exclusive_group()
+    quant.add_argument("--load-in-4bit", action="store_true",
+                       help="load the base in 4 bits with bitsandbytes (nf4, double quantization, computing in --dtype "
+                            "or float32), to rectify a QLoRA adapter against the base it was trained on; --format "
+                            "adapter only. For other settings use JanusMerger(quantization_config=...)")
+    quant.add_argument("--load-in-8bit", action="store_true",
+                       help="load the base in 8 bits with bitsandbytes (LLM.int8); --format adapter only")
+
+
+def _add_merge_output(out: argparse._ArgumentGroup) -> None:
+    """Where and in what form ``merge`` writes the rectified model."""
     out.add_argument("--output", required=True, metavar="DIR", help="output directory (written atomically)")
     out.add_argument("--format", dest="output_format", default="adapter", choices=["adapter", "full"],
                      help="adapter: a standard LoRA adapter re-factorized by truncated SVD (default); full: base + "
@@ -130,47 +136,6 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output directory")
     out.add_argument("--push-to-hub", metavar="REPO", help="also upload the output directory to this Hub repo")
     out.add_argument("--private", action="store_true", help="create the --push-to-hub repo as private")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.set_defaults(func=_run_merge)
-
-
-REPLAY_PREFIX, CONFIG_PREFIX = "replay.", "janus."
-
-
-def add_dataclass_options(group: argparse._ArgumentGroup, cls: type, prefix: str) -> None:
-    """One option per field of dataclass ``cls`` that has ``metadata["help"]`` (as PEFT's configs document
-    theirs): ``--field-name`` or ``metadata["cli"]``, typed by the default, with its ``choices``/``nargs``.
-    Every option defaults to None, so that only what the user gave overrides a config file."""
-    for f in dataclasses.fields(cls):
-        meta = f.metadata
-        if "help" not in meta:
-            continue
-        default = f.default
-        shown = str(default).replace("torch.", "") if default is not None else "none"
-        help_text = meta["help"] + f" (default: {shown})"
-        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": None, "help": help_text}
-        if "choices" in meta:
-            kwargs["choices"] = list(meta["choices"])
-        elif "nargs" in meta:
-            kwargs.update(nargs=meta["nargs"], metavar="NAME")
-        elif "type" in meta:  # a field whose default (None) does not say its type
-            kwargs["type"] = meta["type"]
-        elif isinstance(default, (int, float)) and not isinstance(default, bool):
-            kwargs["type"] = type(default)
-        group.add_argument(meta.get("cli", "--" + f.name.replace("_", "-")), **kwargs)
-
-
-def dataclass_values(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
-    """The options of :func:`add_dataclass_options` that the user gave, as ``{field: value}``."""
-    values = {}
-    for f in dataclasses.fields(cls):
-        value = getattr(args, prefix + f.name, None)
-        if value is None:
-            continue
-        if f.metadata.get("zero_is_none") and value == 0:
-            value = None
-        values[f.name] = value
-    return values
 
 
 def merge_config(args: argparse.Namespace) -> JanusConfig:
@@ -191,8 +156,8 @@ def replay_options(args: argparse.Namespace) -> ReplayOptions:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from hf_janus.adapters.merger import JanusMerger
-    from hf_janus.adapters.refactor import parse_rank_spec, validate_rank_spec
+    from hf_janus.adapters.saved.merger import JanusMerger
+    from hf_janus.adapters.low_rank import parse_rank_spec, validate_rank_spec
     from hf_janus.io_utils import check_output_dir
     from hf_janus.publish.hub import push_folder
     from hf_janus.replay.sources import parse_replay_spec
@@ -231,6 +196,8 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-janus`` parser with every subcommand (``docs/generate_cli_reference.py`` writes the CLI reference
+    from it)."""
     parser = argparse.ArgumentParser(
         prog="hf-janus",
         description="JANUS: repair catastrophic forgetting after fine-tuning by projecting the weight update onto "
@@ -253,35 +220,6 @@ examples:
 A task is an lm-eval task name, or a local JSONL: rows {"question", "answers"} are scored by exact match of the
 greedy answer, rows {"prompt", "completion"} by the completion's negative log-likelihood per byte.
 """
-
-
-def add_evaluation_options(group: Any, *, tasks_required: bool) -> None:
-    """The models, tasks and lm-eval settings that ``eval`` and ``frontier`` share."""
-    group.add_argument("--reference", required=True, metavar="ID_OR_DIR", help="θ0: Hub repo id or local directory")
-    group.add_argument("--finetuned", required=True, metavar="ID_OR_DIR",
-                       help="θ̂: full weights or a PEFT adapter (merged on its base), Hub repo id or local directory")
-    tasks: dict[str, Any] = {"required": True} if tasks_required else {"default": []}
-    group.add_argument("--past-task", action="append", metavar="TASK", **tasks,
-                       help="a task the model should keep (repeatable): lm-eval task name or JSONL file")
-    group.add_argument("--new-task", action="append", metavar="TASK", **tasks,
-                       help="a task fine-tuning taught (repeatable): lm-eval task name or JSONL file")
-    group.add_argument("--tokenizer", metavar="ID_OR_DIR", help="tokenizer (default: the one beside --reference)")
-    group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                       help="dtype to load the models in (default: the checkpoint's)")
-    group.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE_HELP)
-    group.add_argument("--device", default=None, help="device for the models, e.g. cuda:0 (default: cpu)")
-    group.add_argument("--batch-size", default="16", help="lm-eval batch size, an int or auto (default: 16)")
-    group.add_argument("--limit", type=float, help="at most this many documents per task (a fraction when < 1)")
-    group.add_argument("--include-path", metavar="DIR", help="a directory of more lm-eval task YAMLs")
-
-
-def evaluation_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of :func:`hf_janus.evaluate` / :func:`hf_janus.frontier` that
-    :func:`add_evaluation_options` gives, beyond the models and tasks."""
-    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
-    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    return {"tokenizer": args.tokenizer, "batch_size": batch_size, "limit": limit, "include_path": args.include_path,
-            "device": args.device, "torch_dtype": args.dtype, "allow_pickle": args.allow_pickle}
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
@@ -340,8 +278,8 @@ def _floats(text: str) -> list[float]:
 
 
 def _add_frontier(sub: argparse._SubParsersAction) -> None:
-    from hf_janus.evaluation.frontier import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_PRE_JANUS_GRID,
-                                              DEFAULT_TAUS, DEFAULT_WISE_GRID)
+    from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_PRE_JANUS_GRID,
+                                               DEFAULT_TAUS, DEFAULT_WISE_GRID)
 
     def shown(grid: Sequence[float]) -> str:
         return ",".join(f"{v:g}" for v in grid)

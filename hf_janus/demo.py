@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from hf_janus.config import JanusConfig
+from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.rectifier import rectify
 from hf_janus.engine.report import RectificationReport
 
@@ -152,7 +152,7 @@ def _lora_story(pretrained: dict, replay: list[dict], held_out: list[dict], math
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hf_janus.adapters.merger import JanusMerger
+    from hf_janus.adapters.saved.merger import JanusMerger
 
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="hf-janus-demo-") as tmp:

@@ -76,7 +76,7 @@ def fail_capture(monkeypatch, at: int, exc: BaseException) -> None:
     from hf_janus.engine.rectifier import Rectifier
 
     calls = {"n": 0}
-    real = Rectifier._capture
+    real = Rectifier.capture
 
     def failing(self, tag):
         calls["n"] += 1
@@ -84,4 +84,4 @@ def fail_capture(monkeypatch, at: int, exc: BaseException) -> None:
             raise exc
         return real(self, tag)
 
-    monkeypatch.setattr(Rectifier, "_capture", failing)
+    monkeypatch.setattr(Rectifier, "capture", failing)

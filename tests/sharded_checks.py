@@ -98,12 +98,12 @@ def fail_during_backward(patch) -> None:
 
 def fail_between_passes(patch) -> None:
     """Comparing the first trial raises: the trial weights are already written into the shards."""
-    import hf_janus.engine.rectifier as rectifier
+    import hf_janus.engine.step_loop as step_loop
 
     def principal_cosines(*args, **kwargs):
         raise RuntimeError("injected failure after the trial was written")
 
-    patch(rectifier, "principal_cosines", principal_cosines)
+    patch(step_loop, "principal_cosines", principal_cosines)
 
 
 def setup_model():
@@ -127,7 +127,7 @@ def check_matches_single_process(per_rank: list[dict], n_samples: int, config: d
 
     model, reference = setup_model()
     finetuned = copy.deepcopy(model.state_dict())
-    single = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**config), progress=False).run()
+    single = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**config), progress=False).run().report
     report = per_rank[0]["report"]
     assert report["num_samples"] == single.num_samples == n_samples
     assert report["num_tokens"] == single.num_tokens

@@ -17,8 +17,8 @@ import torch
 from test_qlora import TARGETS, base_dir, samples, train  # noqa: F401  (base_dir is a fixture)
 
 from hf_janus import JanusConfig, JanusMerger
-from hf_janus.adapters.live_peft import adapted_linear_layers, initial_state
-from hf_janus.adapters.live_rectify import PeftOutput, rectify_live_peft
+from hf_janus.adapters.peft_layers import adapted_linear_layers, initial_state
+from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -13,7 +13,7 @@ from test_callback import CONFIG, FAST, Probe, collate, make_trainer, pretrained
 from transformers import AutoModelForCausalLM
 
 from hf_janus import JanusConfig, JanusError, rectify
-from hf_janus.adapters.live_peft import adapted_linear_layers, effective_weights, theta0_weights
+from hf_janus.adapters.peft_layers import adapted_linear_layers, effective_weights, theta0_weights
 from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.publish.record import REPORT_NAME
 

@@ -96,7 +96,7 @@ def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
             model, reference = _setup()
             module = _engine(model).module
             rectifier = Rectifier(module, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False)
-            report = rectifier.run()
+            report = rectifier.run().report
             targets = [f"{layer.name}.weight" for layer in rectifier.layers]
             results[n_samples] = {
                 "state": _full_state(module), "master": _master_state(module, targets), "report": report.to_dict(),

@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, n_samples: int)
     try:
         model, reference = _setup()
         rectifier = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False)
-        report = rectifier.run()
+        report = rectifier.run().report
         torch.save({"state": model.state_dict(), "local_batches": len(rectifier.local_batches),
                     "report": report.to_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -52,7 +52,7 @@ def test_two_processes_match_one(tmp_path, n_samples):
 
     torch.set_num_threads(1)
     model, reference = _setup()
-    single = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False).run()
+    single = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False).run().report
     report = ranks[0]["report"]
     assert report["num_samples"] == single.num_samples == n_samples
     assert report["num_tokens"] == single.num_tokens

@@ -14,7 +14,8 @@ from conftest import build_tiny
 from eval_fixtures import char_tokenizer, write_jsonl
 from hf_janus import JanusConfig, load_report, rectify
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.frontier import FrontierPoint, FrontierResult, candidates, frontier, wise_margin
+from hf_janus.evaluation.candidates import candidates
+from hf_janus.evaluation.frontier import FrontierPoint, FrontierResult, frontier, wise_margin
 from hf_janus.evaluation.harness import Scorer, resolve_tasks
 
 pytest.importorskip("lm_eval")

@@ -71,7 +71,7 @@ def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
             model, reference = _setup()
             _shard(model)
             rectifier = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False)
-            report = rectifier.run()
+            report = rectifier.run().report
             results[n_samples] = {
                 "state": _full_state(model), "report": report.to_dict(), "still_sharded": _target_is_sharded(model),
                 "passes": (len(rectifier.local_batches), len(rectifier.idle_batches)),

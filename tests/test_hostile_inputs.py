@@ -121,15 +121,16 @@ def test_empty_trial_jacobian_does_not_pass(tuned_llama):
     model, reference = tuned_llama
     finetuned = {k: v.clone() for k, v in model.state_dict().items()}
     rectifier = Rectifier(model, reference, random_replay(4), JanusConfig(rank=4), progress=False)
-    rectifier._write_all()
-    rectifier._capture("c0")
-    rectifier._project_all("c0")
+    loop = rectifier.make_loop()
+    rectifier.layers.rewrite_current()
+    rectifier.capture("c0")
+    loop.project_all("c0")
     for layer in rectifier.layers:
         x, a = rectifier.store.get("c0", layer.name)
         rectifier.store.replace("empty", layer.name, torch.zeros_like(x), torch.zeros_like(a))
-    cbar, per_layer = rectifier._compare_all("c0", "empty")
+    cbar, per_layer = loop.compare_all("c0", "empty")
     assert cbar == 0.0 and set(per_layer.values()) == {0.0}
-    rectifier._restore()
+    rectifier.layers.restore()
     rectifier.store.close()
     for key, value in model.state_dict().items():
         assert torch.equal(value, finetuned[key])

@@ -120,7 +120,7 @@ def _run(case):
         return row[min(max(j, 0), len(row) - 1)]
 
     rectifier = Rectifier(MODEL, REFERENCE, REPLAY, config, progress=False, cosine_override=cosine, clock=clock)
-    report = rectifier.run()
+    report = rectifier.run().report
     return rectifier, report, seen
 
 

@@ -139,7 +139,7 @@ PROBE = textwrap.dedent('''
             return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key))
 
     baseline = status("VmRSS:")
-    report = Rectifier(model, reference, replay, config, progress=False).run()
+    report = Rectifier(model, reference, replay, config, progress=False).run().report
     plan = report.memory_plan
     # the plan's own bytes: its peak above what was in use when it was made (in __init__, just after the baseline)
     print(json.dumps({"measured": status("VmHWM:") - baseline,

@@ -14,7 +14,7 @@ from conftest import build_tiny
 from merge_fixtures import char_tokenizer, fast_config, save_base, text_rows, train_adapter, write_jsonl
 
 from hf_janus import JanusError, JanusMerger
-from hf_janus.adapters.loading import load_base_model, model_weights_format, resolve_adapter
+from hf_janus.adapters.saved.loading import load_base_model, model_weights_format, resolve_adapter
 from hf_janus.cli import main
 from hf_janus.evaluation.harness import load_model
 

@@ -100,7 +100,7 @@ def base_state(model):
 
 def effective(model):
     """``{plain layer name: dequantized base + LoRA delta}`` of the adapted layers."""
-    from hf_janus.adapters.live_peft import adapted_linear_layers, effective_params
+    from hf_janus.adapters.peft_layers import adapted_linear_layers, effective_params
 
     return {name: effective_params(m)[0].double() for name, m in adapted_linear_layers(model).items()}
 
@@ -142,7 +142,7 @@ def explicit_jacobians(base_dir, dequantized, weights, replay):
 
 @pytest.mark.parametrize("quant", list(QUANTIZATIONS))
 def test_qlora_rectified_update_is_in_the_null_space_at_the_dequantized_base(base_dir, tmp_path, quant):
-    from hf_janus.adapters.live_peft import adapted_linear_layers
+    from hf_janus.adapters.peft_layers import adapted_linear_layers
     from hf_janus.engine.quantized import dequantized_weight
 
     model = lora_model(base_dir, quant)

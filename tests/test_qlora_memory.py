@@ -17,8 +17,8 @@ from test_qlora import EXACT, QUANTIZATIONS, base_dir, lora_model, samples, trai
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hf_janus.adapters.live_peft import adapted_linear_layers, initial_state
-from hf_janus.adapters.live_rectify import PeftOutput, rectify_live_peft
+from hf_janus.adapters.peft_layers import adapted_linear_layers, initial_state
+from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
 
 pytest.importorskip("bitsandbytes")
 

@@ -16,6 +16,7 @@ from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.capture import CaptureResult
 from hf_janus.engine.layers import resolve_target_modules, rule_for
 from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.step_loop import StepLoop
 
 FAMILIES = ["llama", "gpt2", "mistral", "qwen2"]
 
@@ -328,7 +329,7 @@ def scripted(monkeypatch, cosines):
         c = queue.pop(0)
         return c, {layer.name: c for layer in self.layers}
 
-    monkeypatch.setattr(Rectifier, "_compare_all", fake_compare)
+    monkeypatch.setattr(StepLoop, "compare_all", fake_compare)
     return queue
 
 
@@ -376,7 +377,7 @@ def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_
         built.clear()
         m = copy.deepcopy(model)
         rectifier = Rectifier(m, reference, random_replay(4), cfg, progress=False)
-        report = rectifier.run()
+        report = rectifier.run().report
         assert all(layer.current_jac is None for layer in rectifier.layers)  # released when the run ends
         assert {layer.path for layer in report.layers} == {"materialized"}
         runs.append((m.state_dict(), [t.mean_cosine for s in report.steps for t in s.trials], len(built)))

@@ -8,7 +8,7 @@ import torch
 
 from hf_janus.errors import JanusError
 from hf_janus.engine.ghost import LayerJacobian, eig_psd, per_sample_gradients, project
-from hf_janus.adapters.refactor import (
+from hf_janus.adapters.low_rank import (
     choose_rank,
     energy_rank,
     parse_rank_spec,

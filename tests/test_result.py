@@ -17,7 +17,7 @@ def test_result_holds_theta0_finetuned_and_rectified_per_layer(tuned_llama):
     finetuned = {k: v.clone() for k, v in model.state_dict().items()}
     rectifier = Rectifier(model, reference, random_replay(6), JanusConfig(rank=4, replay_batch_size=3, max_steps=3),
                           progress=False, keep_reference_factors=True)
-    report = rectifier.run()
+    report = rectifier.run().report
     result = rectifier.result
     assert isinstance(result, RectificationResult) and result.report is report
     assert list(result.layers) == [s.name for s in report.layers]

@@ -13,7 +13,9 @@ from conftest import random_replay
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.capture import CaptureResult, replay_losses
 from hf_janus.engine.ghost import eig_psd
+from hf_janus.engine.acceptance import acceptance_score
 from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.step_loop import StepLoop
 from hf_janus.engine.step_control import (
     AdaptiveStepController,
     PaperStepController,
@@ -100,7 +102,7 @@ def distance_cosines(monkeypatch, scale):
     def fake_compare(self, current_tag, trial_tag):
         moved = 0.0
         for layer in self.layers:
-            trial = self._jacobian(layer, trial_tag)  # the next step projects with it
+            trial = self.jacobians.jacobian(layer.name, trial_tag)  # the next step projects with it
             layer.trial_eig = eig_psd(trial.gram(), self.config.gram_rcond)
             trial.release()
             written = layer.rule.to_matrix(layer.rule.weight(layer.module).detach()).to(torch.float32)
@@ -108,14 +110,14 @@ def distance_cosines(monkeypatch, scale):
         c = max(0.0, 1.0 - scale * moved)
         return c, {layer.name: c for layer in self.layers}
 
-    monkeypatch.setattr(Rectifier, "_compare_all", fake_compare)
+    monkeypatch.setattr(StepLoop, "compare_all", fake_compare)
 
 
 def run(model, reference, replay, **overrides):
     m = copy.deepcopy(model)
     config = JanusConfig(**{"tau": TAU, "rank": 4, **overrides})
     rectifier = Rectifier(m, reference, replay, config, progress=False)
-    report = rectifier.run()
+    report = rectifier.run().report
     return m, report, rectifier
 
 
@@ -257,9 +259,10 @@ def test_an_undefined_cosine_fails_both_tests(tuned_llama):
     _, report, rectifier = run(model, reference, random_replay(6, seed=9), tau=0.99, acceptance="both", max_steps=2)
     base = CaptureResult("c0", torch.tensor([2.0], dtype=torch.float64), torch.tensor([1]))
     lower = CaptureResult("t", torch.tensor([1.0], dtype=torch.float64), torch.tensor([1]))
-    assert rectifier._acceptance_score(1.0, 0.5, lower, base, rise=1.0) >= 0.5  # loss and cosine both pass
-    assert not rectifier._acceptance_score(math.nan, 0.5, lower, base, rise=1.0) >= 0.5
-    assert not rectifier._acceptance_score(0.5, 0.5, lower, base, rise=1.0) >= 0.5  # c̄ < τ
+    config = rectifier.config
+    assert acceptance_score(config, 1.0, 0.5, lower.loss, base.loss, rise=1.0) >= 0.5  # loss and cosine both pass
+    assert not acceptance_score(config, math.nan, 0.5, lower.loss, base.loss, rise=1.0) >= 0.5
+    assert not acceptance_score(config, 0.5, 0.5, lower.loss, base.loss, rise=1.0) >= 0.5  # c̄ < τ
 
 
 def test_cosine_acceptance_is_the_paper_test(tuned_llama):

@@ -144,7 +144,7 @@ def test_rectification_is_identical_with_and_without_buffer_reuse(monkeypatch, t
         allocated.clear()
         m = copy.deepcopy(model)
         rectifier = Rectifier(m, reference, random_replay(4), cfg, progress=False)
-        report = rectifier.run()
+        report = rectifier.run().report
         assert rectifier.workspace.held_bytes == 0  # cleared when the run ends
         runs.append((m.state_dict(), [t.mean_cosine for s in report.steps for t in s.trials], list(allocated)))
     (pooled, cos_pooled, alloc_pooled), (fresh, cos_fresh, alloc_fresh) = runs

@@ -160,7 +160,7 @@ def get_pretrained(s: Settings, splits: lib.Splits, cache_dir: str, tokenizer_on
 def make_snapshot_callback():
     from transformers import TrainerCallback
 
-    from hf_janus.adapters.live_peft import is_peft_model
+    from hf_janus.adapters.peft_layers import is_peft_model
 
     class KeepFinetuned(TrainerCallback):
         """Runs before JanusCallback at train end: keeps θ̂ (plain, merged for PEFT) and the PEFT model itself
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
             if method == "full":
                 names = list(resolve_target_modules(finetuned, "all-linear"))
             else:
-                from hf_janus.adapters.live_peft import adapted_linear_layers
+                from hf_janus.adapters.peft_layers import adapted_linear_layers
 
                 names = list(adapted_linear_layers(peft_model))
             rec["target_layers"] = len(names)

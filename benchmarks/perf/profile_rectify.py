@@ -108,8 +108,13 @@ def schedule(evals: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------------
 
 # Modules by their engine name: hf_janus.engine.<name> (hf_janus.<name> in engines before the package layout).
-SECTIONS = [  # (module, qualified attribute, label): the Rectifier's steps
+SECTIONS = [  # (module, qualified attribute, label): the Rectifier's steps; the private names are the engines' before
+    # the rectifier was split (issue 32), kept so that a baseline commit still profiles
     ("rectifier", "replay_losses", "finetuned_loss"),
+    ("rectifier", "Rectifier.capture", "capture"),
+    ("step_loop", "StepLoop.project_all", "project"),
+    ("step_loop", "StepLoop.compare_all", "compare"),
+    ("rectifier", "layer_statistics", "stats"),
     ("rectifier", "Rectifier._capture", "capture"),
     ("rectifier", "Rectifier._project_all", "project"),
     ("rectifier", "Rectifier._compare_all", "compare"),
@@ -123,6 +128,8 @@ OPS = [  # leaf operations; a missing attribute (older/newer engine) is skipped
     ("ghost", "LayerJacobian.cross_gram", "cross_gram"),
     ("ghost", "LayerJacobian.jvp", "jvp"),
     ("ghost", "LayerJacobian.vjp", "vjp"),
+    ("step_loop", "eig_psd", "eig"),
+    ("step_loop", "principal_cosines", "cosines"),
     ("rectifier", "eig_psd", "eig"),
     ("rectifier", "principal_cosines", "cosines"),
     ("store", "FactorStore.get", "store_get"),
@@ -167,7 +174,10 @@ class Instrument:
             torch.cuda.synchronize(self.device)
 
     def _wrap(self, module_name: str, attr: str, make: Callable[[Callable, str], Callable], label: str) -> None:
-        module = engine_module(module_name)
+        try:
+            module = engine_module(module_name)
+        except ModuleNotFoundError:  # a module of another engine version
+            return
         owner, name = module, attr
         if "." in attr:
             cls_name, name = attr.split(".")
@@ -331,7 +341,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             if spec.get("free_reference"):
                 reference.clear()  # the Rectifier holds its own copy; free the caller's (7B: 13 GB)
             with Instrument(device, verbose=spec.get("verbose", False)) as inst:
-                report = rect.run()
+                report = rect.run().report
             wall = time.perf_counter() - start
     finally:
         if cache_dir:

@@ -42,8 +42,8 @@ def run_one(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from hf_janus import JanusConfig
-    from hf_janus.adapters.live_peft import adapted_linear_layers, initial_state
-    from hf_janus.adapters.live_rectify import PeftOutput, rectify_live_peft
+    from hf_janus.adapters.peft_layers import adapted_linear_layers, initial_state
+    from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs = {"dtype": torch.bfloat16, "device_map": device}

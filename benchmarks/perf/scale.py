@@ -109,6 +109,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             reference.clear()
         with pr.Instrument(device, ops=False) as inst:
             report = rect.run()
+            report = getattr(report, "report", report)  # engines before issue 32 returned the report itself
         total = time.perf_counter() - start
     sections = {name: part["seconds"] for name, part in inst.as_dict().items()}
     evals = report.num_jacobian_evals

@@ -32,6 +32,7 @@ from hf_janus.engine.quantized import differentiable_quantized
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.timing import PhaseTimer
 from hf_janus.errors import JanusError
+from hf_janus.parallel.distributed import World
 from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
 
 
@@ -83,9 +84,6 @@ def _forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     out = model(**kwargs)
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits
-
-
-CONSTRAINTS = ("loss", "target_logit", "logit_projections")  # JanusConfig.constraint
 
 
 def logit_projections(vocab: int, count: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -343,6 +341,31 @@ def _check_finite(factors: dict[str, tuple[Tensor, Tensor]]) -> None:
     )
 
 
+@contextmanager
+def _forward_backward_time(timer: PhaseTimer) -> Iterator[None]:
+    """Add the block's time to ``forward_backward``, less the compression the recorders timed inside it."""
+    timer.settle()
+    compression_before = timer.seconds["compression"]
+    timer.synchronize()
+    start = time.perf_counter()
+    yield
+    timer.synchronize()
+    elapsed = time.perf_counter() - start
+    timer.settle()
+    timer.add("forward_backward", elapsed - (timer.seconds["compression"] - compression_before))
+
+
+def _backward_each_function(constrained: Tensor) -> int:
+    """Backpropagate each per-sample function of ``constrained`` (``(B,)`` or ``(B, k)``) in turn, for the hooks to
+    record; returns how many there are."""
+    if not constrained.requires_grad:
+        raise JanusError("no target layer lies on the path to the loss; check target_modules")
+    columns = constrained.unsqueeze(-1) if constrained.dim() == 1 else constrained
+    for j in range(columns.shape[1]):
+        columns[:, j].sum().backward(retain_graph=j + 1 < columns.shape[1])
+    return columns.shape[1]
+
+
 def capture_factors(
     model: nn.Module,
     targets: Mapping[str, tuple[nn.Module, int, int]],
@@ -378,25 +401,14 @@ def capture_factors(
                 context = _BatchContext(rank, device, host_batch["attention_mask"], mask)
                 for rec in recorders.values():
                     rec.reset(context)
-                timer.settle()
-                compression_before = timer.seconds["compression"]
-                timer.synchronize()
-                start = time.perf_counter()
-                sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, temperature, constraint,
-                                                                     projections, seed)
-                if not constrained.requires_grad:
-                    raise JanusError("no target layer lies on the path to the loss; check target_modules")
-                columns = constrained.unsqueeze(-1) if constrained.dim() == 1 else constrained
-                for j in range(columns.shape[1]):  # one backward per function; the hooks record each in turn
-                    columns[:, j].sum().backward(retain_graph=j + 1 < columns.shape[1])
-                with timer.span("compression"):
-                    context.finish()
-                factors = {name: recorders[name].finish(mask.shape[0], d_in, d_out, columns.shape[1])
-                           for name, (_, d_in, d_out) in targets.items()}
-                timer.synchronize()
-                elapsed = time.perf_counter() - start
-                timer.settle()
-                timer.add("forward_backward", elapsed - (timer.seconds["compression"] - compression_before))
+                with _forward_backward_time(timer):
+                    sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, temperature,
+                                                                         constraint, projections, seed)
+                    functions = _backward_each_function(constrained)
+                    with timer.span("compression"):
+                        context.finish()
+                    factors = {name: recorders[name].finish(mask.shape[0], d_in, d_out, functions)
+                               for name, (_, d_in, d_out) in targets.items()}
                 _check_finite(factors)
                 for name, (x, a) in factors.items():
                     store.append(tag, name, x, a)
@@ -409,3 +421,28 @@ def capture_factors(
         for rec in recorders.values():
             rec.reset(_BatchContext(rank, device))
     return _result(tag, losses, counts)
+
+
+# ---- data parallelism: every rank gets every sample's factors and losses ---------------------------------------
+def combine_losses(world: World, result: CaptureResult) -> CaptureResult:
+    """Per-sample replay losses of every rank, in rank order."""
+    losses = world.gather_vector(result.sample_loss.to(world.device)).cpu()
+    tokens = world.gather_vector(result.sample_tokens.double().to(world.device)).cpu()
+    return CaptureResult(result.tag, losses, tokens.round().long())
+
+
+def combine_ranks(world: World, store: FactorStore, result: CaptureResult, shapes: Mapping[str, tuple[int, int]],
+                  device: torch.device, timer: PhaseTimer) -> CaptureResult:
+    """Give every rank the factors (of the layers in ``shapes``: name -> ``(d_in, d_out)``) and losses of all
+    replay samples, in rank order; the capture itself when there is one process."""
+    if not world.active:
+        return result
+    with timer.phase("communication"):
+        for name, (d_in, d_out) in shapes.items():
+            if store.has(result.tag, name):
+                x, a = store.get(result.tag, name)
+            else:
+                x = torch.zeros(0, 0, d_in, device=device)
+                a = torch.zeros(0, 0, d_out, device=device)
+            store.replace(result.tag, name, *world.gather_factors(x, a))
+        return combine_losses(world, result)

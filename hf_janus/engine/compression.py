@@ -30,6 +30,9 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from hf_janus.engine.config import COMPRESSION_METHODS
+from hf_janus.engine.randomized_linalg import cholesky_qr, gaussian_test_matrix, ritz_pairs
+
 
 def apply_token_mask(x: Tensor, a: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Zero the rows of padding tokens so they contribute nothing to any Jacobian quantity."""
@@ -49,8 +52,6 @@ def pad_rank(t: Tensor, rank: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, missing))
 
 
-COMPRESSION_METHODS = ("exact", "randomized")
-COMPRESSION_CHOICES = ("auto", *COMPRESSION_METHODS)  # JanusConfig.compression
 _SMALL_MATRIX_ELEMS = 1 << 20
 
 
@@ -357,53 +358,6 @@ def merge_calls(
 OVERSAMPLE = 16
 POWER_ITERATIONS = 2
 _SIGMA_RCOND = 1e-6  # singular values below this fraction of the largest are dropped (under fp32 accuracy)
-_omegas: dict[tuple, Tensor] = {}
-
-
-def _omega(d: int, p: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A fixed Gaussian test matrix ``(d, p)`` per shape and device.
-
-    Fixed rather than freshly drawn: identical weights then give bitwise-identical factors at every capture,
-    so the principal angles between two captures measure the weights' change and not sampling noise; and
-    the user's random state is never touched.
-    """
-    key = (d, p, str(device), dtype)
-    omega = _omegas.get(key)
-    if omega is None:
-        gen = torch.Generator().manual_seed(0x4A414E55 + 7919 * d + p)
-        omega = _omegas[key] = torch.randn(d, p, generator=gen).to(device, dtype)
-    return omega
-
-
-def _orthonormalize(y: Tensor) -> Tensor:
-    """Shifted Cholesky QR of a batch of tall matrices ``(B, n, p)``, computed in float64, returned in ``y``'s dtype.
-
-    Only the power iterations use it, where a slightly non-orthogonal basis merely slows convergence; unlike
-    Householder QR it is three batched matrix operations, and the shift (Fukaya et al., 2020) keeps the
-    factorization defined when ``y`` is rank-deficient (short samples).
-    """
-    y64 = y.double()
-    w = y64.mT @ y64
-    n, p = y.shape[-2:]
-    trace = w.diagonal(dim1=-2, dim2=-1).sum(-1)
-    shift = 11 * (n * p + p * (p + 1)) * torch.finfo(torch.float64).eps * trace + torch.finfo(torch.float64).tiny
-    eye = torch.eye(p, dtype=w.dtype, device=w.device)
-    chol, _ = torch.linalg.cholesky_ex(w + shift[:, None, None] * eye)
-    return torch.linalg.solve_triangular(chol, y64.mT, upper=False).mT.to(y.dtype)
-
-
-def _ritz(w: Tensor, h: Tensor, rank: int) -> tuple[Tensor, Tensor]:
-    """Top-``rank`` Ritz pairs of ``G`` restricted to ``range(Y)``, from ``w = YᵀY`` and ``h = (YᵀG)(YᵀG)ᵀ``.
-
-    With ``M`` a (masked) whitening of ``w`` (``Q = Y M`` orthonormal), ``Mᵀ h M = Ũ Σ² Ũᵀ``; returns
-    ``P = M Ũ_r`` ``(B, p, r)`` and ``σ`` ``(B, r)``, descending. float64 throughout.
-    """
-    lam, vec = torch.linalg.eigh(w)
-    keep = lam > lam[..., -1:].clamp_min(torch.finfo(lam.dtype).tiny) * 1e-10
-    whiten = vec * torch.where(keep, lam.clamp_min(torch.finfo(lam.dtype).tiny).rsqrt(), torch.zeros_like(lam)).unsqueeze(-2)
-    mu, u = torch.linalg.eigh(whiten.mT @ h @ whiten)
-    mu, u = mu[..., -rank:].flip(-1), u[..., -rank:].flip(-1)
-    return whiten @ u, mu.clamp_min(0).sqrt()
 
 
 class _Sketch(NamedTuple):
@@ -424,9 +378,9 @@ def _sketch(x: Tensor, a: Tensor, rank: int, power_iterations: int = POWER_ITERA
             oversample: int = OVERSAMPLE) -> _Sketch:
     d_in, d_out = x.shape[2], a.shape[2]
     p = min(rank + oversample, x.shape[1], d_in, d_out)
-    y = a.mT @ (x @ _omega(d_in, p, x.device, x.dtype))  # (B, d_out, p): G Ω
+    y = a.mT @ (x @ gaussian_test_matrix(d_in, p, x.device, x.dtype))  # (B, d_out, p): G Ω
     for _ in range(power_iterations):
-        z = _orthonormalize(x.mT @ (a @ _orthonormalize(y)))  # (B, d_in, p): orth(Gᵀ Q)
+        z = cholesky_qr(x.mT @ (a @ cholesky_qr(y)))  # (B, d_in, p): orth(Gᵀ Q)
         y = a.mT @ (x @ z)
     by = (a @ y).mT @ x  # (B, p, d_in): Yᵀ G
     y64, by64 = y.double(), by.double()
@@ -445,7 +399,7 @@ def finish_all(items: list[Pending]) -> None:
             p = item.sketch.w.shape[-1]
             groups[(p, min(item.sketch.rank, p))].append(item)
     for (_, kept), group in groups.items():
-        basis, sigma = _ritz(torch.cat([g.sketch.w for g in group]), torch.cat([g.sketch.h for g in group]), kept)
+        basis, sigma = ritz_pairs(torch.cat([g.sketch.w for g in group]), torch.cat([g.sketch.h for g in group]), kept)
         start = 0
         for item in group:
             stop = start + item.sketch.w.shape[0]

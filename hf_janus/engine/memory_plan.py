@@ -35,8 +35,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from hf_janus.engine.capture import PENDING_SKETCH_BYTES
-from hf_janus.engine.ghost import GRAM_BLOCK_ELEMS, MATERIALIZED_COST_FACTOR, WORKSPACE_MAX_BYTES
+from hf_janus.engine.ghost import GRAM_BLOCK_ELEMS, MATERIALIZED_COST_FACTOR
 from hf_janus.engine.store import available_host_memory
+from hf_janus.engine.workspace import WORKSPACE_MAX_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -210,54 +211,58 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
     directory = str(cache) != "memory"
     placements = {"current": "device", "proj": "device", "factors": "host" if directory else "device",
                   "theta0": "device", "backup": "host"}
-    notes: list[str] = []
-    held = [0]  # factors a disk-backed store keeps in host memory before spilling (its memory budget)
-
-    def phases() -> dict[str, dict[str, int]]:
-        resident = {"device": 0, "host": 0}  # bytes held across phases
-        for name in ("current", "proj", "factors", "theta0", "backup"):
-            where = "host" if shared or placements[name] == "host" else "device"
-            if placements[name] == "disk" or (name == "backup" and not work.backup_kept):
-                continue
-            if name == "theta0" and work.theta0_borrowed and where == "host":
-                continue  # the caller's θ0 on the host, counted in ``in_use`` already
-            resident[where] += pieces[name]
-        resident["host"] += held[0]
-        work_on = "host" if shared else "device"
-        resident[work_on] += pieces["eigendecompositions"]
-        capture, ghost = dict(resident), dict(resident)
-        capture[work_on] += pieces["activations"]
-        ghost[work_on] += pieces["ghost"]
-        return {"capture": capture, "ghost": ghost}
-
-    def over(where: str, plan: dict[str, dict[str, int]]) -> bool:
-        cap = capacity.get(where)
-        return cap is not None and in_use[where] + max(p[where] for p in plan.values()) > cap
-
-    plan = phases()
+    plan = _phase_bytes(work, pieces, placements, shared)
     if not shared:
         for name in ("theta0", "factors", "proj", "current"):  # least used first
-            if not over("device", plan):
+            if not _exceeds("device", plan, in_use, capacity):
                 break
             placements[name] = "host"
-            plan = phases()
-    host_full = over("host", plan)
+            plan = _phase_bytes(work, pieces, placements, shared)
+    held = 0  # factors a disk-backed store keeps in host memory before spilling (its memory budget)
+    host_full = _exceeds("host", plan, in_use, capacity)
     if host_full and directory:
         placements["factors"] = "disk"
-        plan = phases()
-        host_full = over("host", plan)
+        plan = _phase_bytes(work, pieces, placements, shared)
+        host_full = _exceeds("host", plan, in_use, capacity)
         if not host_full and capacity.get("host") is not None:
             # the store keeps what still fits in host memory and spills only the rest
             room = capacity["host"] - in_use["host"] - max(p["host"] for p in plan.values())
-            held[0] = max(0, min(pieces["factors"], room))
-            plan = phases()
-    fits = not host_full and (shared or not over("device", plan))
-    if not fits:
-        notes.append(_refusal(work, pieces, plan, in_use, capacity, shared, cache))
+            held = max(0, min(pieces["factors"], room))
+            plan = _phase_bytes(work, pieces, placements, shared, held)
+    fits = not host_full and (shared or not _exceeds("device", plan, in_use, capacity))
+    notes = [] if fits else [_refusal(work, pieces, plan, in_use, capacity, shared, cache)]
     return MemoryPlan(device=str(device), placements=placements, pieces=pieces, phases=plan, in_use=dict(in_use),
                       capacity=dict(capacity), fits=fits, notes=notes,
-                      factor_host_budget=(held[0] if placements["factors"] == "disk"
+                      factor_host_budget=(held if placements["factors"] == "disk"
                                           else pieces["factors"] if directory else None))
+
+
+def _phase_bytes(work: Workload, pieces: dict[str, int], placements: dict[str, str], shared: bool,
+                 held: int = 0) -> dict[str, dict[str, int]]:
+    """The bytes each phase (capture, ghost math) adds on the device and the host with the pieces where
+    ``placements`` puts them; ``held``: factors a disk-backed store keeps in host memory."""
+    resident = {"device": 0, "host": 0}  # bytes held across phases
+    for name in ("current", "proj", "factors", "theta0", "backup"):
+        where = "host" if shared or placements[name] == "host" else "device"
+        if placements[name] == "disk" or (name == "backup" and not work.backup_kept):
+            continue
+        if name == "theta0" and work.theta0_borrowed and where == "host":
+            continue  # the caller's θ0 on the host, counted in ``in_use`` already
+        resident[where] += pieces[name]
+    resident["host"] += held
+    work_on = "host" if shared else "device"
+    resident[work_on] += pieces["eigendecompositions"]
+    capture, ghost = dict(resident), dict(resident)
+    capture[work_on] += pieces["activations"]
+    ghost[work_on] += pieces["ghost"]
+    return {"capture": capture, "ghost": ghost}
+
+
+def _exceeds(where: str, plan: dict[str, dict[str, int]], in_use: dict[str, int],
+             capacity: dict[str, Optional[int]]) -> bool:
+    """Whether ``plan``'s peak on ``where`` ("device" or "host") is above what may be filled there."""
+    cap = capacity.get(where)
+    return cap is not None and in_use[where] + max(p[where] for p in plan.values()) > cap
 
 
 def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, int]], in_use: dict[str, int],

@@ -31,10 +31,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional
 
-STEP_CONTROLS = ("adaptive", "paper")
-#: What the unchecked final step at ``max_steps`` may do: ``"guarded"`` keeps it only when the replay loss is no
-#: higher than at the last accepted point; ``"paper"`` always keeps it (Algorithm 1).
-FINAL_STEPS = ("guarded", "paper")
+from hf_janus.engine.config import STEP_CONTROLS
+
 
 #: Trials with a larger gap lie where 1 − c̄ saturates; they set k but not p.
 SATURATED_GAP = 0.3

@@ -16,83 +16,29 @@ largest AP1 with AP2 ≥ 95%), which can be saved or pushed with its record like
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-from torch import Tensor, nn
 
-from hf_janus.config import JanusConfig
+from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.rectifier import rectify
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.harness import ModelLike, Scorer, TaskLike, load_model, load_tokenizer, resolve_tasks
+from hf_janus.evaluation.candidate_weights import WeightBuilder, differing_parameters, run_janus
+from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_PRE_JANUS_GRID,
+                                            DEFAULT_TAUS, DEFAULT_WISE_GRID, Candidate, candidates)
+from hf_janus.evaluation.harness import (ModelLike, Scorer, TaskLike, TaskResult, load_model, load_tokenizer,
+                                         resolve_tasks)
 from hf_janus.evaluation.scoring import ap_metrics
 from hf_janus.io_utils import atomic_replace, atomic_write_text
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_WISE_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-DEFAULT_TAUS = (0.9, 0.95, 0.98)
-DEFAULT_HYBRID_GRID = (0.25, 0.5, 0.75)
-DEFAULT_PRE_JANUS_GRID = (0.5, 0.75)
-# Dampings of the damped-JANUS candidates (relative to each layer's largest Gram eigenvalue). In the forgetting
-# benchmark's frontier study 0.01-0.1 spanned the useful range: 0.001 stayed within 2.5 AP2 points of plain JANUS and
-# 1 came within 0.5 of θ̂ (benchmarks/forgetting/README.md).
-DEFAULT_DAMPINGS = (0.01, 0.1)
-
-
-@dataclass
-class Candidate:
-    """One model on the frontier and how it is made."""
-
-    label: str
-    kind: str
-    a: Optional[float] = None  # WiSE-FT coefficient (wise, wise_then_janus)
-    tau: Optional[float] = None  # JANUS τ (janus and the hybrids)
-    b: Optional[float] = None  # interpolation after JANUS (janus_to_reference, janus_to_finetuned)
-    damping: Optional[float] = None  # JanusConfig.damping of a damped_janus run (None: the config's)
-
-    @property
-    def uses_janus(self) -> bool:
-        return self.tau is not None
-
-
-def candidates(wise_grid: Sequence[float] = DEFAULT_WISE_GRID, taus: Sequence[float] = DEFAULT_TAUS, *,
-               hybrid_tau: Optional[float] = None, hybrid_grid: Sequence[float] = DEFAULT_HYBRID_GRID,
-               pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID, dampings: Sequence[float] = (),
-               damped_tau: float = 0.95) -> list[Candidate]:
-    """The candidates in scoring order: θ0 and θ̂ first (AP needs them), then WiSE-FT, JANUS, damped JANUS (at
-    ``damped_tau``) and the hybrids (at ``hybrid_tau``; none when it is ``None``)."""
-    for name, grid in (("wise_grid", wise_grid), ("hybrid_grid", hybrid_grid), ("pre_janus_grid", pre_janus_grid)):
-        if any(not 0.0 < float(v) < 1.0 for v in grid):
-            raise JanusError(f"{name} values must lie strictly between 0 and 1 (the ends are θ0 and θ̂), got "
-                             f"{list(grid)}")
-    if any(not 0.0 <= float(t) < 1.0 for t in taus):
-        raise JanusError(f"taus must lie in [0, 1), got {list(taus)}")
-    if any(not (0.0 < float(d) < float("inf")) for d in dampings):
-        raise JanusError(f"dampings must be finite and > 0 (0 is plain JANUS, already among the candidates), got "
-                         f"{list(dampings)}")
-    out = [Candidate("θ0 (reference)", "anchor", a=0.0), Candidate("θ̂ (fine-tuned)", "anchor", a=1.0)]
-    out += [Candidate(f"WiSE-FT a={a:g}", "wise", a=float(a)) for a in wise_grid]
-    out += [Candidate(f"JANUS τ={t:g}", "janus", tau=float(t)) for t in taus]
-    out += [Candidate(f"JANUS τ={float(damped_tau):g}, damping {d:g}", "damped_janus", tau=float(damped_tau),
-                      damping=float(d)) for d in dampings]
-    if hybrid_tau is not None:
-        t = float(hybrid_tau)
-        out += [Candidate(f"JANUS τ={t:g} → θ0 b={b:g}", "janus_to_reference", tau=t, b=float(b))
-                for b in hybrid_grid]
-        out += [Candidate(f"JANUS τ={t:g} → θ̂ b={b:g}", "janus_to_finetuned", tau=t, b=float(b))
-                for b in hybrid_grid]
-        out += [Candidate(f"WiSE-FT a={a:g} → JANUS τ={t:g}", "wise_then_janus", a=float(a), tau=t)
-                for a in pre_janus_grid]
-    return out
 
 
 @dataclass
@@ -143,7 +89,7 @@ class FrontierResult:
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # JANUS run key -> RectificationReport dict
     seconds: float = 0.0
     # The weights of every point, rebuilt on demand (set by frontier(); not serialized).
-    _builder: Optional["_WeightBuilder"] = field(default=None, repr=False, compare=False)
+    _builder: Optional[WeightBuilder] = field(default=None, repr=False, compare=False)
 
     @property
     def best(self) -> Optional[FrontierPoint]:
@@ -237,7 +183,7 @@ class FrontierResult:
         plt.close(fig)
 
     # ---- the chosen model ------------------------------------------------------------------------------------
-    def _require_builder(self) -> "_WeightBuilder":
+    def _require_builder(self) -> WeightBuilder:
         if self._builder is None:
             raise JanusError("this FrontierResult was loaded from JSON and holds no weights; run hf_janus.frontier "
                              "again to save a model")
@@ -284,82 +230,6 @@ class FrontierResult:
                                commit_message=commit_message or f"hf-janus frontier: {self.best.label}")
 
 
-class _WeightBuilder:
-    """Writes any candidate's weights into the working model; holds θ0 and θ̂ of the parameters that differ and
-    the JANUS results on the host, in the model's dtype (host memory: (2 + JANUS runs) × the changed parameters)."""
-
-    def __init__(self, model: nn.Module, theta0: dict[str, Tensor], finetuned: dict[str, Tensor],
-                 tokenizer: Any, base_name: Any, replay: Any):
-        self.model = model
-        self.params = dict(model.named_parameters())
-        self.theta0, self.finetuned = theta0, finetuned
-        self.janus: dict[str, dict[str, Tensor]] = {}  # run key -> rectified values of the changed parameters
-        self.reports: dict[str, RectificationReport] = {}
-        self.tokenizer, self.base_name, self.replay = tokenizer, base_name, replay
-
-    @staticmethod
-    def run_key(c: Candidate) -> Optional[str]:
-        if c.tau is None:
-            return None
-        return (f"tau={c.tau:g}" + (f",damping={c.damping:g}" if c.damping is not None else "")
-                + (f",a={c.a:g}" if c.kind == "wise_then_janus" else ""))
-
-    def weights(self, c: Any) -> dict[str, Tensor]:
-        """The changed parameters of candidate (or point) ``c``, in float32; the anchors exactly θ0 and θ̂."""
-        t0, t1 = self.theta0, self.finetuned
-        if c.kind == "anchor":
-            return {k: v.float() for k, v in (t0 if c.a == 0 else t1).items()}
-        if c.kind == "wise":
-            return {k: t0[k].float() + c.a * (t1[k].float() - t0[k].float()) for k in t0}
-        j = {k: v.float() for k, v in {**t1, **self.janus[self.run_key(c)]}.items()}
-        if c.kind in ("janus", "damped_janus", "wise_then_janus"):
-            return j
-        if c.kind == "janus_to_reference":
-            return {k: t0[k].float() + c.b * (j[k] - t0[k].float()) for k in t0}
-        if c.kind == "janus_to_finetuned":
-            return {k: j[k] + c.b * (t1[k].float() - j[k]) for k in t0}
-        raise JanusError(f"unknown candidate kind {c.kind!r}")  # pragma: no cover
-
-    def write(self, values: Mapping[str, Tensor]) -> None:
-        with torch.no_grad():
-            for name, value in values.items():
-                self.params[name].copy_(value)
-
-    @contextlib.contextmanager
-    def applied(self, c: Any) -> Iterator[nn.Module]:
-        """The model holding candidate (or point) ``c`` inside the block, θ̂ (as given) after it."""
-        self.write(self.weights(c))
-        try:
-            yield self.model
-        finally:
-            self.write(self.finetuned)
-
-    def report_for(self, c: Candidate) -> RectificationReport:
-        key = self.run_key(c)
-        if key is not None:
-            return self.reports[key]
-        # No JANUS in this point: the record still says what the weights are, and that nothing was rectified.
-        return RectificationReport(config={}, stop_reason=f"not rectified: {c.label} chosen by hf-janus frontier")
-
-
-def _differing_parameters(model: nn.Module, base: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
-    """``name -> (θ0, θ̂)`` on the host for every parameter that fine-tuning changed."""
-    out = {}
-    for name, param in model.named_parameters():
-        if name not in base:
-            raise JanusError(f"the reference model has no parameter {name!r}: θ0 and θ̂ must share an architecture")
-        # copies: on a CPU model .to() would alias the live weights, which each candidate overwrites
-        ref = base[name].detach().to("cpu", param.dtype, copy=True)
-        now = param.detach().to("cpu", copy=True)
-        if ref.shape != now.shape:
-            raise JanusError(f"parameter {name!r} has shape {tuple(ref.shape)} in θ0 but {tuple(now.shape)} in θ̂")
-        if not torch.equal(ref, now):
-            out[name] = (ref, now)
-    if not out:
-        raise JanusError("θ0 and θ̂ are identical: there is no fine-tuning to trade off")
-    return out
-
-
 def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
              past_tasks: Union[TaskLike, Sequence[TaskLike]], new_tasks: Union[TaskLike, Sequence[TaskLike]],
              config: Optional[JanusConfig] = None, wise_grid: Sequence[float] = DEFAULT_WISE_GRID,
@@ -397,8 +267,6 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     Returns:
         A :class:`FrontierResult`; ``result.best`` is the chosen point.
     """
-    from tqdm.auto import tqdm
-
     config = config if config is not None else JanusConfig()
     cands = candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None, hybrid_grid=hybrid_grid,
                        pre_janus_grid=pre_janus_grid, dampings=dampings, damped_tau=config.tau)
@@ -406,52 +274,15 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     if not past or not new:
         raise JanusError("the frontier needs past_tasks (for AP1) and new_tasks (for AP2)")
     tok = load_tokenizer(tokenizer, [reference, finetuned], token=token)
-    if isinstance(replay, (str, os.PathLike)):
-        from hf_janus.replay.sources import load_replay
-
-        replay = load_replay(os.fspath(replay), tok, replay_options)
-    model = load_model(finetuned, device=device, torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
-    base = load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
-    differing = _differing_parameters(model, dict(base.named_parameters()))
-    base_name = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None
-    del base
-    builder = _WeightBuilder(model, {k: v[0] for k, v in differing.items()}, {k: v[1] for k, v in differing.items()},
-                             tok, base_name, replay)
+    builder = _working_model(reference, finetuned, replay, tok, replay_options, device=device,
+                             torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
     scorer = Scorer(past + new, tok, batch_size=batch_size, limit=limit, include_path=include_path)
     past_names, new_names = [t.name for t in past], [t.name for t in new]
 
     start = time.perf_counter()
-    points: list[FrontierPoint] = []
-    higher: dict[str, bool] = {}
-    metrics: dict[str, str] = {}
-    bar = tqdm(cands, desc="frontier", unit="point", disable=not progress)
-    try:
-        for c in bar:
-            bar.set_postfix_str(c.label)
-            t0 = time.perf_counter()
-            evals = 0
-            key = builder.run_key(c)
-            if key is not None and key not in builder.janus:
-                evals = _run_janus(builder, c, config, replay, rectify_fn, progress).num_jacobian_evals
-            with builder.applied(c) as working, torch.no_grad():
-                results = scorer(working)
-            metrics = {n: r.metric for n, r in results.items()}
-            higher = {n: r.higher_is_better for n, r in results.items()}
-            points.append(FrontierPoint(c.label, c.kind, c.a, c.tau, c.b, {n: r.score for n, r in results.items()},
-                                        jacobian_evaluations=evals, seconds=time.perf_counter() - t0,
-                                        damping=c.damping))
-            logger.info("frontier: %s scored %s in %.1fs", c.label, points[-1].scores, points[-1].seconds)
-            if len(points) == 2:  # θ0 and θ̂: fail now, not after every JANUS run, if AP is undefined
-                ap_metrics(points[0].scores, points[0].scores, points[1].scores, past_names, new_names, higher)
-    finally:
-        bar.close()
-        builder.write(builder.finetuned)
-    for p in points:
-        ap = ap_metrics(p.scores, points[0].scores, points[1].scores, past_names, new_names, higher)
-        p.ap1, p.ap2, p.ap = ap["ap1"], ap["ap2"], ap["ap"]
-    for p in points:
-        if p.kind not in ("anchor", "wise"):
-            p.above_wise = wise_margin(points, p.ap1, p.ap2)
+    points, metrics, higher = _score_candidates(cands, builder, scorer, config, rectify_fn, progress, past_names,
+                                                new_names)
+    _add_ap_figures(points, past_names, new_names, higher)
     result = FrontierResult(points=points, past_tasks=past_names, new_tasks=new_names, metrics=metrics,
                             higher_is_better=higher, reports={k: r.to_dict() for k, r in builder.reports.items()},
                             seconds=time.perf_counter() - start, _builder=builder)
@@ -459,17 +290,70 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     return result
 
 
-def _run_janus(builder: _WeightBuilder, c: Candidate, config: JanusConfig, replay: Any,
-               rectify_fn: Callable[..., RectificationReport], progress: bool) -> RectificationReport:
-    """Rectify from θ̂ (or, for WiSE-FT → JANUS, from the interpolated point) and keep what changed."""
-    start = Candidate(c.label, "wise", a=c.a) if c.kind == "wise_then_janus" else Candidate(c.label, "anchor", a=1.0)
-    builder.write(builder.weights(start))
-    # θ0 of every layer: the kept copy where fine-tuning changed it, the model's own (equal) weights elsewhere.
-    reference = {**{k: p.detach() for k, p in builder.params.items()}, **builder.theta0}
-    changes = {"tau": c.tau} if c.damping is None else {"tau": c.tau, "damping": c.damping}
-    report = rectify_fn(builder.model, reference, replay, dataclasses.replace(config, **changes), progress=progress)
+def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok: Any, replay_options: Any, *,
+                   device: Any, torch_dtype: Any, token: Any, allow_pickle: bool) -> WeightBuilder:
+    """θ̂ loaded as the working model, with θ0 and θ̂ of the parameters that differ and the replay samples."""
+    if isinstance(replay, (str, os.PathLike)):
+        from hf_janus.replay.sources import load_replay
+
+        replay = load_replay(os.fspath(replay), tok, replay_options)
+    model = load_model(finetuned, device=device, torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
+    base = load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
+    differing = differing_parameters(model, dict(base.named_parameters()))
+    base_name = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None
+    del base
+    return WeightBuilder(model, {k: v[0] for k, v in differing.items()}, {k: v[1] for k, v in differing.items()},
+                         tok, base_name, replay)
+
+
+def _score_candidates(cands: Sequence[Candidate], builder: WeightBuilder, scorer: Scorer, config: JanusConfig,
+                      rectify_fn: Callable[..., RectificationReport], progress: bool, past_names: list[str],
+                      new_names: list[str]) -> tuple[list[FrontierPoint], dict[str, str], dict[str, bool]]:
+    """Every candidate scored in turn, and each task's metric and direction; the model holds θ̂ again after."""
+    from tqdm.auto import tqdm
+
+    points: list[FrontierPoint] = []
+    higher: dict[str, bool] = {}
+    metrics: dict[str, str] = {}
+    bar = tqdm(cands, desc="frontier", unit="point", disable=not progress)
+    try:
+        for c in bar:
+            bar.set_postfix_str(c.label)
+            point, results = _score_candidate(c, builder, scorer, config, rectify_fn, progress)
+            metrics = {n: r.metric for n, r in results.items()}
+            higher = {n: r.higher_is_better for n, r in results.items()}
+            points.append(point)
+            logger.info("frontier: %s scored %s in %.1fs", c.label, point.scores, point.seconds)
+            if len(points) == 2:  # θ0 and θ̂: fail now, not after every JANUS run, if AP is undefined
+                ap_metrics(points[0].scores, points[0].scores, points[1].scores, past_names, new_names, higher)
+    finally:
+        bar.close()
+        builder.write(builder.finetuned)
+    return points, metrics, higher
+
+
+def _score_candidate(c: Candidate, builder: WeightBuilder, scorer: Scorer, config: JanusConfig,
+                     rectify_fn: Callable[..., RectificationReport],
+                     progress: bool) -> tuple[FrontierPoint, dict[str, TaskResult]]:
+    """One candidate's point (its JANUS run first, unless an earlier candidate made it) and its task results."""
+    t0 = time.perf_counter()
+    evals = 0
     key = builder.run_key(c)
-    builder.janus[key] = {k: builder.params[k].detach().to("cpu", copy=True) for k in builder.theta0}
-    builder.reports[key] = report
-    builder.write(builder.finetuned)
-    return report
+    if key is not None and key not in builder.janus:
+        evals = run_janus(builder, c, config, builder.replay, rectify_fn, progress).num_jacobian_evals
+    with builder.applied(c) as working, torch.no_grad():
+        results = scorer(working)
+    point = FrontierPoint(c.label, c.kind, c.a, c.tau, c.b, {n: r.score for n, r in results.items()},
+                          jacobian_evaluations=evals, seconds=time.perf_counter() - t0, damping=c.damping)
+    return point, results
+
+
+def _add_ap_figures(points: list[FrontierPoint], past_names: list[str], new_names: list[str],
+                    higher: dict[str, bool]) -> None:
+    """Fill in each point's AP1/AP2/AP (against the anchors, the first two points) and its margin over WiSE-FT."""
+    for p in points:
+        ap = ap_metrics(p.scores, points[0].scores, points[1].scores, past_names, new_names, higher)
+        p.ap1, p.ap2, p.ap = ap["ap1"], ap["ap2"], ap["ap"]
+    for p in points:
+        if p.kind not in ("anchor", "wise"):
+            p.above_wise = wise_margin(points, p.ap1, p.ap2)

@@ -95,7 +95,7 @@ def load_model(model: ModelLike, *, revision: Optional[str] = None, torch_dtype:
     """
     if isinstance(model, nn.Module):
         return model
-    from hf_janus.adapters.loading import ADAPTER_CONFIG_NAME, hub_has_file, load_base_model
+    from hf_janus.adapters.saved.loading import ADAPTER_CONFIG_NAME, hub_has_file, load_base_model
 
     name = os.path.expanduser(os.fspath(model))
     if os.path.isdir(name):
@@ -115,7 +115,7 @@ def _load_merged_adapter(name: str, *, revision: Optional[str], torch_dtype: Any
     ``AutoPeftModelForCausalLM``, the base's embeddings grow to a larger tokenizer saved with the adapter."""
     from peft import PeftModel
 
-    from hf_janus.adapters.loading import load_base_model, resolve_adapter
+    from hf_janus.adapters.saved.loading import load_base_model, resolve_adapter
 
     src = resolve_adapter(name, revision, token, allow_pickle=allow_pickle)
     base_name = getattr(src.config, "base_model_name_or_path", None)
@@ -338,20 +338,12 @@ def evaluate(reference: ModelLike, finetuned: ModelLike, rectified: Optional[Mod
     overlap = {t.name for t in past} & {t.name for t in new}
     if overlap:
         raise JanusError(f"task(s) {sorted(overlap)} are both past and new tasks; a task measures one side")
-    models: dict[str, ModelLike] = {REFERENCE: reference, FINETUNED: finetuned}
-    if rectified is not None:
-        models[RECTIFIED] = rectified
-    for label, model in (others or {}).items():
-        if label in models:
-            raise JanusError(f"model label {label!r} is taken by one of reference/finetuned/rectified; rename it")
-        models[label] = model
+    models = _labelled_models(reference, finetuned, rectified, others)
     tok = load_tokenizer(tokenizer, list(models.values()), token=token)
     scorer = Scorer(past + new, tok, batch_size=batch_size, limit=limit, max_length=max_length,
                     include_path=include_path, add_bos_token=add_bos_token)
-    scores: dict[str, dict[str, float]] = {}
-    metrics: dict[str, str] = {}
-    higher: dict[str, bool] = {}
-    seconds: dict[str, float] = {}
+    past_names, new_names = [t.name for t in past], [t.name for t in new]
+    result = EvaluationResult(scores={}, metrics={}, higher_is_better={}, past_tasks=past_names, new_tasks=new_names)
     for label, given in models.items():
         start = time.perf_counter()
         model = load_model(given, device=device, torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
@@ -359,12 +351,28 @@ def evaluate(reference: ModelLike, finetuned: ModelLike, rectified: Optional[Mod
             results = scorer(model)
         if model is not given:
             del model  # a model loaded here is not kept beyond its evaluation
-        scores[label] = {name: r.score for name, r in results.items()}
-        for name, r in results.items():
-            metrics[name], higher[name] = r.metric, r.higher_is_better
-        seconds[label] = time.perf_counter() - start
-        logger.info("evaluated %s in %.1fs: %s", label, seconds[label], scores[label])
-    past_names, new_names = [t.name for t in past], [t.name for t in new]
-    return EvaluationResult(scores=scores, metrics=metrics, higher_is_better=higher, past_tasks=past_names,
-                            new_tasks=new_names, ap=compute_ap(scores, higher, past_names, new_names),
-                            seconds=seconds)
+        _add_row(result, label, results, time.perf_counter() - start)
+    result.ap = compute_ap(result.scores, result.higher_is_better, past_names, new_names)
+    return result
+
+
+def _labelled_models(reference: ModelLike, finetuned: ModelLike, rectified: Optional[ModelLike],
+                     others: Optional[Mapping[str, ModelLike]]) -> dict[str, ModelLike]:
+    """The models of :func:`evaluate` by row label, in scoring order."""
+    models: dict[str, ModelLike] = {REFERENCE: reference, FINETUNED: finetuned}
+    if rectified is not None:
+        models[RECTIFIED] = rectified
+    for label, model in (others or {}).items():
+        if label in models:
+            raise JanusError(f"model label {label!r} is taken by one of reference/finetuned/rectified; rename it")
+        models[label] = model
+    return models
+
+
+def _add_row(result: EvaluationResult, label: str, results: Mapping[str, TaskResult], seconds: float) -> None:
+    """Record one model's task results (and how long they took) as row ``label`` of ``result``."""
+    result.scores[label] = {name: r.score for name, r in results.items()}
+    for name, r in results.items():
+        result.metrics[name], result.higher_is_better[name] = r.metric, r.higher_is_better
+    result.seconds[label] = seconds
+    logger.info("evaluated %s in %.1fs: %s", label, seconds, result.scores[label])

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from hf_janus.adapters.live_peft import initial_state
+from hf_janus.adapters.peft_layers import initial_state
 from hf_janus.engine.layers import resolve_target_modules
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_replace
@@ -84,7 +84,7 @@ class Theta0Snapshot:
     def take(self, model: nn.Module, peft_layers: Optional[dict[str, nn.Module]], target_modules, exclude_modules,
              output_dir: str, is_writer: bool) -> None:
         """Snapshot the target layers of ``model``: for a PEFT model the
-        :func:`~hf_janus.adapters.live_peft.initial_state` of ``peft_layers`` (their effective weights, or only
+        :func:`~hf_janus.adapters.peft_layers.initial_state` of ``peft_layers`` (their effective weights, or only
         the adapter's tensors for layers on a quantized base).
 
         With ``place="disk"`` one process (``is_writer``) writes the file and the others read the same one, so

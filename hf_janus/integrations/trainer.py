@@ -21,9 +21,9 @@ from typing import Any, Optional
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from hf_janus.adapters.live_peft import is_peft_model
-from hf_janus.adapters.live_rectify import PeftOutput, check_live_peft, rectify_live_peft
-from hf_janus.config import JanusConfig
+from hf_janus.adapters.live.rectify import PeftOutput, check_live_peft, rectify_live_peft
+from hf_janus.adapters.peft_layers import is_peft_model
+from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError, RectificationError
@@ -177,7 +177,7 @@ class JanusCallback(TrainerCallback):
         """What the snapshot holds (loaded from disk when ``snapshot="disk"``): the pre-training weights of the
         target layers, ``"<layer>.weight"``; for adapted layers on a frozen base (PEFT's default, and every
         quantized base), the adapter's initial tensors instead: θ0 is rebuilt from them and the base at train end,
-        in float32 (:func:`hf_janus.adapters.live_peft.theta0_weights`)."""
+        in float32 (:func:`hf_janus.adapters.peft_layers.theta0_weights`)."""
         return self.snapshot.tensors()
 
     def _check_supported(self, model: nn.Module, args: TrainingArguments) -> Optional[dict[str, nn.Module]]:
@@ -297,7 +297,7 @@ class JanusCallback(TrainerCallback):
                     self.trainer.model = self.trainer.model_wrapped = self.model
             else:
                 self.rectifier = Rectifier(model, theta0, replay, self.config, progress=progress)
-                self.report = self.rectifier.run()
+                self.report = self.rectifier.run().report
                 self.model = model
         except (JanusError, RectificationError) as err:
             if self.on_error == "raise":

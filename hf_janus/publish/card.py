@@ -73,7 +73,7 @@ _METHOD_SETTINGS = ("constraint", "constraint_projections", "constraint_temperat
 
 
 def _settings_line(cfg: dict[str, Any]) -> Optional[str]:
-    from hf_janus.config import JanusConfig
+    from hf_janus.engine.config import JanusConfig
 
     defaults = JanusConfig()
     # a knob of a constraint or test that the run did not use changed nothing: it is not named

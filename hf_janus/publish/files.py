@@ -35,6 +35,27 @@ def pipeline_tag(folder: str, kind: str) -> Optional[str]:
                                     for a in archs) else None
 
 
+def _saved_weights(folder: str, kind: Optional[str]) -> tuple[list[str], str]:
+    """The safetensors weight files in ``folder`` and the kind of output they are (``kind``, checked, or detected);
+    refuses a folder that holds no weights, or another kind than ``kind``."""
+    if not os.path.isdir(folder):
+        raise JanusError(f"{folder!r} is not a directory; save the model or adapter there first")
+    weights = weight_files(folder)
+    if not weights:
+        raise JanusError(
+            f"{folder!r} holds no safetensors weights (adapter_model.safetensors, model.safetensors or an indexed "
+            "shard): save the model with safetensors (the default of save_pretrained) before publishing"
+        )
+    detected = detect_kind(folder)
+    kind = kind or detected
+    if kind not in KINDS:
+        raise JanusError(f"kind must be 'adapter' or 'full', got {kind!r}")
+    if kind != detected:
+        holds = "an adapter (adapter_config.json present)" if detected == "adapter" else "a full model"
+        raise JanusError(f"kind={kind!r} but {folder!r} holds {holds}; pass kind={detected!r} or kind=None")
+    return weights, kind
+
+
 def write_publication_files(
     folder: Union[str, os.PathLike],
     report: Union[RectificationReport, PublishedReport],
@@ -77,21 +98,7 @@ def write_publication_files(
         The :class:`PublishedReport` written.
     """
     folder = os.fspath(folder)
-    if not os.path.isdir(folder):
-        raise JanusError(f"{folder!r} is not a directory; save the model or adapter there first")
-    weights = weight_files(folder)
-    if not weights:
-        raise JanusError(
-            f"{folder!r} holds no safetensors weights (adapter_model.safetensors, model.safetensors or an indexed "
-            "shard): save the model with safetensors (the default of save_pretrained) before publishing"
-        )
-    detected = detect_kind(folder)
-    kind = kind or detected
-    if kind not in KINDS:
-        raise JanusError(f"kind must be 'adapter' or 'full', got {kind!r}")
-    if kind != detected:
-        holds = "an adapter (adapter_config.json present)" if detected == "adapter" else "a full model"
-        raise JanusError(f"kind={kind!r} but {folder!r} holds {holds}; pass kind={detected!r} or kind=None")
+    weights, kind = _saved_weights(folder, kind)
     if isinstance(report, PublishedReport):
         published = report
         if published.kind != kind:
@@ -104,14 +111,18 @@ def write_publication_files(
         published = build_report(report, kind=kind, base_model=base_model, adapter=adapter, replay_info=replay_info,
                                  merge=merge, frontier=frontier, token=token, online=online)
 
+    _write_files(folder, weights, published, load_id=repo_id or folder, kind=kind)
+    return published
+
+
+def _write_files(folder: str, weights: list[str], published: PublishedReport, *, load_id: str, kind: str) -> None:
+    """Stamp ``published`` into the safetensors ``weights`` of ``folder``, then write the record and the card."""
     metadata = safetensors_metadata(published)
     for name in weights:
         add_safetensors_metadata(os.path.join(folder, name), metadata)
     published.save(os.path.join(folder, REPORT_NAME))
     card_path = os.path.join(folder, CARD_NAME)
     existing = read_text(card_path)
-    card = render_card(published, load_id=repo_id or folder, existing=existing,
-                       pipeline_tag=pipeline_tag(folder, kind))
+    card = render_card(published, load_id=load_id, existing=existing, pipeline_tag=pipeline_tag(folder, kind))
     atomic_write_text(card_path, str(card))
-    return published
 

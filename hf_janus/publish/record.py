@@ -42,6 +42,7 @@ from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_write_text
 from hf_janus.publish.provenance import ReplayInfo, RepoRef, resolve_repo
 from hf_janus.serialization import field_names
+from hf_janus.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,6 @@ KINDS = ("adapter", "full")
 _PUBLICATION_FIELDS = ("schema_version", "hf_janus_version", "kind", "created_at", "base_model", "adapter", "replay",
                        "merge", "frontier", "report_schema_version")
 
-
-
-def _package_version() -> str:
-    from hf_janus import __version__  # at call time: hf_janus/__init__ imports this module
-
-    return __version__
 
 
 def _now_iso() -> str:
@@ -167,7 +162,7 @@ class PublishedReport:
     merge: Optional[dict[str, Any]] = None  # JanusMerger's extras: layers kept as fine-tuned, re-factorization
     # hf_janus.frontier's choice: the point saved (candidate, AP1/AP2), the criterion, and every scored point.
     frontier: Optional[dict[str, Any]] = None
-    hf_janus_version: str = field(default_factory=_package_version)
+    hf_janus_version: str = field(default_factory=lambda: __version__)
     # Microseconds: two publications of the same result are still two records (and two Hub commits).
     created_at: str = field(default_factory=lambda: _now_iso())
     schema_version: int = SCHEMA_VERSION

@@ -173,6 +173,52 @@ def _token_ids(tokenizer: Any, text: str, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
+def _row_tokens(row: Any, i: int, fmt: str, tokenizer: Any, opts: ReplayOptions, eos: Optional[int],
+                source: str) -> tuple[list[int], list[int], Optional[list[int]]]:
+    """``(input_ids, attention_mask, labels)`` of row ``i`` read as ``fmt`` (labels ``None``: every token counts);
+    a prompt/response pair already fits ``max_length``, other rows are cut by :func:`_cut_sample`."""
+    labels: Optional[list[int]] = None
+    if fmt == "tokens":
+        ids = [int(t) for t in row["input_ids"]]
+        mask = [int(t) for t in row["attention_mask"]] if row.get("attention_mask") is not None else [1] * len(ids)
+        if row.get("labels") is not None:
+            labels = [int(t) for t in row["labels"]]
+    elif fmt == "text":
+        text = row[opts.text_field]
+        if not isinstance(text, str):
+            raise JanusError(f"replay {source!r} row {i}: column {opts.text_field!r} holds {type(text).__name__}, "
+                             "expected a string")
+        ids = _token_ids(tokenizer, text, True)
+        mask = [1] * len(ids)
+    else:
+        prompt_field, response_field, max_length = opts.prompt_field, opts.response_field, opts.max_length
+        prompt, response = row[prompt_field], row[response_field]
+        if not isinstance(prompt, str) or not isinstance(response, str):
+            raise JanusError(f"replay {source!r} row {i}: {prompt_field!r} and {response_field!r} must be strings")
+        p = _token_ids(tokenizer, prompt, True)
+        r = _token_ids(tokenizer, response, False) + ([int(eos)] if eos is not None else [])
+        if max_length is not None and len(p) + len(r) > max_length:  # cut the prompt's end before the answer
+            r = r[: max(max_length - len(p), max_length // 2)]
+            p = p[: max_length - len(r)]
+        ids, mask, labels = p + r, [1] * (len(p) + len(r)), [-100] * len(p) + r
+    return ids, mask, labels
+
+
+def _cut_sample(ids: list[int], mask: list[int], labels: Optional[list[int]],
+                max_length: Optional[int]) -> Optional[dict[str, list[int]]]:
+    """The engine sample of one row, cut to ``max_length`` tokens; ``None`` when it has nothing to predict."""
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+        labels = labels[:max_length] if labels is not None else None
+    targets = labels[1:] if labels is not None else ids[1:]
+    if len(ids) < 2 or all(t == -100 for t in targets):
+        return None
+    sample = {"input_ids": ids, "attention_mask": mask}
+    if labels is not None:
+        sample["labels"] = labels
+    return sample
+
+
 def tokenize_replay(dataset: Any, tokenizer: Any = None, options: Optional[ReplayOptions] = None, *,
                     source: str = "replay") -> list[dict[str, list[int]]]:
     """Turn rows into engine samples; the first ``num_samples`` rows are used (``None``: all), in order.
@@ -203,41 +249,11 @@ def tokenize_replay(dataset: Any, tokenizer: Any = None, options: Optional[Repla
     samples: list[dict[str, list[int]]] = []
     skipped = 0
     for i in range(count):
-        row = dataset[i]
-        labels: Optional[list[int]] = None
-        if fmt == "tokens":
-            ids = [int(t) for t in row["input_ids"]]
-            mask = [int(t) for t in row["attention_mask"]] if row.get("attention_mask") is not None else [1] * len(ids)
-            if row.get("labels") is not None:
-                labels = [int(t) for t in row["labels"]]
-        elif fmt == "text":
-            text = row[text_field]
-            if not isinstance(text, str):
-                raise JanusError(f"replay {source!r} row {i}: column {text_field!r} holds {type(text).__name__}, "
-                                 "expected a string")
-            ids = _token_ids(tokenizer, text, True)
-            mask = [1] * len(ids)
-        else:
-            prompt, response = row[prompt_field], row[response_field]
-            if not isinstance(prompt, str) or not isinstance(response, str):
-                raise JanusError(f"replay {source!r} row {i}: {prompt_field!r} and {response_field!r} must be strings")
-            p = _token_ids(tokenizer, prompt, True)
-            r = _token_ids(tokenizer, response, False) + ([int(eos)] if eos is not None else [])
-            if max_length is not None and len(p) + len(r) > max_length:  # cut the prompt's end before the answer
-                r = r[: max(max_length - len(p), max_length // 2)]
-                p = p[: max_length - len(r)]
-            ids, mask, labels = p + r, [1] * (len(p) + len(r)), [-100] * len(p) + r
-        if max_length is not None:
-            ids, mask = ids[:max_length], mask[:max_length]
-            labels = labels[:max_length] if labels is not None else None
-        targets = labels[1:] if labels is not None else ids[1:]
-        if len(ids) < 2 or all(t == -100 for t in targets):
+        sample = _cut_sample(*_row_tokens(dataset[i], i, fmt, tokenizer, opts, eos, source), max_length)
+        if sample is None:
             skipped += 1
-            continue
-        sample = {"input_ids": ids, "attention_mask": mask}
-        if labels is not None:
-            sample["labels"] = labels
-        samples.append(sample)
+        else:
+            samples.append(sample)
     if skipped:
         logger.warning("skipped %d replay row(s) of %r with nothing to predict (empty, or cut by max_length=%s)",
                        skipped, source, max_length)

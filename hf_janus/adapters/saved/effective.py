@@ -40,7 +40,8 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from hf_janus.adapters.loading import (
+from hf_janus.adapters.peft_layers import check_quantized_layers, dense_stand_in, effective_params, on_quantized_base
+from hf_janus.adapters.saved.loading import (
     PEFT_PREFIX,
     AdapterSource,
     DTypeLike,
@@ -49,7 +50,6 @@ from hf_janus.adapters.loading import (
     load_base_model,
     resolve_adapter,
 )
-from hf_janus.adapters.live_peft import check_quantized_layers, dense_stand_in, effective_params, on_quantized_base
 from hf_janus.engine.layers import rule_for
 from hf_janus.engine.quantized import dequantized_weight
 from hf_janus.errors import JanusError
@@ -245,12 +245,44 @@ def load_effective_model(
             adapter kind without a weight delta (prompt learning), or an unconverted PiSSA-like adapter
             whose residual base cannot be rebuilt.
     """
-    from peft import PeftModel
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     base_name = os.fspath(base_model)
     src = (adapter if isinstance(adapter, AdapterSource)
            else resolve_adapter(adapter, revision, token, allow_pickle=allow_pickle))
+    _check_adapter_kind(src)
+    check_base_matches(base_name, src, allow_base_mismatch)
+    initial = _initial_factors(src, initial_adapter, token, allow_pickle)
+    weights = read_adapter_weights(src.path, src.name)
+    model = load_base_model(base_name, base_revision, torch_dtype, device, token, quantization_config,
+                            allow_pickle=allow_pickle)
+    check_adapter_shapes(model, weights, src, base_name)
+    del weights
+    peft_model = _load_peft(model, src, base_name)
+    check_quantized_layers(peft_model)
+    read = _read_adapted_layers(peft_model, src, initial, os.fspath(initial_adapter or ""), progress)
+    if not read.layers:
+        raise JanusError(f"adapter {src.name!r} adapts no layer of base model {base_name!r}")
+    modules_to_save = sorted(
+        n.removeprefix(PEFT_PREFIX) for n, m in peft_model.named_modules()
+        if type(m).__name__ == "ModulesToSaveWrapper"
+    )
+    try:
+        merged = peft_model.merge_and_unload(progressbar=progress)  # PEFT's own merge, layer by layer, in place
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        raise JanusError(f"PEFT could not merge adapter {src.name!r} into base model {base_name!r}: {err}") from err
+    merged.eval()
+    bias = getattr(src.config, "bias", "none")
+    changes_bias = (bias not in (None, "none")) or bool(getattr(src.config, "lora_bias", False))
+    logger.info("loaded %s adapter %r onto %r: %d adapted layer(s)", src.kind, src.name, base_name,
+                len(read.layers))
+    return EffectiveModel(
+        model=merged, reference=read.reference, layers=read.layers, adapter=src, base_model=base_name,
+        base_revision=base_revision, modules_to_save=modules_to_save, changes_bias=changes_bias,
+        quantized=read.quantized, finetuned=read.finetuned,
+    )
+
+
+def _check_adapter_kind(src: AdapterSource) -> None:
+    """Refuse adapters without a weight update (prompt learning) and tasks other than causal LM."""
     config = src.config
     if getattr(config, "is_prompt_learning", False) or src.peft_type.upper() in ("ADAPTION_PROMPT", "CPT"):
         raise JanusError(
@@ -261,12 +293,15 @@ def load_effective_model(
     task = str(getattr(task, "value", task)) if task is not None else None
     if task not in (None, "CAUSAL_LM"):
         raise JanusError(f"adapter {src.name!r} has task_type={task}; JANUS rectifies causal language models only")
-    check_base_matches(base_name, src, allow_base_mismatch)
 
-    mutating = src.mutating_init
+
+def _initial_factors(src: AdapterSource, initial_adapter: Union[str, os.PathLike, None],
+                     token: Union[str, bool, None], allow_pickle: bool) -> Optional[dict[str, Tensor]]:
+    """The factors (A0, B0) of ``initial_adapter`` where θ0 needs them; refuses the PiSSA-like cases that can
+    be rectified neither without it nor at all."""
+    config, mutating = src.config, src.mutating_init
     reconstruct = mutating is not None and mutating.lower() == "pissa" and initial_adapter is None
-    initial: Optional[dict[str, Tensor]] = None
-    initial_name = os.fspath(initial_adapter) if initial_adapter is not None else ""
+    initial = None
     if initial_adapter is not None:
         if src.peft_type.upper() != "LORA" or getattr(config, "use_dora", False):
             raise JanusError("initial_adapter is only meaningful for unconverted PiSSA-like LoRA adapters (not DoRA)")
@@ -281,33 +316,48 @@ def load_effective_model(
         )
     if mutating is not None and getattr(config, "use_dora", False):
         raise JanusError(f"adapter {src.name!r} combines DoRA with init_lora_weights={mutating!r}; convert it first")
+    return initial
 
-    weights = read_adapter_weights(src.path, src.name)
-    model = load_base_model(base_name, base_revision, torch_dtype, device, token, quantization_config,
-                            allow_pickle=allow_pickle)
-    check_adapter_shapes(model, weights, src, base_name)
-    del weights
 
-    load_config = copy.deepcopy(config)
+def _load_peft(model: nn.Module, src: AdapterSource, base_name: str) -> nn.Module:
+    """PEFT's ``PeftModel.from_pretrained`` of the adapter onto the loaded base, for inference."""
+    from peft import PeftModel
+
+    load_config = copy.deepcopy(src.config)
     load_config.inference_mode = True
-    if mutating is not None:
-        load_config.init_lora_weights = True  # load the factors onto the untouched base; W_res is handled below
+    if src.mutating_init is not None:
+        load_config.init_lora_weights = True  # load the factors onto the untouched base; W_res is handled later
     try:
-        peft_model = PeftModel.from_pretrained(model, src.path, adapter_name=_ADAPTER_NAME, config=load_config)
+        return PeftModel.from_pretrained(model, src.path, adapter_name=_ADAPTER_NAME, config=load_config)
     except (RuntimeError, ValueError, KeyError) as err:
         raise JanusError(
             f"PEFT could not load adapter {src.name!r} onto base model {base_name!r}: {err}. Pass the base model "
             "the adapter was trained on"
         ) from err
 
-    check_quantized_layers(peft_model)
-    reference: dict[str, Tensor] = {}
-    finetuned: dict[str, Tensor] = {}
-    layers: dict[str, AdaptedLayer] = {}
+
+@dataclass
+class _AdaptedWeights:
+    """What :func:`_read_adapted_layers` read: per adapted layer its description, θ0 and exact θ̂."""
+
+    layers: dict[str, AdaptedLayer] = field(default_factory=dict)
+    reference: dict[str, Tensor] = field(default_factory=dict)
+    finetuned: dict[str, Tensor] = field(default_factory=dict)
+    quantized: bool = False
+
+
+def _read_adapted_layers(peft_model: nn.Module, src: AdapterSource, initial: Optional[dict[str, Tensor]],
+                         initial_name: str, progress: bool) -> _AdaptedWeights:
+    """θ0 and the exact θ̂ of every adapted layer, one layer at a time; a layer on a quantized base becomes a dense
+    stand-in holding θ̂ (PEFT's merge would requantize and round ΔW away)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    mutating = src.mutating_init
+    reconstruct = mutating is not None and mutating.lower() == "pissa" and initial is None
     tuners = [(n, m) for n, m in peft_model.named_modules() if isinstance(m, BaseTunerLayer)]
     tuners = [(n, m) for n, m in tuners if hasattr(m, "get_base_layer") and m.get_base_layer() is not m]
-    quantized = [n for n, m in tuners if on_quantized_base(m)]
-    if quantized and (mutating is not None or initial is not None):
+    out = _AdaptedWeights(quantized=any(on_quantized_base(m) for _, m in tuners))
+    if out.quantized and (mutating is not None or initial is not None):
         raise JanusError(
             f"adapter {src.name!r} was initialized with init_lora_weights={mutating!r} on a quantized base: its "
             "residual base cannot be rebuilt from quantized weights. Rectify it against the full-precision base "
@@ -316,40 +366,21 @@ def load_effective_model(
     with torch.no_grad():
         for qualified, module in tqdm(tuners, desc="Reading adapted layers", disable=not progress, leave=False):
             name = qualified.removeprefix(PEFT_PREFIX)
-            info = _describe(name, module)
-            if name in layers:
+            if name in out.layers:
                 continue
-            layers[name] = info
+            info = out.layers[name] = _describe(name, module)
+            key = name + ".weight"
             if on_quantized_base(module):
-                reference[name + ".weight"] = dequantized_weight(module.get_base_layer()).float().cpu()
-                exact = finetuned[name + ".weight"] = effective_params(module, torch.float32)[0].cpu()
-                # PEFT's merge would requantize (and round ΔW away): a dense stand-in holds W0 + ΔW instead
-                peft_model.get_base_model().set_submodule(name, dense_stand_in(module, exact))
+                out.reference[key] = dequantized_weight(module.get_base_layer()).float().cpu()
+                out.finetuned[key] = effective_params(module, torch.float32)[0].cpu()
+                peft_model.get_base_model().set_submodule(name, dense_stand_in(module, out.finetuned[key]))
                 continue
             if info.layer_type in ("linear", "embedding"):
-                reference[name + ".weight"] = module.get_base_layer().weight.detach().clone().cpu()
+                out.reference[key] = module.get_base_layer().weight.detach().clone().cpu()
             if reconstruct and info.layer_type != "other":
-                reference[name + ".weight"] = _reconstruct_pissa(module, mutating)
+                out.reference[key] = _reconstruct_pissa(module, mutating)
             elif initial is not None:
-                reference[name + ".weight"] = _subtract_initial(module, name, initial, initial_name)
+                out.reference[key] = _subtract_initial(module, name, initial, initial_name)
             if info.layer_type == "linear":
-                finetuned[name + ".weight"] = effective_params(module, torch.float32)[0].detach().cpu()
-    if not layers:
-        raise JanusError(f"adapter {src.name!r} adapts no layer of base model {base_name!r}")
-    modules_to_save = sorted(
-        n.removeprefix(PEFT_PREFIX) for n, m in peft_model.named_modules()
-        if type(m).__name__ == "ModulesToSaveWrapper"
-    )
-    try:
-        merged = peft_model.merge_and_unload(progressbar=progress)  # PEFT's own merge, layer by layer, in place
-    except (RuntimeError, ValueError, NotImplementedError) as err:
-        raise JanusError(f"PEFT could not merge adapter {src.name!r} into base model {base_name!r}: {err}") from err
-    merged.eval()
-    bias = getattr(config, "bias", "none")
-    changes_bias = (bias not in (None, "none")) or bool(getattr(config, "lora_bias", False))
-    logger.info("loaded %s adapter %r onto %r: %d adapted layer(s)", src.kind, src.name, base_name, len(layers))
-    return EffectiveModel(
-        model=merged, reference=reference, layers=layers, adapter=src, base_model=base_name,
-        base_revision=base_revision, modules_to_save=modules_to_save, changes_bias=changes_bias,
-        quantized=bool(quantized), finetuned=finetuned,
-    )
+                out.finetuned[key] = effective_params(module, torch.float32)[0].detach().cpu()
+    return out

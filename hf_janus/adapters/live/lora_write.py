@@ -10,8 +10,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from hf_janus.adapters.live_peft import active_adapter, inner_model
-from hf_janus.adapters.refactor import RankSpec, RefactorStats, choose_rank, truncate, validate_rank_spec
+from hf_janus.adapters.low_rank import RankSpec, RefactorStats, choose_rank, truncate, validate_rank_spec
+from hf_janus.adapters.peft_layers import active_adapter, inner_model
 from hf_janus.engine.layers import rule_for
 from hf_janus.errors import JanusError
 

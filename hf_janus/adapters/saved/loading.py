@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from hf_janus.adapters.peft_layers import is_mutating_init
 from hf_janus.engine.layers import rule_for
 from hf_janus.errors import JanusError, hub_error
 from hf_janus.io_utils import hub_cache_snapshot, looks_like_local_path
@@ -30,15 +31,7 @@ ADAPTER_WEIGHT_NAMES = (SAFE_ADAPTER_WEIGHTS, PICKLED_ADAPTER_WEIGHTS)
 SAFE_MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 PICKLED_MODEL_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 PEFT_PREFIX = "base_model.model."
-# init_lora_weights values that move part of the base weight into the adapter at initialization.
-MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
-
 DTypeLike = Union[str, torch.dtype, None]
-
-
-def is_mutating_init(init: Any) -> bool:
-    """Whether ``init_lora_weights`` moved part of the base weight into the adapter (PiSSA, OLoRA, ...)."""
-    return isinstance(init, str) and init.lower().startswith(MUTATING_INITS)
 
 
 @dataclass

@@ -11,17 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from hf_janus.adapters.live_peft import (
-    adapted_linear_layers,
-    check_quantized_layers,
-    effective_weights,
-    inner_model,
-    on_quantized_base,
-    plain_view,
-    theta0_weights,
-)
-from hf_janus.adapters.loading import is_mutating_init
-from hf_janus.adapters.lora_write import (
+from hf_janus.adapters.live.lora_write import (
     LoraState,
     check_adapter_writable,
     record_rank_pattern,
@@ -29,7 +19,17 @@ from hf_janus.adapters.lora_write import (
     validate_peft_output,
     write_lora,
 )
-from hf_janus.config import JanusConfig
+from hf_janus.adapters.peft_layers import (
+    adapted_linear_layers,
+    check_quantized_layers,
+    effective_weights,
+    inner_model,
+    is_mutating_init,
+    on_quantized_base,
+    plain_view,
+    theta0_weights,
+)
+from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.report import RectificationReport
 from hf_janus.engine.result import RectificationResult
@@ -96,7 +96,7 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
                       output: PeftOutput, *, progress: bool = True) -> LivePeftRun:
     """Rectify the effective weights of the adapted layers of ``model``, then keep them as ``output`` asks.
 
-    ``initial``: what :func:`~hf_janus.adapters.live_peft.initial_state` took at train begin (θ0 itself for
+    ``initial``: what :func:`~hf_janus.adapters.peft_layers.initial_state` took at train begin (θ0 itself for
     layers on a dense base, the initial adapter tensors for layers on a quantized one). Everything that can
     fail (capture, projection, re-factorization) runs before the model is changed for good: on failure the
     tuner layers and their weights are exactly as training left them.
@@ -114,8 +114,8 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
     with plain_view(model, finetuned) as plain:
         rectifier = Rectifier(plain, theta0, replay, config, progress=progress,
                               keep_reference_factors=output.format == "adapter", finetuned=finetuned)
-        report = rectifier.run()
-    result = rectifier.result
+        result = rectifier.run()
+    report = result.report
     if output.format == "merged":
         merged = _merge(model, layers, result)
         report.output = {"format": "merged"}

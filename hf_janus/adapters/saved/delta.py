@@ -14,17 +14,17 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from hf_janus.adapters.effective import EffectiveModel
-from hf_janus.adapters.loading import PEFT_PREFIX
-from hf_janus.adapters.merge_report import MergeReport
-from hf_janus.adapters.refactor import (
+from hf_janus.adapters.low_rank import (
     DEFAULT_REFINE_ITERATIONS,
     RankSpec,
     RefactorStats,
     refactor_delta,
     validate_rank_spec,
 )
-from hf_janus.config import JanusConfig
+from hf_janus.adapters.saved.effective import EffectiveModel
+from hf_janus.adapters.saved.loading import PEFT_PREFIX
+from hf_janus.adapters.saved.merge_report import MergeReport
+from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.ghost import LayerJacobian, eig_psd
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_output_dir, check_output_dir
@@ -195,7 +195,7 @@ class RectifiedDelta:
                 (an energy threshold, as ``convert_to_lora``).
             energy: the threshold for ``rank="auto"``.
             refine: alternate between the rank-k set and the null space of the past task's Jacobian
-                (:func:`hf_janus.adapters.refactor.refine_low_rank`) so that truncation gives back less of the repair.
+                (:func:`hf_janus.adapters.low_rank.refine_low_rank`) so that truncation gives back less of the repair.
             refine_iterations: iterations of that loop.
             dtype: dtype of the saved factors (float32 by default, as PEFT keeps adapter weights).
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,14 @@ from hf_janus.engine.quantized import (
 from hf_janus.errors import JanusError
 
 logger = logging.getLogger(__name__)
+
+# init_lora_weights values that move part of the base weight into the adapter at initialization.
+MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
+
+
+def is_mutating_init(init: Any) -> bool:
+    """Whether ``init_lora_weights`` moved part of the base weight into the adapter (PiSSA, OLoRA, ...)."""
+    return isinstance(init, str) and init.lower().startswith(MUTATING_INITS)
 
 
 def is_peft_model(model: nn.Module) -> bool:

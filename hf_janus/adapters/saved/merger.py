@@ -5,10 +5,10 @@
     delta.save_adapter("out-adapter", rank="same", refine=True)
     delta.save_full("out-full")
 
-:class:`JanusMerger` builds the effective model with :mod:`hf_janus.adapters.effective` (base loaded once, the adapter
+:class:`JanusMerger` builds the effective model with :mod:`hf_janus.adapters.saved.effective` (base loaded once, the adapter
 merged into it layer by layer by PEFT, ``θ0`` = the base weights of the adapted layers only), runs
 :class:`hf_janus.Rectifier` on exactly the adapted linear layers, and returns a :class:`RectifiedDelta`.
-:meth:`RectifiedDelta.save_adapter` re-factorizes each ``ΔW_rect`` with :mod:`hf_janus.adapters.refactor` into a
+:meth:`RectifiedDelta.save_adapter` re-factorizes each ``ΔW_rect`` with :mod:`hf_janus.adapters.low_rank` into a
 standard LoRA adapter that stock ``PeftModel.from_pretrained`` loads; :meth:`RectifiedDelta.save_full`
 writes base + ``ΔW_rect`` with ``save_pretrained``. Every output is written atomically (temporary directory
 + rename) and published with :mod:`hf_janus.publish`: ``janus_rectification.json`` (base model and adapter with
@@ -34,13 +34,14 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from hf_janus.adapters.delta import LayerDelta, RectifiedDelta
-from hf_janus.adapters.effective import EffectiveModel, load_effective_model
-from hf_janus.adapters.loading import DTypeLike
-from hf_janus.adapters.merge_report import MergeReport
-from hf_janus.config import JanusConfig
+from hf_janus.adapters.saved.delta import LayerDelta, RectifiedDelta
+from hf_janus.adapters.saved.effective import EffectiveModel, load_effective_model
+from hf_janus.adapters.saved.loading import DTypeLike
+from hf_janus.adapters.saved.merge_report import MergeReport
+from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.layers import rule_for, select_layers
 from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.result import RectificationResult
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import is_local
 from hf_janus.publish.provenance import ReplayInfo, describe_replay, resolve_repo
@@ -105,7 +106,7 @@ class JanusMerger:
             exact for rectification.
         device: device for the model and the Jacobian computations.
         initial_adapter: for an unconverted PiSSA-like adapter with a randomized/data-dependent init, the
-            adapter saved right after initialization (see :mod:`hf_janus.adapters.effective`).
+            adapter saved right after initialization (see :mod:`hf_janus.adapters.saved.effective`).
         allow_base_mismatch: warn instead of failing when the adapter names a different base model.
         tokenizer: tokenizer for string replay (default: the base model's).
         replay_options: how string replay is read and tokenized (:class:`~hf_janus.replay.sources.ReplayOptions`:
@@ -114,7 +115,7 @@ class JanusMerger:
         progress: show progress bars.
         quantization_config: load the base quantized, as ``from_pretrained`` takes it (a
             ``BitsAndBytesConfig``): rectify a QLoRA adapter against the quantized base it was trained on. The
-            result can then be saved as an adapter only (see the README's QLoRA section).
+            result can then be saved as an adapter only (see docs/guides/adapters-and-qlora.md).
         allow_pickle: accept weights stored only as a pickle (``adapter_model.bin`` of the adapter or of
             ``initial_adapter``, ``pytorch_model.bin`` of the base). They are refused by default, because
             unpickling can run code; with ``True`` they are read with torch's restricted unpickler
@@ -199,34 +200,11 @@ class JanusMerger:
         rectifier = Rectifier(effective.model, reference, replay, config, progress=self.progress,
                               keep_reference_factors=True, finetuned=finetuned)
         del reference, finetuned
-        rect_report = rectifier.run()
-        result = rectifier.result
+        result = rectifier.run()
+        rect_report = result.report
         del rectifier
 
-        layers: dict[str, LayerDelta] = {}
-        with torch.no_grad():
-            for name, layer in result.layers.items():
-                info = effective.layers[name]
-                layers[name] = LayerDelta(
-                    name=name, layer_type="linear", matrix=layer.rect_delta().float().cpu(), rectified=True,
-                    own_rank=info.rank, fan_in_fan_out=info.fan_in_fan_out, jacobian=layer.jacobian,
-                    reference_norm=layer.reference_norm(),
-                )
-                effective.reference.pop(name + ".weight", None)
-            for name, info in effective.layers.items():
-                if name in layers or info.layer_type == "other":
-                    continue
-                weight = effective.finetuned.get(name + ".weight")
-                if weight is None:
-                    weight = effective.model.get_submodule(name).weight.detach()
-                ref = effective.reference.pop(name + ".weight")
-                if info.layer_type == "linear":
-                    rule = rule_for(effective.model.get_submodule(name))
-                    matrix = rule.to_matrix(weight).float().cpu() - rule.to_matrix(ref).float()
-                else:  # embedding: PEFT factors its (num_embeddings, dim) update as (B @ A)ᵀ
-                    matrix = (weight.float().cpu() - ref.float()).T.contiguous()
-                layers[name] = LayerDelta(name=name, layer_type=info.layer_type, matrix=matrix, rectified=False,
-                                          own_rank=info.rank, fan_in_fan_out=info.fan_in_fan_out)
+        layers = _layer_deltas(effective, result)
         del result
         unrectified = [n for n in effective.layers if n not in targets]
         replay_name = os.fspath(self.replay) if isinstance(self.replay, (str, os.PathLike)) else None
@@ -246,7 +224,31 @@ class JanusMerger:
                               base_ref=base_ref, adapter_ref=adapter_ref, replay_info=replay_info)
 
 
-def merge_adapter(base_model: Union[str, os.PathLike], adapter: Union[str, os.PathLike], replay: Any,
-                  config: Optional[JanusConfig] = None, **kwargs: Any) -> RectifiedDelta:
-    """Shorthand for ``JanusMerger(base_model, adapter, replay, config, **kwargs).run()``."""
-    return JanusMerger(base_model, adapter, replay, config, **kwargs).run()
+def _layer_deltas(effective: EffectiveModel, result: RectificationResult) -> dict[str, LayerDelta]:
+    """ΔW_rect of every rectified layer and ΔW of every other adapted layer (linear or embedding), float32, on
+    the CPU; θ0 of each leaves ``effective`` as its delta is formed."""
+    layers: dict[str, LayerDelta] = {}
+    with torch.no_grad():
+        for name, layer in result.layers.items():
+            info = effective.layers[name]
+            layers[name] = LayerDelta(
+                name=name, layer_type="linear", matrix=layer.rect_delta().float().cpu(), rectified=True,
+                own_rank=info.rank, fan_in_fan_out=info.fan_in_fan_out, jacobian=layer.jacobian,
+                reference_norm=layer.reference_norm(),
+            )
+            effective.reference.pop(name + ".weight", None)
+        for name, info in effective.layers.items():
+            if name in layers or info.layer_type == "other":
+                continue
+            weight = effective.finetuned.get(name + ".weight")
+            if weight is None:
+                weight = effective.model.get_submodule(name).weight.detach()
+            ref = effective.reference.pop(name + ".weight")
+            if info.layer_type == "linear":
+                rule = rule_for(effective.model.get_submodule(name))
+                matrix = rule.to_matrix(weight).float().cpu() - rule.to_matrix(ref).float()
+            else:  # embedding: PEFT factors its (num_embeddings, dim) update as (B @ A)ᵀ
+                matrix = (weight.float().cpu() - ref.float()).T.contiguous()
+            layers[name] = LayerDelta(name=name, layer_type=info.layer_type, matrix=matrix, rectified=False,
+                                      own_rank=info.rank, fan_in_fan_out=info.fan_in_fan_out)
+    return layers

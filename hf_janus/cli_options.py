@@ -1,0 +1,85 @@
+"""Options that several ``hf-janus`` subcommands share: dataclass fields (``JanusConfig``, ``ReplayOptions``) as
+command-line options and back, and the models, tasks and lm-eval settings of ``eval`` and ``frontier``.
+
+A field becomes an option by carrying ``metadata["help"]``, so the configuration classes stay the one place where
+an option is described (``docs/generate_config_reference.py`` reads the same metadata).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+REPLAY_PREFIX, CONFIG_PREFIX = "replay.", "janus."
+
+ALLOW_PICKLE_HELP = ("read weights stored only as a pickle (adapter_model.bin, pytorch_model.bin), which are refused "
+                     "by default because unpickling can run code; they are then read with torch's restricted "
+                     "unpickler (weights_only=True). Convert them to safetensors instead when you can")
+
+
+def add_dataclass_options(group: argparse._ArgumentGroup, cls: type, prefix: str) -> None:
+    """One option per field of dataclass ``cls`` that has ``metadata["help"]`` (as PEFT's configs document
+    theirs): ``--field-name`` or ``metadata["cli"]``, typed by the default, with its ``choices``/``nargs``.
+    Every option defaults to None, so that only what the user gave overrides a config file."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        default = f.default
+        shown = str(default).replace("torch.", "") if default is not None else "none"
+        # argparse %-formats every help string, so a literal % in a field's help (kept plain for the docs) must be
+        # doubled here or --help fails
+        help_text = (meta["help"] + f" (default: {shown})").replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": None, "help": help_text}
+        if "choices" in meta:
+            kwargs["choices"] = list(meta["choices"])
+        elif "nargs" in meta:
+            kwargs.update(nargs=meta["nargs"], metavar="NAME")
+        elif "type" in meta:  # a field whose default (None) does not say its type
+            kwargs["type"] = meta["type"]
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            kwargs["type"] = type(default)
+        group.add_argument(meta.get("cli", "--" + f.name.replace("_", "-")), **kwargs)
+
+
+def dataclass_values(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
+    """The options of :func:`add_dataclass_options` that the user gave, as ``{field: value}``."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, prefix + f.name, None)
+        if value is None:
+            continue
+        if f.metadata.get("zero_is_none") and value == 0:
+            value = None
+        values[f.name] = value
+    return values
+
+
+def add_evaluation_options(group: Any, *, tasks_required: bool) -> None:
+    """The models, tasks and lm-eval settings that ``eval`` and ``frontier`` share."""
+    group.add_argument("--reference", required=True, metavar="ID_OR_DIR", help="θ0: Hub repo id or local directory")
+    group.add_argument("--finetuned", required=True, metavar="ID_OR_DIR",
+                       help="θ̂: full weights or a PEFT adapter (merged on its base), Hub repo id or local directory")
+    tasks: dict[str, Any] = {"required": True} if tasks_required else {"default": []}
+    group.add_argument("--past-task", action="append", metavar="TASK", **tasks,
+                       help="a task the model should keep (repeatable): lm-eval task name or JSONL file")
+    group.add_argument("--new-task", action="append", metavar="TASK", **tasks,
+                       help="a task fine-tuning taught (repeatable): lm-eval task name or JSONL file")
+    group.add_argument("--tokenizer", metavar="ID_OR_DIR", help="tokenizer (default: the one beside --reference)")
+    group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                       help="dtype to load the models in (default: the checkpoint's)")
+    group.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
+    group.add_argument("--device", default=None, help="device for the models, e.g. cuda:0 (default: cpu)")
+    group.add_argument("--batch-size", default="16", help="lm-eval batch size, an int or auto (default: 16)")
+    group.add_argument("--limit", type=float, help="at most this many documents per task (a fraction when < 1)")
+    group.add_argument("--include-path", metavar="DIR", help="a directory of more lm-eval task YAMLs")
+
+
+def evaluation_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`hf_janus.evaluate` / :func:`hf_janus.frontier` that
+    :func:`add_evaluation_options` gives, beyond the models and tasks."""
+    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    return {"tokenizer": args.tokenizer, "batch_size": batch_size, "limit": limit, "include_path": args.include_path,
+            "device": args.device, "torch_dtype": args.dtype, "allow_pickle": args.allow_pickle}

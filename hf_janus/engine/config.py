@@ -1,0 +1,290 @@
+"""The configuration of a JANUS rectification, beside the engine it configures, with the engine's choices.
+
+This module imports nothing from the engine: the engine's modules read their choice constants from here, and the
+command line (``hf_janus.cli``) and the configuration reference (``docs/reference/configuration.md``, written by
+``docs/generate_config_reference.py``) read each field's ``metadata["help"]``, its one description.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from hf_janus.serialization import known_fields
+
+#: ``JanusConfig.step_control``: how each trial's step size is chosen (:mod:`hf_janus.engine.step_control`).
+STEP_CONTROLS = ("adaptive", "paper")
+#: ``JanusConfig.final_step``: what the unchecked final step at ``max_steps`` may do.
+FINAL_STEPS = ("guarded", "paper")
+#: ``JanusConfig.acceptance``: the test a trial step must pass.
+ACCEPTANCES = ("cosine", "loss", "both")
+#: ``JanusConfig.constraint``: the per-sample function whose Jacobian is kept (:mod:`hf_janus.engine.capture`).
+CONSTRAINTS = ("loss", "target_logit", "logit_projections")
+#: The sequence compressions (:mod:`hf_janus.engine.compression`); ``JanusConfig.compression`` adds ``"auto"``.
+COMPRESSION_METHODS = ("exact", "randomized")
+COMPRESSION_CHOICES = ("auto", *COMPRESSION_METHODS)
+#: ``JanusConfig.ghost_matmul``: the dtype of the ghost math's large products (:mod:`hf_janus.engine.ghost`).
+GHOST_MATMULS = ("float32", "float64")
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+@dataclass
+class JanusConfig:
+    """Hyper-parameters of JANUS (JAcobian NUll Space) rectification; the defaults are the paper's (τ=0.95,
+    β=0.7, r=32).
+
+    Each field is described once, in its ``metadata["help"]``: the command line's options, this docstring's
+    list below and the configuration reference are all made from it.
+    """
+
+    tau: float = field(default=0.95, metadata={
+        "help": "acceptance threshold τ on the mean cosine c̄ of the principal angles between the Jacobian row "
+                "spaces at the current point and at the trial point, averaged over layers (0 = single-step "
+                "JANUS)"})
+    beta: float = field(default=0.7, metadata={
+        "help": "step-size decay β after a rejected trial, in (0, 1): the step sizes tried lie on the grid 1, β, "
+                "β², ..."})
+    rank: Optional[int] = field(default=32, metadata={
+        "help": "rank r of the sequence-level SVD compression of the captured inputs and output gradients (None, "
+                "or 0 on the command line: no compression, every token kept: exact, more memory)",
+        "cli": "--compression-rank", "zero_is_none": True})
+    compression: str = field(default="auto", metadata={
+        "help": "how the rank-r approximation is computed: exact (QR + SVD of a T×T core per sample: the "
+                "optimum, as in the paper), randomized (randomized subspace iteration of batched matrix products: "
+                "within 1% of the optimum's error in tests/test_compression.py and at 7B layer shapes "
+                "(benchmarks/perf/RESULTS.md), exact when a sample has at most r + 16 tokens), or auto (exact on "
+                "the CPU, randomized on accelerators, where the exact path is one slow LAPACK call per sample and "
+                "layer: 60 s per capture for a 130M model at T=512 on an H200)", "choices": COMPRESSION_CHOICES})
+    target_modules: Union[str, Sequence[str]] = field(default="all-linear", metadata={
+        "help": "layers to rectify: all-linear (every nn.Linear and GPT-2 Conv1D except the output head), a list "
+                "of module names or name suffixes (e.g. [\"q_proj\", \"v_proj\"]), or a regular expression matched "
+                "against full names",
+        "nargs": "+"})
+    exclude_modules: Optional[Union[str, Sequence[str]]] = field(default=None, metadata={
+        "help": "layers never rectified: names, suffixes or a regular expression (the output embedding, lm_head, "
+                "is never part of all-linear)", "nargs": "+"})
+    replay_batch_size: int = field(default=8, metadata={
+        "help": "replay samples per forward/backward pass (a list or Dataset of samples is grouped by length "
+                "first, so that batches carry little padding)"})
+    max_steps: int = field(default=50, metadata={
+        "help": "most rectification steps; the last allowed step is taken at α=1 unchecked (the remaining "
+                "update in one step, kept as final_step says), and the report's stop reason says "
+                "'max_steps reached'"})
+    final_step: str = field(default="guarded", metadata={
+        "help": "the unchecked final step at max_steps: guarded (kept only if the replay loss there is no higher "
+                "than at the last accepted point; otherwise that point is returned and "
+                "report.discarded_final_step says what was left out) or paper (always kept, as Algorithm 1)",
+        "choices": FINAL_STEPS})
+    min_alpha: float = field(default=1e-3, metadata={
+        "help": "smallest step size α tried; a step that would shrink below it is taken at min_alpha and flagged "
+                "forced in the report"})
+    step_control: str = field(default="adaptive", metadata={
+        "help": "how the step size α of each trial is chosen (the acceptance test, c̄ ≥ τ on the whole replay, is "
+                "the same): adaptive (the paper's grid point, the largest α on 1, β, β², ... that passes, found by "
+                "jumping to the point predicted from the trials so far and trying the point above only when it is "
+                "predicted to pass: most steps cost one or two trials) or paper (Algorithm 1: α=1 at every step, "
+                "shrunk by β until accepted)", "choices": STEP_CONTROLS})
+    max_evaluations: Optional[int] = field(default=None, metadata={
+        "help": "budget in Jacobian evaluations (θ0's capture counts as one): when the next trial would exceed "
+                "it, the loop stops at the last accepted point (θ0 if none), the report says stopped_early and a "
+                "warning names this knob (None, or 0 on the command line: no budget)",
+        "type": int, "zero_is_none": True})
+    max_seconds: Optional[float] = field(default=None, metadata={
+        "help": "budget in seconds: the loop stops at the last accepted point before a trial that would end past "
+                "it, estimated from the mean evaluation time so far (None, or 0 on the command line: no budget)",
+        "type": float, "zero_is_none": True})
+    gram_dtype: torch.dtype = field(default=torch.float64, metadata={
+        "help": "dtype in which the Gram matrices and JVPs are accumulated and the eigendecompositions run",
+        "choices": tuple(_DTYPES)})
+    ghost_matmul: str = field(default="float32", metadata={
+        "help": "dtype of the ghost math's large products (Gram blocks, JVPs, VJPs, materialized per-sample "
+                "gradients): float32 (TF32 tensor cores on CUDA; sums accumulated in gram_dtype and one "
+                "refinement sweep of each projection, which keeps its null-space residual within 1e-6 of J ΔW, "
+                "held by tests/test_ghost_explicit.py; on a CPU the comparison phase took 1.8-2.1x less time than "
+                "with float64 products, benchmarks/perf/RESULTS.md, issue 16) or float64 "
+                "(every product in float64: the slow reference path)", "choices": GHOST_MATMULS})
+    gram_rcond: float = field(default=1e-10, metadata={
+        "help": "relative cutoff below which Gram eigenvalues count as zero (a pseudo-inverse: rank-deficient "
+                "Jacobians are fine)"})
+    damping: float = field(default=0.0, metadata={
+        "help": "Tikhonov damping of the projection ΔW - Jᵀ(JJᵀ + λI)⁻¹JΔW, with λ = damping · the largest "
+                "eigenvalue of each layer's Gram: a share λ/(σ² + λ) of the update along a Jacobian direction of "
+                "singular value σ is kept instead of none (0 = the paper's exact projection; an experiment of "
+                "the stability-plasticity study, see the forgetting benchmark; the acceptance test does not "
+                "depend on it; the model card names it, as every setting that departs from the paper's)"})
+    materialize_max_bytes: int = field(default=1 << 30, metadata={
+        "help": "largest per-layer per-sample gradient tensor materialized where that is cheaper than the ghost "
+                "path; also the most bytes of the current point's materialized gradients kept, over all layers, "
+                "for the trials of a step (on a CPU up to 256 MiB of released buffers are also kept for reuse)"})
+    cache: str = field(default="memory", metadata={
+        "help": "memory, or a directory: compressed captures stay in host memory up to the memory plan's budget "
+                "(half of the memory available by default) and spill there as safetensors files beyond it"})
+    seed: int = field(default=0, metadata={
+        "help": "seed for anything random (the replay order is never shuffled: samples are grouped by length)"})
+    acceptance: str = field(default="cosine", metadata={
+        "help": "the test a trial step must pass: cosine (the paper's, c̄ ≥ τ), loss (the whole-replay loss, "
+                "which each trial's capture measures anyway, rose from the current point by at most "
+                "loss_tolerance · α times the fine-tune's rise) or both (an experiment of the well-fit-past-task "
+                "study, see the forgetting benchmark's README)", "choices": ACCEPTANCES})
+    loss_tolerance: float = field(default=0.05, metadata={
+        "help": "with acceptance loss or both: the share of the fine-tune's replay-loss rise that a step of size "
+                "α may add, times α"})
+    constraint: str = field(default="loss", metadata={
+        "help": "the per-sample function of the replay whose Jacobian JANUS keeps unchanged: loss (the paper's, "
+                "the summed next-token loss at constraint_temperature), target_logit (the summed logit of each "
+                "target token, OGD's ground-truth logit, whose gradient does not vanish where the past task is "
+                "well fit) or logit_projections (per sample, constraint_projections sums of the logits projected "
+                "on fixed random directions: m·k Jacobian rows, k backward passes per batch); the last two are "
+                "experiments of the well-fit-past-task study: single-step, logit_projections is the only one that "
+                "repaired part of a well-fit task's forgetting at ≥ 90% of the new-task gain, but neither beat "
+                "WiSE-FT on the forgetting benchmark (its README says where each one wins)",
+        "choices": CONSTRAINTS})
+    constraint_projections: int = field(default=4, metadata={
+        "help": "with constraint logit_projections: the number k of random logit directions per replay sample "
+                "(k Jacobian rows per sample, k backward passes per replay batch)"})
+    constraint_temperature: float = field(default=1.0, metadata={
+        "help": "softmax temperature T of the per-sample replay loss whose Jacobian is kept (1 = the paper's; "
+                "T > 1 softens confident predictions so that they keep a gradient where the past task is well "
+                "fit; single-step, it undid more of the rise only where the past task was loosely fit; the replay "
+                "loss reported and compared stays at T = 1)"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gram_dtype, str):
+            name = self.gram_dtype.replace("torch.", "")
+            if name not in _DTYPES:
+                raise ValueError(f"gram_dtype must be one of {sorted(_DTYPES)}, got {self.gram_dtype!r}")
+            self.gram_dtype = _DTYPES[name]
+        if isinstance(self.target_modules, tuple):
+            self.target_modules = list(self.target_modules)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field outside its valid range."""
+        _check(isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0, "tau", self.tau, "a float in [0, 1]")
+        _check(_is_real(self.constraint_temperature) and self.constraint_temperature > 0, "constraint_temperature",
+               self.constraint_temperature, "a float > 0")
+        _check(self.acceptance in ACCEPTANCES, "acceptance", self.acceptance,
+               " or ".join(repr(c) for c in ACCEPTANCES))
+        _check(_is_real(self.loss_tolerance) and self.loss_tolerance > 0, "loss_tolerance", self.loss_tolerance,
+               "a float > 0")
+        _check(self.constraint in CONSTRAINTS, "constraint", self.constraint, " or ".join(repr(c) for c in CONSTRAINTS))
+        _check(_is_int(self.constraint_projections) and self.constraint_projections >= 1, "constraint_projections",
+               self.constraint_projections, "an int >= 1")
+        _check(self.constraint == "loss" or self.constraint_temperature == 1.0, "constraint_temperature",
+               self.constraint_temperature, "1 unless constraint='loss' (a temperature scales only the loss)")
+        _check(isinstance(self.beta, (int, float)) and 0.0 < self.beta < 1.0, "beta", self.beta, "a float in (0, 1)")
+        _check(
+            self.rank is None or (_is_int(self.rank) and self.rank >= 1),
+            "rank", self.rank, "None or an int >= 1",
+        )
+        _check(self.compression in COMPRESSION_CHOICES, "compression", self.compression,
+               "'auto', 'exact' or 'randomized'")
+        _check(
+            isinstance(self.target_modules, str)
+            or (isinstance(self.target_modules, list) and len(self.target_modules) > 0
+                and all(isinstance(t, str) for t in self.target_modules)),
+            "target_modules", self.target_modules, "'all-linear', a regex string or a non-empty list of names",
+        )
+        _check(
+            self.exclude_modules is None or isinstance(self.exclude_modules, (str, list, tuple)),
+            "exclude_modules", self.exclude_modules, "None, a regex string or a list of names",
+        )
+        _check(_is_int(self.replay_batch_size) and self.replay_batch_size >= 1,
+               "replay_batch_size", self.replay_batch_size, "an int >= 1")
+        _check(_is_int(self.max_steps) and self.max_steps >= 1, "max_steps", self.max_steps, "an int >= 1")
+        _check(isinstance(self.min_alpha, (int, float)) and 0.0 < self.min_alpha <= 1.0,
+               "min_alpha", self.min_alpha, "a float in (0, 1]")
+        _check(self.step_control in STEP_CONTROLS, "step_control", self.step_control,
+               " or ".join(repr(c) for c in STEP_CONTROLS))
+        _check(self.final_step in FINAL_STEPS, "final_step", self.final_step, " or ".join(repr(c) for c in FINAL_STEPS))
+        _check(self.max_evaluations is None or (_is_int(self.max_evaluations) and self.max_evaluations >= 2),
+               "max_evaluations", self.max_evaluations, "None or an int >= 2 (θ0's capture and one trial)")
+        _check(self.max_seconds is None or (_is_real(self.max_seconds) and self.max_seconds > 0),
+               "max_seconds", self.max_seconds, "None or a number of seconds > 0")
+        _check(self.gram_dtype in (torch.float64, torch.float32), "gram_dtype", self.gram_dtype,
+               "torch.float64 or torch.float32")
+        _check(self.ghost_matmul in GHOST_MATMULS, "ghost_matmul", self.ghost_matmul,
+               " or ".join(repr(c) for c in GHOST_MATMULS))
+        _check(isinstance(self.gram_rcond, (int, float)) and 0.0 <= self.gram_rcond < 1.0,
+               "gram_rcond", self.gram_rcond, "a float in [0, 1)")
+        _check(_is_real(self.damping) and self.damping >= 0.0, "damping", self.damping, "a float >= 0")
+        _check(_is_int(self.materialize_max_bytes) and self.materialize_max_bytes >= 0,
+               "materialize_max_bytes", self.materialize_max_bytes, "an int >= 0")
+        _check(isinstance(self.cache, (str, os.PathLike)) and str(self.cache) != "",
+               "cache", self.cache, "'memory' or a directory path")
+        _check(_is_int(self.seed), "seed", self.seed, "an int")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["gram_dtype"] = str(self.gram_dtype).replace("torch.", "")
+        out["cache"] = str(self.cache)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JanusConfig":
+        return cls(**known_fields(cls, data, strict=True))
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json_string(cls, text: str) -> "JanusConfig":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        from hf_janus.io_utils import atomic_write_text
+
+        atomic_write_text(path, self.to_json_string() + "\n")
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "JanusConfig":
+        """Read a config saved by :meth:`save`; a file that is not a JSON object raises ``ValueError`` naming it."""
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"the config file {os.fspath(path)!r} is not JSON ({err}); write it with "
+                             "JanusConfig.save, or as a JSON object of JanusConfig fields") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"the config file {os.fspath(path)!r} holds a JSON {type(data).__name__}, not an object "
+                             "of JanusConfig fields")
+        return cls.from_dict(data)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A finite int or float (not a bool, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, name: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"JanusConfig.{name}={value!r} is invalid: expected {valid}")
+
+
+def _fields_docstring(cls: type) -> str:
+    """The ``Args:`` section of a dataclass's docstring, made from its fields' ``metadata["help"]``."""
+    import textwrap
+
+    lines = ["", "    Args:"]
+    for f in dataclasses.fields(cls):
+        text = f.metadata.get("help")
+        if text:
+            text = text if text.endswith(".") else text + "."
+            lines += textwrap.wrap(f"{f.name}: {text}", width=116, initial_indent=" " * 8,
+                                   subsequent_indent=" " * 12)
+    return "\n".join(lines) + "\n"
+
+
+JanusConfig.__doc__ = (JanusConfig.__doc__ or "").rstrip() + "\n" + _fields_docstring(JanusConfig)
