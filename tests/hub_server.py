@@ -50,7 +50,7 @@ How client code has to be pointed at it
 ---------------------------------------
 ``huggingface_hub`` reads ``HF_ENDPOINT``, ``HF_HOME``, ``HF_HUB_DISABLE_XET`` and ``HF_HUB_OFFLINE`` into
 module constants *at import time*, and ``huggingface_hub.hf_api.api`` / ``transformers.utils.hub._hf_api``
-keep the endpoint they were created with. Two ways work, both exercised by ``tests/test_hub_server.py``:
+keep the endpoint they were created with. Two ways work, both exercised by ``tests/publish/test_hub_server.py``:
 
 1. **Subprocess (robust, the reference path).** Run the client code in a fresh interpreter with the
    environment from :func:`hub_env`::

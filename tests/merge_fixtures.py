@@ -9,7 +9,7 @@ import string
 from typing import Optional
 
 import torch
-from conftest import VOCAB, build_tiny
+from testing_utils import VOCAB, build_tiny
 
 from hf_janus import JanusConfig
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import build_tiny, fine_tune, random_replay
+from testing_utils import build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig
 from hf_janus.engine.rectifier import Rectifier

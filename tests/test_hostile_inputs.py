@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import fail_capture, random_replay
+from testing_utils import fail_capture, random_replay
 from merge_fixtures import fast_config, save_base, text_rows, train_adapter, write_jsonl
 
 from hf_janus import JanusConfig, JanusError, JanusMerger, RectificationError, rectify
@@ -356,7 +356,7 @@ def test_damaged_adapter_files(inputs, tmp_path, damage):
 
         (adapter / "adapter_model.bin").write_bytes(pickle.dumps(Payload()))
     before = tree_digest(adapter)
-    # allow_pickle=True: past the default refusal of pickles (tests/test_pickle_policy.py), to the restricted unpickler
+    # allow_pickle=True: past the default refusal of pickles (tests/adapters/test_pickle_policy.py), to the restricted unpickler
     with pytest.raises(JanusError, match="corrupt, truncated or not a plain tensor file"):
         JanusMerger(inputs["base"], str(adapter), inputs["replay"], fast_config(), progress=False,
                     allow_pickle=True).run()
@@ -382,7 +382,7 @@ def _inf_reference(model, reference, key="model.layers.0.self_attn.k_proj.weight
 
 
 def _other_architecture(model, reference):
-    from conftest import build_tiny
+    from testing_utils import build_tiny
 
     return build_tiny("gpt2")
 

@@ -13,7 +13,7 @@ as their own rows (:func:`needs_compression`).
 
 On accelerators those per-sample factorizations are many small LAPACK calls, each slow; there
 :func:`randomized_compress` (randomized subspace iteration, batched matrix products) replaces them, at
-an error within 2% of the optimum's (measured in ``tests/test_compression.py``).
+an error within 2% of the optimum's (measured in ``tests/engine/test_compression.py``).
 
 Inside a capture nothing is read back from the device: the decisions that set shapes come from the host
 (:class:`SequencePlan`), and the randomized method's eigenproblems of many layers run as one batched call
@@ -427,7 +427,7 @@ def randomized_compress(x: Tensor, a: Tensor, rank: int, power_iterations: int =
     ``(p x p)`` eigendecompositions per sample, done in float64 on the data's device (batched over many layers by
     :func:`finish_all` during a capture). With ``p = rank + oversample`` columns
     the result is the exact rank-``rank`` optimum whenever ``aᵢᵀ xᵢ`` has rank ``<= p`` (e.g. at most p
-    valid tokens), and otherwise within a small factor of its error (``tests/test_compression.py``
+    valid tokens), and otherwise within a small factor of its error (``tests/engine/test_compression.py``
     measures it). ``x`` ``(B, T, d_in)`` and ``a`` ``(B, T, d_out)`` must already be masked; returns
     ``(B, rank, d_in)`` and ``(B, rank, d_out)``.
     """

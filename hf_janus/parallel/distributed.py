@@ -61,7 +61,7 @@ class World:
         Not accelerate's ``pad_across_processes`` + ``gather``: those dispatch on accelerate's ``PartialState``,
         which only knows process groups that accelerate or the launcher's environment variables set up. In a
         group made with ``torch.distributed.init_process_group`` directly (``mp.spawn`` with a ``file://`` init,
-        as in tests/test_distributed.py) it reports a single process and ``gather`` returns the local tensor
+        as in tests/parallel/test_distributed.py) it reports a single process and ``gather`` returns the local tensor
         unchanged, so each rank would silently rectify with its own share of the replay (measured: accelerate
         1.15, two gloo ranks, ``DistributedType.NO``).
         """

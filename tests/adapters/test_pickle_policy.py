@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import build_tiny
+from testing_utils import build_tiny
 from merge_fixtures import char_tokenizer, fast_config, save_base, text_rows, train_adapter, write_jsonl
 
 from hf_janus import JanusError, JanusMerger

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from conftest import random_replay
+from testing_utils import random_replay
 
 from hf_janus import JanusConfig
 from hf_janus.engine import ghost

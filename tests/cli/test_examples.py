@@ -16,7 +16,7 @@ import pytest
 
 from hf_janus import JanusConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 # As small as the story allows: a few seconds of work per script once torch is imported.
 TINY = ["--tiny", "--tiny-pretrain-steps", "80", "--train-samples", "64", "--replay-samples", "16",
@@ -41,6 +41,7 @@ def run_example(name: str, out: Path, *extra: str) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_finetune_full(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -52,6 +53,7 @@ def test_finetune_full(tmp_path):
     assert (out / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_finetune_lora_callback_and_merger(tmp_path):
     out = tmp_path / "lora"
     results = run_example("finetune_lora.py", out, "--lora-rank", "4")
@@ -64,6 +66,7 @@ def test_finetune_lora_callback_and_merger(tmp_path):
     assert merger["rectified"] < merger["finetuned"]
 
 
+@pytest.mark.slow
 def test_finetune_qlora_callback_and_merger(tmp_path):
     pytest.importorskip("bitsandbytes")
     out = tmp_path / "qlora"
@@ -75,6 +78,7 @@ def test_finetune_qlora_callback_and_merger(tmp_path):
         assert (out / sub / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_finetune_pissa(tmp_path):
     out = tmp_path / "pissa"
     results = run_example("finetune_pissa.py", out, "--lora-rank", "4")
@@ -89,7 +93,7 @@ def test_finetune_pissa(tmp_path):
 
 def test_docs_document_every_config_field():
     """The configuration reference (moved out of the README by issue 32; written by
-    docs/generate_config_reference.py, whose staleness tests/test_docs.py checks) has a row per field."""
+    docs/generate_config_reference.py, whose staleness tests/cli/test_docs.py checks) has a row per field."""
     page = (ROOT / "docs" / "reference" / "configuration.md").read_text(encoding="utf-8")
     janus_table = page.split("## `ReplayOptions`")[0]  # JanusConfig's rows only, not ReplayOptions' below them
     rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", janus_table, flags=re.M))

@@ -260,7 +260,7 @@ def test_adapter_with_trained_biases_cannot_be_saved_as_lora(ws, tmp_path):
 
 def test_gpt2_conv1d_layers_round_trip(tmp_path):
     """GPT-2 stores Conv1D weights (d_in, d_out): ΔW is handled in (d_out, d_in) and saved with fan_in_fan_out."""
-    from conftest import build_tiny, random_replay
+    from testing_utils import build_tiny, random_replay
     from peft import LoraConfig, get_peft_model
 
     build_tiny("gpt2").save_pretrained(tmp_path / "gpt2")

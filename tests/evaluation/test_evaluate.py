@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import build_tiny
+from testing_utils import build_tiny
 from eval_fixtures import char_tokenizer, write_jsonl
 from hf_janus.errors import JanusError
 from hf_janus.evaluation import (ap_metrics, completion_task, evaluate, exact_match, normalize_answer, qa_task,

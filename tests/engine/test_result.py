@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_replay
+from testing_utils import random_replay
 
 from hf_janus import JanusConfig, LayerResult, RectificationResult
 from hf_janus.engine.layers import select_layers

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_tiny, random_replay
+from testing_utils import build_tiny, random_replay
 from sharded_checks import (
     check_matches_single_process,
     fail_between_passes,
@@ -23,6 +23,8 @@ from sharded_checks import (
 
 from hf_janus import JanusConfig, rectify
 from hf_janus.engine.rectifier import Rectifier
+
+pytestmark = pytest.mark.distributed  # several processes; see pyproject.toml's markers
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
 

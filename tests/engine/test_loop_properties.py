@@ -192,6 +192,7 @@ FALLBACK_THEN_FINAL = dict(
 
 @settings(max_examples=2000, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
 @given(cases())
 @example(FALLBACK_THEN_BUDGET)
 @example(FALLBACK_THEN_FINAL)

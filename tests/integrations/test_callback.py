@@ -7,64 +7,15 @@ import os
 
 import pytest
 import torch
-from conftest import build_tiny
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from testing_utils import build_tiny
+from trainer_fixtures import CONFIG, FAST, Probe, make_trainer, pretrained_llama, replay_data
+from transformers import TrainerCallback
 
 from hf_janus import JanusConfig, JanusError, rectify
-from hf_janus.demo import VOCAB, full_text, math_samples, qa_samples
+from hf_janus.demo import VOCAB
 from hf_janus.integrations.snapshot import SNAPSHOT_NAME
 from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.publish.record import REPORT_NAME
-from hf_janus.replay.prepare import prepare_replay
-
-CONFIG = JanusConfig(rank=8, replay_batch_size=8)
-FAST = JanusConfig(rank=8, replay_batch_size=8, tau=0.0)  # single step: where the loop itself is not under test
-
-
-def collate(samples):
-    return prepare_replay(samples, len(samples))[0]
-
-
-def make_trainer(tmp_path, model, callbacks, max_steps=4, **kwargs):
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-2,
-        report_to=[], save_strategy=kwargs.pop("save_strategy", "no"), use_cpu=True, logging_steps=1,
-        disable_tqdm=True, remove_unused_columns=False, seed=0, **kwargs,
-    )
-    train = math_samples(0, 32, max_len=64)  # GSM8K: the new task
-    return Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=callbacks)
-
-
-def replay_data():
-    return full_text(qa_samples(12, max_len=48))  # NQ-open: the past task
-
-
-_PRETRAINED = {}
-
-
-def pretrained_llama():
-    """A tiny Llama that has learned the replayed QA pairs (the past task), cached per test session."""
-    if not _PRETRAINED:
-        model = build_tiny("llama", vocab=VOCAB)
-        batch = collate(replay_data())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model.train()
-        for _ in range(60):
-            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                  labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        _PRETRAINED.update(copy.deepcopy(model.state_dict()))
-    model = build_tiny("llama", vocab=VOCAB)
-    model.load_state_dict(_PRETRAINED)
-    return model
-
-
-class Probe(TrainerCallback):
-    """Records the weights at the end of training, before JanusCallback (registered after it) changes them."""
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        self.finetuned = copy.deepcopy(model.state_dict())
 
 
 def test_callback_equals_rectify_on_same_inputs(tmp_path):
@@ -218,11 +169,11 @@ def test_bad_arguments_and_unsupported_models(tmp_path):
     janus = JanusCallback(replay_data(), CONFIG)
     trainer = make_trainer(tmp_path, build_tiny("llama", vocab=VOCAB), [janus])
     # fsdp= alone is no reason to refuse: on CPU Trainer wraps the model in DDP, and FSDP2's DTensor weights are
-    # handled (tests/test_fsdp.py); FSDP1 wrappers are refused by looking at the model itself.
+    # handled (tests/parallel/test_fsdp.py); FSDP1 wrappers are refused by looking at the model itself.
     trainer.args.fsdp = "full_shard"
     janus.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)
     assert janus.snapshot_bytes > 0
-    # DeepSpeed: ZeRO-3 runs are handled (tests/test_deepspeed.py); weights that DeepSpeed left whole mean a ZeRO
+    # DeepSpeed: ZeRO-3 runs are handled (tests/parallel/test_deepspeed.py); weights that DeepSpeed left whole mean a ZeRO
     # stage 0-2 run, which is not tested, and PEFT models are refused whatever the stage.
     trainer.args.fsdp, trainer.args.deepspeed = "", {"zero_optimization": {"stage": 2}}
     with pytest.raises(JanusError, match="ZeRO stage 3 only"):

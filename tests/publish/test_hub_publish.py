@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import random_replay
+from testing_utils import random_replay
 from hub_server import LocalHub, patch_hub_clients
 from merge_fixtures import IDS, fast_config, logits, save_base, text_rows, train_adapter
 
@@ -227,7 +227,7 @@ def test_record_round_trips_and_reads_a_bare_rectification_report(delta, tmp_pat
 @pytest.fixture
 def saved_model(tmp_path):
     """A saved tiny model with a user-written card and a non-weight safetensors file next to the weights."""
-    from conftest import build_tiny
+    from testing_utils import build_tiny
     from safetensors.torch import save_file
 
     folder = tmp_path / "model"
@@ -337,7 +337,7 @@ def test_the_template_ships_with_the_wheel():
 
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
         patterns = tomllib.load(fh)["tool"]["setuptools"]["package-data"]["hf_janus"]
     names = sorted(os.listdir(os.path.join(root, "hf_janus", "model_card_templates")))

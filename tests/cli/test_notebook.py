@@ -14,7 +14,7 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "quickstart.ipynb"
 
 # Appended to the executed copy only: print what the cells computed, for the assertions below.
 PROBE = """
@@ -26,6 +26,7 @@ print("PROBE" + json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_executes(monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), "commit it with outputs cleared"

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 import torch
 import transformers as tf
-from conftest import random_replay
+from testing_utils import random_replay
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import build_tiny
+from testing_utils import build_tiny
 from eval_fixtures import char_tokenizer, write_jsonl
 from hf_janus import JanusConfig, load_report, rectify
 from hf_janus.errors import JanusError

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_replay
+from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.capture import CaptureResult, replay_losses

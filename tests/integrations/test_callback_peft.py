@@ -9,7 +9,18 @@ import os
 import pytest
 import torch
 from peft import LoHaConfig, LoraConfig, PeftModel, get_peft_model
-from test_callback import CONFIG, FAST, Probe, collate, make_trainer, pretrained_llama, replay_data
+from trainer_fixtures import (
+    CONFIG,
+    FAST,
+    TARGETS,
+    PeftProbe,
+    collate,
+    lora_config,
+    make_trainer,
+    merged_state,
+    pretrained_llama,
+    replay_data,
+)
 from transformers import AutoModelForCausalLM
 
 from hf_janus import JanusConfig, JanusError, rectify
@@ -17,36 +28,17 @@ from hf_janus.adapters.peft_layers import adapted_linear_layers, effective_weigh
 from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.publish.record import REPORT_NAME
 
-TARGETS = ["q_proj", "v_proj", "up_proj"]
 FULL_RANK = 64  # >= min(d_out, d_in) of every tiny layer: re-factorization is exact
-
-
-def lora_config(**lora_kwargs):
-    kwargs = dict(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
-    kwargs.update(lora_kwargs)
-    return LoraConfig(**kwargs)
 
 
 def peft_model(**lora_kwargs):
     return get_peft_model(pretrained_llama(), lora_config(**lora_kwargs))
 
 
-class PeftProbe(Probe):
-    """Keeps the merged fine-tuned model (θ̂ as a plain model) before JanusCallback changes anything."""
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        self.finetuned = copy.deepcopy(model).merge_and_unload().state_dict()
-        self.lora = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
-
-
 def plain_twin(state):
     twin = pretrained_llama()
     twin.load_state_dict(state)
     return twin
-
-
-def merged_state(model):
-    return copy.deepcopy(model).merge_and_unload().state_dict()
 
 
 def logits(model, batch):
@@ -322,7 +314,7 @@ def test_trl_sft_trainer_full_and_lora(tmp_path):
 
 def test_gpt2_conv1d_lora_write_back(tmp_path):
     """GPT-2 stores Conv1D weights transposed (fan_in_fan_out): layouts must agree end to end."""
-    from conftest import build_tiny
+    from testing_utils import build_tiny
 
     from hf_janus.demo import VOCAB
 

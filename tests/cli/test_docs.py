@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GENERATORS = ["generate_config_reference.py", "generate_cli_reference.py"]
 README_MAX_BYTES = 12 * 1024
 

@@ -9,10 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import build_tiny, fine_tune, random_replay
+from testing_utils import build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
+
+pytestmark = pytest.mark.distributed  # several processes; see pyproject.toml's markers
 
 CONFIG = dict(rank=4, replay_batch_size=2, tau=0.95)
 
@@ -69,8 +71,8 @@ def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bo
     torch.set_num_threads(1)
     import pathlib
 
-    from test_callback import CONFIG as CB_CONFIG
-    from test_callback import Probe, make_trainer, pretrained_llama, replay_data
+    from trainer_fixtures import CONFIG as CB_CONFIG
+    from trainer_fixtures import Probe, make_trainer, pretrained_llama, replay_data
 
     from hf_janus.integrations.trainer import JanusCallback
 
@@ -78,7 +80,7 @@ def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bo
     theta0 = copy.deepcopy(model.state_dict())
     if use_peft:
         from peft import get_peft_model
-        from test_callback_peft import PeftProbe, lora_config, merged_state
+        from trainer_fixtures import PeftProbe, lora_config, merged_state
 
         model, probe = get_peft_model(model, lora_config()), PeftProbe()
         janus = JanusCallback(replay_data(), CB_CONFIG, adapter_rank=64)
@@ -109,8 +111,8 @@ def test_callback_under_ddp_matches_single_process_rectify(tmp_path, use_peft):
     assert [r["local_batches"] for r in ranks] == [1, 1]
     assert ranks[0]["report"]["num_samples"] == 12
 
-    from test_callback import CONFIG as CB_CONFIG
-    from test_callback import pretrained_llama, replay_data
+    from trainer_fixtures import CONFIG as CB_CONFIG
+    from trainer_fixtures import pretrained_llama, replay_data
 
     from hf_janus import rectify
 
@@ -119,7 +121,7 @@ def test_callback_under_ddp_matches_single_process_rectify(tmp_path, use_peft):
     twin.load_state_dict(ranks[0]["finetuned"])
     config = CB_CONFIG
     if use_peft:  # the adapted layers are the targets
-        from test_callback_peft import TARGETS
+        from trainer_fixtures import TARGETS
 
         config = JanusConfig(**{**CB_CONFIG.to_dict(), "target_modules": TARGETS})
     single = rectify(twin, ranks[0]["theta0"], replay_data(), config, progress=False)

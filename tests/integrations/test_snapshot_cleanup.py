@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from conftest import build_tiny
+from testing_utils import build_tiny
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_janus import JanusConfig, RectificationError

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB, build_tiny, fine_tune, random_replay
+from testing_utils import VOCAB, build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.capture import CaptureResult

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_replay
+from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine import rectifier
@@ -22,7 +22,7 @@ from hf_janus.engine.memory_plan import LayerShape, Workload, plan_memory
 from hf_janus.errors import JanusError
 
 GIB = float(1 << 30)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def llama_7b(**overrides) -> Workload:
@@ -147,6 +147,7 @@ PROBE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 @pytest.mark.parametrize("hidden, inter, layers, m", [(256, 688, 2, 32), (384, 1024, 4, 32), (512, 1376, 4, 48)])
 def test_predicted_own_host_bytes_are_within_15_percent_of_the_measured_ones(tmp_path, hidden, inter, layers, m):

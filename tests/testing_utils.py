@@ -1,0 +1,77 @@
+"""What the tests share: tiny causal LMs built from configs (no network), a toy fine-tune, replay data, and a
+failure injected into the rectifier's captures. Imported as ``testing_utils`` (``tests`` is on pytest's
+``pythonpath``); fixtures stay in ``conftest.py``."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+VOCAB = 48
+
+
+def build_tiny(family: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
+    """A 2-layer model of the given family, small enough for explicit per-sample Jacobians."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    elif family == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
+    elif family == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    elif family == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=16, n_layer=2, n_head=2, n_positions=64,
+                                                 bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                 attn_pdrop=0.0))
+    else:  # pragma: no cover
+        raise ValueError(family)
+    return model.eval()
+
+
+def random_replay(n: int, seed: int = 1, vocab: int = VOCAB, min_len: int = 4, max_len: int = 12) -> list[dict]:
+    """Samples of varied lengths, so batches carry padding."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+        ids = torch.randint(0, vocab, (length,), generator=gen).tolist()
+        out.append({"input_ids": ids, "attention_mask": [1] * length})
+    return out
+
+
+def fine_tune(model: torch.nn.Module, steps: int = 15, lr: float = 5e-3, seed: int = 2, vocab: int = VOCAB):
+    """A few AdamW steps on a different 'task' (random sequences): returns θ0's state dict."""
+    reference = copy.deepcopy(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab, (8, 10), generator=gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=data, labels=data).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    return reference
+
+
+def fail_capture(monkeypatch, at: int, exc: BaseException) -> None:
+    """Make the rectifier's ``at``-th Jacobian capture raise ``exc`` (a failure in the middle of a run)."""
+    from hf_janus.engine.rectifier import Rectifier
+
+    calls = {"n": 0}
+    real = Rectifier.capture
+
+    def failing(self, tag):
+        calls["n"] += 1
+        if calls["n"] == at:
+            raise exc
+        return real(self, tag)
+
+    monkeypatch.setattr(Rectifier, "capture", failing)
