@@ -13,7 +13,7 @@ from hf_janus.evaluation.frontier import FrontierResult, frontier
 from hf_janus.evaluation.harness import EvaluationResult, evaluate
 from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.publish.hub import load_report
-from hf_janus.publish.record import PublishedReport
+from hf_janus.publish.record_file import PublishedReport
 from hf_janus.replay.sources import ReplayOptions
 from hf_janus.version import __version__
 

@@ -106,7 +106,8 @@ def _add_merge_inputs(src: argparse._ArgumentGroup) -> None:
                           "still checked)")
     src.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
     src.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                     help="dtype to load the base model in (default: the checkpoint's; float32 is the most exact)")
+                     help="dtype to load the base model in (default: the checkpoint's; the update is rectified in "
+                          "float32 whatever it is, only --format full rounds to it)")
     src.add_argument("--device", default=None,
                      help="device for the model and the Jacobians, e.g. cuda:0 (default: cpu)")
     quant = src.add_mutually_exclusive_group()

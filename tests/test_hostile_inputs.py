@@ -232,7 +232,7 @@ def _record(tmp_path, **changes):
     from hf_janus import RectificationReport
     from hf_janus.engine.report import StepRecord, TrialRecord
     from hf_janus.publish.provenance import RepoRef
-    from hf_janus.publish.record import build_report
+    from hf_janus.publish.record_file import build_report
 
     rect = RectificationReport(config=JanusConfig().to_dict(), num_jacobian_evals=2, converged=True,
                                stop_reason="converged", replay_loss={"reference": 0.1, "finetuned": 1.0,
@@ -276,7 +276,7 @@ def test_load_report_of_deeply_nested_json(tmp_path):
 
 def test_card_escapes_ids_and_free_text(tmp_path):
     from hf_janus.publish.card import render_card
-    from hf_janus.publish.record import read_record
+    from hf_janus.publish.record_file import read_record
 
     path = _record(tmp_path, converged=False, stop_reason="<script>alert(1)</script> [click](javascript:alert(1))",
                    base_model={"id": 'me/b"); import os; ("`x`|y', "local": False})
@@ -290,7 +290,7 @@ def test_card_escapes_ids_and_free_text(tmp_path):
 def test_card_of_an_odd_frontier_field(tmp_path):
     """A record's frontier field of unexpected types still renders, escaped, and says what it can."""
     from hf_janus.publish.card import render_card
-    from hf_janus.publish.record import read_record
+    from hf_janus.publish.record_file import read_record
 
     frontier = {"chosen": {"label": "<script>x</script>", "ap1": "high", "ap2": 91.25, "tau": None},
                 "criterion": "max AP", "points": 3, "past_tasks": ["nq", 7], "new_tasks": "gsm"}
@@ -309,7 +309,7 @@ def test_card_of_an_odd_frontier_field(tmp_path):
 def test_card_names_the_settings_that_depart_from_the_paper(tmp_path):
     """A damped, re-targeted or loss-accepted run says so in the card (odd values escaped); the defaults add no row."""
     from hf_janus.publish.card import render_card
-    from hf_janus.publish.record import read_record
+    from hf_janus.publish.record_file import read_record
 
     plain = str(render_card(read_record(str(_record(tmp_path))), load_id="me/m"))
     assert "other settings" not in plain

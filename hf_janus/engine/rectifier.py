@@ -30,7 +30,6 @@ from hf_janus.engine.capture import (
 )
 from hf_janus.engine.compression import resolve_method
 from hf_janus.engine.config import JanusConfig
-from hf_janus.engine.workspace import Workspace
 from hf_janus.engine.jacobians import JacobianSource
 from hf_janus.engine.layers import resolve_target_modules, rule_for
 from hf_janus.engine.memory_plan import (
@@ -49,6 +48,7 @@ from hf_janus.engine.step_loop import CosineOverride, StepLoop
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.target_layers import Reference, TargetLayers, build_target_layer, storage_of
 from hf_janus.engine.timing import PhaseTimer
+from hf_janus.engine.workspace import Workspace
 from hf_janus.errors import JanusError, RectificationError
 from hf_janus.parallel.distributed import World
 from hf_janus.parallel.sharding import check_sharding, passes_are_collective, reshard

@@ -94,7 +94,7 @@ class RectificationReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RectificationReport":
         """Rebuild a report; keys it does not know (e.g. the publication record that
-        :func:`hf_janus.publish.record.build_report` puts around it) are ignored."""
+        :func:`hf_janus.publish.record_file.build_report` puts around it) are ignored."""
         data = known_fields(cls, data)
         steps = []
         for s in data.pop("steps", []):

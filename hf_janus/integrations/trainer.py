@@ -29,7 +29,7 @@ from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError, RectificationError
 from hf_janus.integrations.snapshot import SNAPSHOT_NAME, Theta0Snapshot, weights_fingerprint
 from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3, is_zero3_param
-from hf_janus.publish.record import REPORT_NAME
+from hf_janus.publish.record_file import REPORT_NAME
 
 logger = logging.getLogger(__name__)
 

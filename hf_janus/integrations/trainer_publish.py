@@ -10,7 +10,7 @@ from hf_janus.engine.report import RectificationReport
 from hf_janus.publish.files import detect_kind, write_publication_files
 from hf_janus.publish.hub import NEVER_PUBLISHED
 from hf_janus.publish.provenance import ReplayInfo, RepoRef, describe_model, describe_replay
-from hf_janus.publish.record import build_report
+from hf_janus.publish.record_file import build_report
 from hf_janus.publish.weights_meta import weight_files_present
 
 logger = logging.getLogger(__name__)

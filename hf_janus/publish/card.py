@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from huggingface_hub import ModelCard, ModelCardData
 
     from hf_janus.publish.provenance import RepoRef
-    from hf_janus.publish.record import PublishedReport
+    from hf_janus.publish.record_file import PublishedReport
 
 TEMPLATE_NAME = "janus_modelcard.md"
 CARD_NAME = "README.md"

@@ -11,7 +11,7 @@ from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_write_text, read_text
 from hf_janus.publish.card import CARD_NAME, render_card
 from hf_janus.publish.provenance import ReplayInfo, RepoRef, describe_model, describe_replay
-from hf_janus.publish.record import KINDS, REPORT_NAME, PublishedReport, build_report
+from hf_janus.publish.record_file import KINDS, REPORT_NAME, PublishedReport, build_report
 from hf_janus.publish.weights_meta import add_safetensors_metadata, safetensors_metadata, weight_files
 
 

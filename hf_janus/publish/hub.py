@@ -11,7 +11,7 @@ from hf_janus.errors import JanusError, hub_error
 from hf_janus.io_utils import hub_cache_snapshot, is_local, read_text
 from hf_janus.publish.card import CARD_NAME, render_card
 from hf_janus.publish.files import detect_kind, pipeline_tag
-from hf_janus.publish.record import REPORT_NAME, PublishedReport, read_record
+from hf_janus.publish.record_file import REPORT_NAME, PublishedReport, read_record
 
 logger = logging.getLogger(__name__)
 

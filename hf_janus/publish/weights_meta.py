@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional, Union
 
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_replace
-from hf_janus.publish.record import REPORT_NAME, PublishedReport
+from hf_janus.publish.record_file import REPORT_NAME, PublishedReport
 
 #: Prefix of the keys this package adds to the safetensors ``__metadata__``.
 METADATA_PREFIX = "janus."

@@ -25,7 +25,7 @@ from merge_fixtures import (
 
 from hf_janus import JanusConfig, JanusError, JanusMerger, MergeReport
 from hf_janus.adapters.saved.effective import load_effective_model
-from hf_janus.publish.record import REPORT_NAME
+from hf_janus.publish.record_file import REPORT_NAME
 from hf_janus.replay.sources import load_replay
 
 KINDS = ["lora", "rslora-patterns", "dora", "pissa", "pissa-niter", "loha", "embed-mts"]

@@ -33,7 +33,7 @@ from test_qlora import (  # noqa: E402, F401  (base_dir: the 4-bit tests' tiny b
 
 from hf_janus import JanusConfig, JanusError, JanusMerger, MergeReport  # noqa: E402
 from hf_janus.cli import main  # noqa: E402
-from hf_janus.publish.record import REPORT_NAME  # noqa: E402
+from hf_janus.publish.record_file import REPORT_NAME  # noqa: E402
 
 REPLAY = samples(6, seed=2)
 # The rectified update is in the null space of the model as it computes (int8 activations), which is that of the

@@ -22,7 +22,7 @@ from merge_fixtures import (
 from hf_janus import MergeReport
 from hf_janus.cli import main
 from hf_janus.errors import JanusError
-from hf_janus.publish.record import REPORT_NAME
+from hf_janus.publish.record_file import REPORT_NAME
 from hf_janus.replay.sources import ReplayOptions, load_replay, parse_replay_spec, tokenize_replay
 
 FAST = ["--tau", "0", "--compression-rank", "0", "--no-progress"]

@@ -15,7 +15,7 @@ from hf_janus import JanusConfig, JanusError, rectify
 from hf_janus.demo import VOCAB
 from hf_janus.integrations.snapshot import SNAPSHOT_NAME
 from hf_janus.integrations.trainer import JanusCallback
-from hf_janus.publish.record import REPORT_NAME
+from hf_janus.publish.record_file import REPORT_NAME
 
 
 def test_callback_equals_rectify_on_same_inputs(tmp_path):

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from hf_janus import JanusConfig, JanusError, rectify
 from hf_janus.adapters.peft_layers import adapted_linear_layers, effective_weights, theta0_weights
 from hf_janus.integrations.trainer import JanusCallback
-from hf_janus.publish.record import REPORT_NAME
+from hf_janus.publish.record_file import REPORT_NAME
 
 FULL_RANK = 64  # >= min(d_out, d_in) of every tiny layer: re-factorization is exact
 

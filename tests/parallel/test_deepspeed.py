@@ -263,7 +263,7 @@ def _free_port() -> int:
 def test_callback_in_deepspeed_trainer(tmp_path):
     from safetensors.torch import load_file
 
-    from hf_janus.publish.record import REPORT_NAME
+    from hf_janus.publish.record_file import REPORT_NAME
 
     ranks = spawn_two(_trainer_worker, tmp_path, _free_port())
     initial = build_tiny("llama").state_dict()

@@ -205,7 +205,7 @@ def _refusals(args, state) -> dict:
 
 
 def test_callback_on_sharded_model(tmp_path):
-    from hf_janus.publish.record import REPORT_NAME
+    from hf_janus.publish.record_file import REPORT_NAME
 
     ranks = spawn_two(_callback_worker, tmp_path)
     initial = build_tiny("llama").state_dict()

@@ -23,7 +23,7 @@ from hf_janus.integrations.trainer_publish import install_trainer_hooks
 from hf_janus.publish.card import BLOCK_BEGIN, JANUS_TAGS
 from hf_janus.publish.files import write_publication_files
 from hf_janus.publish.hub import push_folder
-from hf_janus.publish.record import REPORT_NAME, SCHEMA_VERSION, PublishedReport
+from hf_janus.publish.record_file import REPORT_NAME, SCHEMA_VERSION, PublishedReport
 from hf_janus.publish.weights_meta import add_safetensors_metadata, read_safetensors_metadata
 
 TOKEN = "hf_publish_test_token"

@@ -31,7 +31,7 @@ from hf_janus.io_utils import atomic_output_dir, check_output_dir
 from hf_janus.publish.files import write_publication_files
 from hf_janus.publish.hub import push_folder
 from hf_janus.publish.provenance import ReplayInfo, RepoRef
-from hf_janus.publish.record import PublishedReport
+from hf_janus.publish.record_file import PublishedReport
 
 logger = logging.getLogger(__name__)
 

@@ -226,8 +226,8 @@ def load_effective_model(
             unconverted PiSSA adapter: the original model, not the residual one).
         adapter: Hub repo id or local directory of a PEFT adapter (``adapter_config.json`` + weights).
         revision: revision of the adapter repo; ``base_revision`` that of the base model.
-        torch_dtype: dtype to load the base in (default: the checkpoint's). Rectification is most exact
-            in float32: in bfloat16 a small ``ΔW`` is rounded when written into the weights.
+        torch_dtype: dtype to load the base in (default: the checkpoint's). ``ΔW`` is read from PEFT's merge
+            run in float32 whatever it is (``EffectiveModel.finetuned``); only full weights saved in bf16 round.
         device: where to put the model (default: where ``from_pretrained`` puts it, the CPU).
         initial_adapter: the adapter as saved right after initialization, for unconverted PiSSA/OLoRA/
             CorDA/LoRA-GA/LoftQ adapters (see the module docstring).
@@ -265,11 +265,7 @@ def load_effective_model(
         n.removeprefix(PEFT_PREFIX) for n, m in peft_model.named_modules()
         if type(m).__name__ == "ModulesToSaveWrapper"
     )
-    try:
-        merged = peft_model.merge_and_unload(progressbar=progress)  # PEFT's own merge, layer by layer, in place
-    except (RuntimeError, ValueError, NotImplementedError) as err:
-        raise JanusError(f"PEFT could not merge adapter {src.name!r} into base model {base_name!r}: {err}") from err
-    merged.eval()
+    merged = _merge(peft_model, src, base_name, progress)
     bias = getattr(src.config, "bias", "none")
     changes_bias = (bias not in (None, "none")) or bool(getattr(src.config, "lora_bias", False))
     logger.info("loaded %s adapter %r onto %r: %d adapted layer(s)", src.kind, src.name, base_name,
@@ -279,6 +275,15 @@ def load_effective_model(
         base_revision=base_revision, modules_to_save=modules_to_save, changes_bias=changes_bias,
         quantized=read.quantized, finetuned=read.finetuned,
     )
+
+
+def _merge(peft_model: nn.Module, src: AdapterSource, base_name: str, progress: bool) -> nn.Module:
+    """PEFT's own merge, layer by layer, in place: the model the captures run on."""
+    try:
+        merged = peft_model.merge_and_unload(progressbar=progress)
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        raise JanusError(f"PEFT could not merge adapter {src.name!r} into base model {base_name!r}: {err}") from err
+    return merged.eval()
 
 
 def _check_adapter_kind(src: AdapterSource) -> None:

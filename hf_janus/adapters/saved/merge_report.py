@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_write_text
-from hf_janus.publish.record import PublishedReport
+from hf_janus.publish.record_file import PublishedReport
 from hf_janus.serialization import known_fields
 
 MERGE_SCHEMA_VERSION = 1
@@ -48,7 +48,7 @@ class MergeReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MergeReport":
-        """Read :meth:`to_dict` output, or a published ``janus_rectification.json`` (see :mod:`hf_janus.publish.record`)."""
+        """Read :meth:`to_dict` output, or a published ``janus_rectification.json`` (see :mod:`hf_janus.publish.record_file`)."""
         if "hf_janus_version" in data:
             return cls.from_published(PublishedReport.from_dict(data))
         data = dict(data)
@@ -62,7 +62,7 @@ class MergeReport:
 
     @classmethod
     def from_published(cls, published: PublishedReport) -> "MergeReport":
-        """The :class:`MergeReport` inside a :class:`~hf_janus.publish.record.PublishedReport` written by the merger."""
+        """The :class:`MergeReport` inside a :class:`~hf_janus.publish.record_file.PublishedReport` written by the merger."""
         if published.merge is None or published.adapter is None or published.base_model is None:
             raise JanusError(
                 f"this janus_rectification.json{f' ({published.source})' if published.source else ''} was not "

@@ -102,8 +102,8 @@ class JanusMerger:
         config: :class:`JanusConfig`. Its ``target_modules``/``exclude_modules`` can only narrow the set
             of adapted layers (see the module docstring).
         revision: revision of the adapter repo (``base_revision`` for the base model).
-        torch_dtype: dtype to load the base model in (default: the checkpoint's); float32 is the most
-            exact for rectification.
+        torch_dtype: dtype to load the base model in (default: the checkpoint's). The update is rectified in
+            float32 whatever it is; only full weights saved in bf16 or fp16 are rounded to it.
         device: device for the model and the Jacobian computations.
         initial_adapter: for an unconverted PiSSA-like adapter with a randomized/data-dependent init, the
             adapter saved right after initialization (see :mod:`hf_janus.adapters.saved.effective`).
