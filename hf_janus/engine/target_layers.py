@@ -77,7 +77,8 @@ class TargetLayer:
 
     def restore(self) -> None:
         """Put θ̂ back as the module stored it (the exact θ̂ rounds to it bit for bit where no backup is kept)."""
-        stored = self.finetuned_backup if self.finetuned_backup is not None else self.finetuned_native()
+        stored = (self.finetuned_backup if self.finetuned_backup is not None
+                  else self.rule.from_matrix(self.finetuned_exact))
         write_full_(self.module.weight, stored, master=self.master_backup)
 
     def release_current_jacobian(self) -> None:

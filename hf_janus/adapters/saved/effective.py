@@ -139,6 +139,13 @@ def _is_conv1d(module: nn.Module) -> bool:
     return isinstance(module, Conv1D)
 
 
+def _rebuilds_pissa(src: AdapterSource, initial_given: bool) -> bool:
+    """Whether W_res of an unconverted PiSSA adapter is rebuilt from W (exact SVD) instead of from the factors
+    of an initial adapter the user gave."""
+    mutating = src.mutating_init
+    return mutating is not None and mutating.lower() == "pissa" and not initial_given
+
+
 def _reconstruct_pissa(module: nn.Module, init: str) -> Tensor:
     """Turn the loaded layer (original base W, trained A/B) into PEFT's PiSSA state: base W_res, trained A/B.
     Returns θ0 = W_res + s·B0A0 in float32 (W up to the rounding of W_res in the base's dtype)."""
@@ -305,7 +312,7 @@ def _initial_factors(src: AdapterSource, initial_adapter: Union[str, os.PathLike
     """The factors (A0, B0) of ``initial_adapter`` where θ0 needs them; refuses the PiSSA-like cases that can
     be rectified neither without it nor at all."""
     config, mutating = src.config, src.mutating_init
-    reconstruct = mutating is not None and mutating.lower() == "pissa" and initial_adapter is None
+    reconstruct = _rebuilds_pissa(src, initial_adapter is not None)
     initial = None
     if initial_adapter is not None:
         if src.peft_type.upper() != "LORA" or getattr(config, "use_dora", False):
@@ -358,7 +365,7 @@ def _read_adapted_layers(peft_model: nn.Module, src: AdapterSource, initial: Opt
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     mutating = src.mutating_init
-    reconstruct = mutating is not None and mutating.lower() == "pissa" and initial is None
+    reconstruct = _rebuilds_pissa(src, initial is not None)
     tuners = [(n, m) for n, m in peft_model.named_modules() if isinstance(m, BaseTunerLayer)]
     tuners = [(n, m) for n, m in tuners if hasattr(m, "get_base_layer") and m.get_base_layer() is not m]
     out = _AdaptedWeights(quantized=any(on_quantized_base(m) for _, m in tuners))

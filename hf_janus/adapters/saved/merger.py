@@ -240,15 +240,12 @@ def _layer_deltas(effective: EffectiveModel, result: RectificationResult) -> dic
         for name, info in effective.layers.items():
             if name in layers or info.layer_type == "other":
                 continue
-            weight = effective.finetuned.get(name + ".weight")
-            if weight is None:
-                weight = effective.model.get_submodule(name).weight.detach()
-            ref = effective.reference.pop(name + ".weight")
+            delta = effective.delta(name)  # float32, native layout, from the exact θ̂ where there is one
+            effective.reference.pop(name + ".weight")
             if info.layer_type == "linear":
-                rule = rule_for(effective.model.get_submodule(name))
-                matrix = rule.to_matrix(weight).float().cpu() - rule.to_matrix(ref).float()
+                matrix = rule_for(effective.model.get_submodule(name)).to_matrix(delta).contiguous()
             else:  # embedding: PEFT factors its (num_embeddings, dim) update as (B @ A)ᵀ
-                matrix = (weight.float().cpu() - ref.float()).T.contiguous()
+                matrix = delta.T.contiguous()
             layers[name] = LayerDelta(name=name, layer_type=info.layer_type, matrix=matrix, rectified=False,
                                       own_rank=info.rank, fan_in_fan_out=info.fan_in_fan_out)
     return layers
