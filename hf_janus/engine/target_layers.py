@@ -178,13 +178,14 @@ def build_target_layer(name: str, module: nn.Module, reference: Reference, finet
     # weights are copied: they can change under the result that holds them.
     borrowed = isinstance(reference, Mapping) and storage_of(ref) not in model_storages | {None}
     ref_matrix = rule.to_matrix(ref).to(theta0_home, copy=not borrowed)
-    exact, backup = None, stored.clone().cpu()
+    exact = None
     if finetuned is not None:
         exact = rule.to_matrix(_given_finetuned(finetuned, name, stored)).to("cpu", torch.float32)
         if storage_of(exact) in model_storages | {None}:
             exact = exact.clone()
-        if torch.equal(rule.from_matrix(exact).to(stored.dtype), backup):
-            backup = None
+    # the backup is only copied where the exact θ̂ would not write the stored weight back bit for bit
+    restores = exact is not None and torch.equal(rule.from_matrix(exact).to(stored.dtype), stored.cpu())
+    backup = None if restores else stored.clone().cpu()
     return TargetLayer(
         name=name, module=module, rule=rule, finetuned_backup=backup, reference_matrix=ref_matrix,
         current=ref_matrix.to(current_home, torch.float32, copy=True),
