@@ -279,7 +279,8 @@ def _floats(text: str) -> list[float]:
 
 
 def _add_frontier(sub: argparse._SubParsersAction) -> None:
-    from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_PRE_JANUS_GRID,
+    from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
+                                               DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
                                                DEFAULT_TAUS, DEFAULT_WISE_GRID)
 
     def shown(grid: Sequence[float]) -> str:
@@ -290,7 +291,8 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
         help="score WiSE-FT, JANUS and hybrids on your tasks, plot AP1 against AP2 and save the point you ask for",
         description="Build the stability-plasticity frontier between θ0 (--reference) and θ̂ (--finetuned): WiSE-FT "
                     "interpolations, JANUS at each τ, damped JANUS at each damping, JANUS followed by interpolation "
-                    "toward θ0 or θ̂, and interpolation followed by JANUS. Each is scored with lm-evaluation-harness "
+                    "toward θ0 or θ̂, and interpolation followed by JANUS; for a LoRA adapter also PEFT's "
+                    "intruder-dimension reduction and intruder reduction followed by JANUS. Each is scored with lm-evaluation-harness "
                     "(AP1 on --past-task, AP2 on --new-task); the point meeting the criterion is chosen and can be "
                     "saved or pushed with its record. Needs the [eval] extra: pip install 'hf-janus[eval]'.",
         epilog=_FRONTIER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -317,6 +319,14 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
                            f"{shown(DEFAULT_HYBRID_GRID)})")
     grid.add_argument("--pre-janus-grid", type=_floats, default=list(DEFAULT_PRE_JANUS_GRID), metavar="A,A,...",
                       help=f"WiSE-FT a before JANUS (default: {shown(DEFAULT_PRE_JANUS_GRID)})")
+    grid.add_argument("--intruder-lambdas", type=_floats, default=list(DEFAULT_INTRUDER_LAMBDAS), metavar="L,L,...",
+                      help="mitigation_lambda of PEFT's intruder-dimension reduction in [0, 1), scored when "
+                           "--finetuned is a LoRA adapter; '' for none (default: "
+                           f"{shown(DEFAULT_INTRUDER_LAMBDAS)})")
+    grid.add_argument("--pre-janus-intruder-lambdas", type=_floats,
+                      default=list(DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS), metavar="L,L,...",
+                      help="intruder-reduction λ before JANUS, a hybrid for LoRA adapters; '' for none (default: "
+                           f"{shown(DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS)})")
 
     jan = p.add_argument_group("JANUS (every run; the hybrids use --tau)")
     jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
@@ -351,7 +361,9 @@ def _run_frontier(args: argparse.Namespace) -> int:
     result = frontier(args.reference, args.finetuned, args.replay, past_tasks=args.past_task,
                       new_tasks=args.new_task, config=merge_config(args), wise_grid=args.wise_grid, taus=args.taus,
                       dampings=args.dampings, hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid,
-                      pre_janus_grid=args.pre_janus_grid, min_ap2=args.min_ap2, min_ap1=args.min_ap1,
+                      pre_janus_grid=args.pre_janus_grid, intruder_lambdas=args.intruder_lambdas,
+                      pre_janus_intruder_lambdas=args.pre_janus_intruder_lambdas,
+                      min_ap2=args.min_ap2, min_ap1=args.min_ap1,
                       replay_options=replay_options(args), progress=not args.no_progress,
                       **evaluation_settings(args))
     table = result.to_markdown()

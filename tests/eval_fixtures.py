@@ -28,3 +28,19 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
         for row in rows:
             fh.write(json.dumps(row) + "\n")
     return path
+
+
+def train_on_texts(model, texts: list[str], tok, steps: int, lr: float, seed: int = 0) -> None:
+    """A few full-batch AdamW steps of language modelling on ``texts`` (every trainable parameter)."""
+    import torch
+
+    torch.manual_seed(seed)
+    batch = tok(texts, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    for _ in range(steps):
+        model(**batch, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()

@@ -276,7 +276,7 @@ class Rectifier:
 
 
 def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None, *,
-            progress: bool = True) -> RectificationReport:
+            progress: bool = True, finetuned: Optional[Mapping[str, Tensor]] = None) -> RectificationReport:
     """Rectify a fine-tuned model in place so that it forgets less of a past task.
 
     Args:
@@ -289,10 +289,13 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
             token counts), or a ``DataLoader`` yielding such batches.
         config: :class:`JanusConfig`; defaults to the paper's settings (τ=0.95, β=0.7, r=32).
         progress: show a tqdm progress bar over trials.
+        finetuned: θ̂ of every target layer (``"<layer name>.weight"``), when it is known more exactly than the
+            model holds it, e.g. float32 θ0 + ΔW of an adapter merged into a bf16 model: ΔW is then taken from it
+            (see :class:`Rectifier`). The model receives θ_rect rounded to its dtype.
 
     Returns:
         A :class:`RectificationReport`. On failure the model is restored to θ̂ exactly and a
         :class:`~hf_janus.errors.RectificationError` (or :class:`~hf_janus.errors.JanusError` for bad input)
         says what happened.
     """
-    return Rectifier(model, reference, replay, config, progress=progress).run().report
+    return Rectifier(model, reference, replay, config, progress=progress, finetuned=finetuned).run().report

@@ -1,7 +1,7 @@
 """The frontier's candidates: which models between θ0 and θ̂ are scored, in what order, and how each is labelled.
 
 A :class:`Candidate` only says how its model is made (a WiSE-FT coefficient, a JANUS τ and damping, an interpolation
-after JANUS); :mod:`hf_janus.evaluation.candidate_weights` builds its weights.
+after JANUS, PEFT's intruder-reduction λ); :mod:`hf_janus.evaluation.candidate_weights` builds its weights.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ DEFAULT_PRE_JANUS_GRID = (0.5, 0.75)
 # benchmark's frontier study 0.01-0.1 spanned the useful range: 0.001 stayed within 2.5 AP2 points of plain JANUS and
 # 1 came within 0.5 of θ̂ (benchmarks/forgetting/README.md).
 DEFAULT_DAMPINGS = (0.01, 0.1)
+# mitigation_lambda of PEFT's intruder-dimension reduction (LoRA adapters only): PEFT's default 0.75 and the paper's
+# range down to removing the intruders (0). 1 is θ̂ itself.
+DEFAULT_INTRUDER_LAMBDAS = (0.75, 0.5, 0.25, 0.0)
+# the λ of "intruder reduction, then JANUS" (one more JANUS run, LoRA adapters only, with the hybrids)
+DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS = (0.5,)
 
 
 @dataclass
@@ -31,6 +36,7 @@ class Candidate:
     tau: Optional[float] = None  # JANUS τ (janus and the hybrids)
     b: Optional[float] = None  # interpolation after JANUS (janus_to_reference, janus_to_finetuned)
     damping: Optional[float] = None  # JanusConfig.damping of a damped_janus run (None: the config's)
+    mitigation_lambda: Optional[float] = None  # PEFT's intruder reduction (intruder, intruder_then_janus)
 
     @property
     def uses_janus(self) -> bool:
@@ -38,8 +44,12 @@ class Candidate:
 
 
 def _check_grids(wise_grid: Sequence[float], taus: Sequence[float], hybrid_grid: Sequence[float],
-                 pre_janus_grid: Sequence[float], dampings: Sequence[float]) -> None:
+                 pre_janus_grid: Sequence[float], dampings: Sequence[float],
+                 intruder_lambdas: Sequence[float] = ()) -> None:
     """Refuse coefficients that would repeat an anchor or name no model."""
+    if any(not 0.0 <= float(v) < 1.0 for v in intruder_lambdas):
+        raise JanusError(f"intruder_lambdas (PEFT's mitigation_lambda) must lie in [0, 1) (1 keeps θ̂), got "
+                         f"{list(intruder_lambdas)}")
     for name, grid in (("wise_grid", wise_grid), ("hybrid_grid", hybrid_grid), ("pre_janus_grid", pre_janus_grid)):
         if any(not 0.0 < float(v) < 1.0 for v in grid):
             raise JanusError(f"{name} values must lie strictly between 0 and 1 (the ends are θ0 and θ̂), got "
@@ -54,12 +64,17 @@ def _check_grids(wise_grid: Sequence[float], taus: Sequence[float], hybrid_grid:
 def candidates(wise_grid: Sequence[float] = DEFAULT_WISE_GRID, taus: Sequence[float] = DEFAULT_TAUS, *,
                hybrid_tau: Optional[float] = None, hybrid_grid: Sequence[float] = DEFAULT_HYBRID_GRID,
                pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID, dampings: Sequence[float] = (),
-               damped_tau: float = 0.95) -> list[Candidate]:
-    """The candidates in scoring order: θ0 and θ̂ first (AP needs them), then WiSE-FT, JANUS, damped JANUS (at
-    ``damped_tau``) and the hybrids (at ``hybrid_tau``; none when it is ``None``)."""
-    _check_grids(wise_grid, taus, hybrid_grid, pre_janus_grid, dampings)
+               damped_tau: float = 0.95, intruder_lambdas: Sequence[float] = (),
+               pre_janus_intruder_lambdas: Sequence[float] = ()) -> list[Candidate]:
+    """The candidates in scoring order: θ0 and θ̂ first (AP needs them), then WiSE-FT, PEFT's intruder reduction
+    (at ``intruder_lambdas``; LoRA adapters only), JANUS, damped JANUS (at ``damped_tau``) and the hybrids (at
+    ``hybrid_tau``; none when it is ``None``), intruder reduction then JANUS among them."""
+    _check_grids(wise_grid, taus, hybrid_grid, pre_janus_grid, dampings,
+                 tuple(intruder_lambdas) + tuple(pre_janus_intruder_lambdas))
     out = [Candidate("θ0 (reference)", "anchor", a=0.0), Candidate("θ̂ (fine-tuned)", "anchor", a=1.0)]
     out += [Candidate(f"WiSE-FT a={a:g}", "wise", a=float(a)) for a in wise_grid]
+    out += [Candidate(f"intruder reduction λ={lam:g}", "intruder", mitigation_lambda=float(lam))
+            for lam in intruder_lambdas]
     out += [Candidate(f"JANUS τ={t:g}", "janus", tau=float(t)) for t in taus]
     out += [Candidate(f"JANUS τ={float(damped_tau):g}, damping {d:g}", "damped_janus", tau=float(damped_tau),
                       damping=float(d)) for d in dampings]
@@ -71,4 +86,6 @@ def candidates(wise_grid: Sequence[float] = DEFAULT_WISE_GRID, taus: Sequence[fl
                 for b in hybrid_grid]
         out += [Candidate(f"WiSE-FT a={a:g} → JANUS τ={t:g}", "wise_then_janus", a=float(a), tau=t)
                 for a in pre_janus_grid]
+        out += [Candidate(f"intruder reduction λ={lam:g} → JANUS τ={t:g}", "intruder_then_janus", tau=t,
+                          mitigation_lambda=float(lam)) for lam in pre_janus_intruder_lambdas]
     return out

@@ -7,7 +7,13 @@ Each candidate is a model between θ0 (before fine-tuning) and θ̂ (after):
   projection ``ΔW − Jᵀ(JJᵀ + λI)⁻¹JΔW`` keeps part of the update along weakly constrained directions) at each
   configured damping;
 * **JANUS, then interpolation** toward θ0 (``θ0 + b(θ_J − θ0)``) or toward θ̂ (``θ_J + b(θ̂ − θ_J)``);
-* **interpolation, then JANUS** on the interpolated update (a rectification of ``θ0 + a(θ̂ − θ0)``).
+* **interpolation, then JANUS** on the interpolated update (a rectification of ``θ0 + a(θ̂ − θ0)``);
+* for a **LoRA adapter**, PEFT's own post-hoc mitigation, **intruder-dimension reduction** at each
+  ``mitigation_lambda`` (no replay; :mod:`hf_janus.evaluation.intruder_reduction`), and intruder reduction followed
+  by JANUS.
+
+A saved adapter is merged by PEFT in float32 (:func:`hf_janus.adapters.saved.effective.load_effective_model`), so on
+a bf16 base every candidate is built from the adapter's exact update, not from its bf16 rounding.
 
 Every candidate is scored with lm-evaluation-harness on past tasks (AP1, relative to θ0) and new tasks (AP2,
 relative to θ̂). The result is a table, a PNG of AP1 against AP2, and the point that meets a criterion (e.g. the
@@ -31,10 +37,12 @@ from hf_janus.engine.rectifier import rectify
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidate_weights import WeightBuilder, differing_parameters, run_janus
-from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_PRE_JANUS_GRID,
-                                            DEFAULT_TAUS, DEFAULT_WISE_GRID, Candidate, candidates)
-from hf_janus.evaluation.harness import (ModelLike, Scorer, TaskLike, TaskResult, load_model, load_tokenizer,
-                                         resolve_tasks)
+from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
+                                            DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS,
+                                            DEFAULT_WISE_GRID, Candidate, candidates)
+from hf_janus.evaluation.intruder_reduction import IntruderReduction
+from hf_janus.evaluation.harness import (ModelLike, Scorer, TaskLike, TaskResult, is_adapter, load_model,
+                                         load_tokenizer, resolve_tasks)
 from hf_janus.evaluation.scoring import ap_metrics
 from hf_janus.io_utils import atomic_replace, atomic_write_text
 
@@ -59,15 +67,30 @@ class FrontierPoint:
     jacobian_evaluations: int = 0
     seconds: float = 0.0
     damping: Optional[float] = None
+    mitigation_lambda: Optional[float] = None
+    # AP1 above (+) or below (-) the intruder-reduction curve (θ̂ and its λ points) at this point's AP2
+    above_intruder: Optional[float] = None
 
 
-def wise_margin(points: Sequence[FrontierPoint], ap1: Optional[float], ap2: Optional[float]) -> Optional[float]:
-    """``ap1`` minus the WiSE-FT curve's AP1 at ``ap2`` (linear between its points, anchors included); ``None``
-    outside the curve's AP2 range."""
+#: The points each peer curve is drawn through: WiSE-FT (from θ0 to θ̂) and PEFT's intruder reduction (from θ̂).
+WISE_CURVE = ("anchor", "wise")
+INTRUDER_CURVE = ("finetuned", "intruder")
+
+
+def _on_curve(p: FrontierPoint, kinds: Sequence[str]) -> bool:
+    if p.ap1 is None or p.ap2 is None:
+        return False
+    return p.kind in kinds or ("finetuned" in kinds and p.kind == "anchor" and p.a == 1.0)
+
+
+def wise_margin(points: Sequence[FrontierPoint], ap1: Optional[float], ap2: Optional[float],
+                kinds: Sequence[str] = WISE_CURVE) -> Optional[float]:
+    """``ap1`` minus the peer curve's AP1 at ``ap2`` (linear between its points sorted by AP2): the WiSE-FT curve,
+    anchors included, or with ``kinds=INTRUDER_CURVE`` the intruder-reduction curve; ``None`` outside the
+    curve's AP2 range (or when it has fewer than two points)."""
     if ap1 is None or ap2 is None:
         return None
-    curve = sorted((p.ap2, p.ap1) for p in points if p.kind in ("anchor", "wise") and p.ap1 is not None
-                   and p.ap2 is not None)
+    curve = sorted((p.ap2, p.ap1) for p in points if _on_curve(p, kinds))
     for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
         if x0 <= ap2 <= x1:
             return ap1 - (y0 if x1 == x0 else y0 + (y1 - y0) * (ap2 - x0) / (x1 - x0))
@@ -135,13 +158,17 @@ class FrontierResult:
         def fmt(v: Optional[float], spec: str) -> str:
             return "" if v is None else format(v, spec)
 
-        head = ["", "candidate"] + tasks + ["AP1 (%)", "AP2 (%)", "AP (%)", "AP1 vs WiSE-FT", "Jacobian evals", "s"]
+        intruders = any(p.kind == "intruder" for p in self.points)
+        head = ["", "candidate"] + tasks + ["AP1 (%)", "AP2 (%)", "AP (%)", "AP1 vs WiSE-FT"]
+        head += ["AP1 vs intruder"] if intruders else []
+        head += ["Jacobian evals", "s"]
         lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
         for i, p in enumerate(self.points):
             mark = "**→**" if i == self.chosen else ""
             cells = [mark, p.label] + [fmt(p.scores.get(t), ".4f") for t in tasks]
-            cells += [fmt(p.ap1, ".1f"), fmt(p.ap2, ".1f"), fmt(p.ap, ".1f"), fmt(p.above_wise, "+.1f"),
-                      str(p.jacobian_evaluations or ""), f"{p.seconds:.0f}"]
+            cells += [fmt(p.ap1, ".1f"), fmt(p.ap2, ".1f"), fmt(p.ap, ".1f"), fmt(p.above_wise, "+.1f")]
+            cells += [fmt(p.above_intruder, "+.1f")] if intruders else []
+            cells += [str(p.jacobian_evaluations or ""), f"{p.seconds:.0f}"]
             lines.append("| " + " | ".join(cells) + " |")
         if self.best is not None:
             lines.append(f"\nChosen ({self.criterion}): **{self.best.label}**.")
@@ -161,9 +188,16 @@ class FrontierResult:
                        and p.ap2 is not None)
         if curve:
             ax.plot([c[0] for c in curve], [c[1] for c in curve], "-o", color="0.5", ms=4, label="WiSE-FT")
+        peer = sorted((p.ap2, p.ap1) for p in self.points if p.kind == "intruder" and _on_curve(p, INTRUDER_CURVE))
+        if peer:
+            top = [(p.ap2, p.ap1) for p in self.points if p.kind == "anchor" and p.a == 1.0 and p.ap1 is not None]
+            line = sorted(peer + top)
+            ax.plot([c[0] for c in line], [c[1] for c in line], "--D", color="C5", ms=4,
+                    label="intruder reduction (PEFT)")
         styles = {"janus": ("s", "C0", "JANUS"), "damped_janus": ("P", "C4", "damped JANUS"),
                   "janus_to_reference": ("v", "C1", "JANUS → θ0"),
-                  "janus_to_finetuned": ("^", "C2", "JANUS → θ̂"), "wise_then_janus": ("D", "C3", "WiSE-FT → JANUS")}
+                  "janus_to_finetuned": ("^", "C2", "JANUS → θ̂"), "wise_then_janus": ("D", "C3", "WiSE-FT → JANUS"),
+                  "intruder_then_janus": ("X", "C6", "intruder reduction → JANUS")}
         for kind, (marker, color, name) in styles.items():
             pts = [p for p in self.points if p.kind == kind and p.ap1 is not None and p.ap2 is not None]
             if pts:
@@ -236,7 +270,10 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
              taus: Sequence[float] = DEFAULT_TAUS, hybrids: bool = True,
              hybrid_grid: Sequence[float] = DEFAULT_HYBRID_GRID,
              pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID,
-             dampings: Sequence[float] = DEFAULT_DAMPINGS, min_ap2: Optional[float] = None,
+             dampings: Sequence[float] = DEFAULT_DAMPINGS,
+             intruder_lambdas: Sequence[float] = DEFAULT_INTRUDER_LAMBDAS,
+             pre_janus_intruder_lambdas: Sequence[float] = DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
+             min_ap2: Optional[float] = None,
              min_ap1: Optional[float] = None, tokenizer: Any = None, batch_size: Union[int, str] = 16,
              limit: Optional[Union[int, float]] = None, include_path: Optional[str] = None,
              replay_options: Any = None, device: Any = None, torch_dtype: Any = None, token: Any = None,
@@ -257,7 +294,11 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         wise_grid: WiSE-FT coefficients a (θ0 + a(θ̂ − θ0)), strictly between 0 and 1.
         taus: the τ values of plain JANUS.
         dampings: the ``JanusConfig.damping`` values of the damped-JANUS runs (at ``config.tau``); ``()`` for none.
-        hybrids: also score JANUS → θ0 and JANUS → θ̂ at ``hybrid_grid`` and WiSE-FT → JANUS at ``pre_janus_grid``.
+        hybrids: also score JANUS → θ0 and JANUS → θ̂ at ``hybrid_grid``, WiSE-FT → JANUS at ``pre_janus_grid``
+            and (LoRA adapters) intruder reduction → JANUS at ``pre_janus_intruder_lambdas``.
+        intruder_lambdas: when ``finetuned`` is a saved LoRA adapter given by path or repo id (and ``reference`` by
+            path or repo id too), PEFT's intruder-dimension reduction at each of these ``mitigation_lambda`` values
+            (PEFT's default top_k=10 and threshold_epsilon=0.5); ``()`` for none. Ignored for other models.
         min_ap2 / min_ap1: the choice (see :meth:`FrontierResult.select`); default the largest AP.
         tokenizer, batch_size, limit, include_path: evaluation options (see :func:`hf_janus.evaluate`).
         progress: a progress bar over the candidates (its time estimate grows with each JANUS run).
@@ -268,14 +309,22 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         A :class:`FrontierResult`; ``result.best`` is the chosen point.
     """
     config = config if config is not None else JanusConfig()
-    cands = candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None, hybrid_grid=hybrid_grid,
-                       pre_janus_grid=pre_janus_grid, dampings=dampings, damped_tau=config.tau)
+    # the grids are checked before any model is loaded
+    candidates(wise_grid, taus, hybrid_tau=config.tau, hybrid_grid=hybrid_grid, pre_janus_grid=pre_janus_grid,
+               dampings=dampings, intruder_lambdas=intruder_lambdas,
+               pre_janus_intruder_lambdas=pre_janus_intruder_lambdas)
     past, new = resolve_tasks(past_tasks), resolve_tasks(new_tasks)
     if not past or not new:
         raise JanusError("the frontier needs past_tasks (for AP1) and new_tasks (for AP2)")
     tok = load_tokenizer(tokenizer, [reference, finetuned], token=token)
     builder = _working_model(reference, finetuned, replay, tok, replay_options, device=device,
-                             torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
+                             torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle,
+                             intruders=bool(intruder_lambdas or (hybrids and pre_janus_intruder_lambdas)))
+    lora = builder.intruders is not None
+    cands = candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None, hybrid_grid=hybrid_grid,
+                       pre_janus_grid=pre_janus_grid, dampings=dampings, damped_tau=config.tau,
+                       intruder_lambdas=intruder_lambdas if lora else (),
+                       pre_janus_intruder_lambdas=pre_janus_intruder_lambdas if lora else ())
     scorer = Scorer(past + new, tok, batch_size=batch_size, limit=limit, include_path=include_path)
     past_names, new_names = [t.name for t in past], [t.name for t in new]
 
@@ -291,19 +340,60 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
 
 
 def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok: Any, replay_options: Any, *,
-                   device: Any, torch_dtype: Any, token: Any, allow_pickle: bool) -> WeightBuilder:
-    """θ̂ loaded as the working model, with θ0 and θ̂ of the parameters that differ and the replay samples."""
+                   device: Any, torch_dtype: Any, token: Any, allow_pickle: bool,
+                   intruders: bool = False) -> WeightBuilder:
+    """θ̂ loaded as the working model, with θ0 and θ̂ of the parameters that differ and the replay samples.
+
+    A saved adapter on a reference given by name is merged by PEFT in float32: θ0 and θ̂ of its layers are kept in
+    float32 (the model holds them rounded to its dtype), and for a plain LoRA the intruder detection is done once
+    (``intruders``)."""
     if isinstance(replay, (str, os.PathLike)):
         from hf_janus.replay.sources import load_replay
 
         replay = load_replay(os.fspath(replay), tok, replay_options)
-    model = load_model(finetuned, device=device, torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
-    base = load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
-    differing = differing_parameters(model, dict(base.named_parameters()))
     base_name = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None
+    exact = None
+    if base_name is not None and is_adapter(finetuned, token=token):
+        exact = _exact_adapter(base_name, finetuned, device=device, torch_dtype=torch_dtype, token=token,
+                               allow_pickle=allow_pickle)
+        model = exact.model
+    else:
+        model = load_model(finetuned, device=device, torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
+    base = load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
+    differing = differing_parameters(model, dict(base.named_parameters()), allow_identical=exact is not None)
     del base
-    return WeightBuilder(model, {k: v[0] for k, v in differing.items()}, {k: v[1] for k, v in differing.items()},
-                         tok, base_name, replay)
+    theta0, tuned = {k: v[0] for k, v in differing.items()}, {k: v[1] for k, v in differing.items()}
+    reduction = None
+    if exact is not None:
+        keys = [name + ".weight" for name in exact.linear_layers]
+        theta0.update({k: exact.reference[k].float() for k in keys})
+        tuned.update({k: exact.finetuned[k].float() if k in exact.finetuned
+                      else exact.model.get_parameter(k).detach().float().cpu() for k in keys})
+        if intruders and _plain_lora(exact.adapter.config):
+            ranks = {name + ".weight": exact.layers[name].rank for name in exact.linear_layers}
+            reduction = IntruderReduction({k: theta0[k] for k in keys}, {k: tuned[k] for k in keys}, ranks)
+            logger.info("intruder reduction: %d of %d adapted layers have intruder dimensions",
+                        reduction.layers_with_intruders, len(keys))
+    if all(torch.equal(theta0[k].float(), tuned[k].float()) for k in theta0):
+        raise JanusError("θ0 and θ̂ are identical: there is no fine-tuning to trade off")
+    return WeightBuilder(model, theta0, tuned, tok, base_name, replay, intruders=reduction)
+
+
+def _exact_adapter(base_name: str, adapter: ModelLike, **load: Any) -> Any:
+    """The adapter merged on ``base_name`` by PEFT in float32 (:class:`~hf_janus.adapters.saved.effective.
+    EffectiveModel`); the reference is θ0 by definition here, so a differently named copy of the base is fine."""
+    from hf_janus.adapters.saved.effective import load_effective_model
+
+    exact = load_effective_model(base_name, os.fspath(adapter), allow_base_mismatch=True, progress=False, **load)
+    if exact.quantized:  # pragma: no cover - load_effective_model quantizes only when asked
+        raise JanusError("the frontier scores unquantized models; load the base unquantized")
+    return exact
+
+
+def _plain_lora(config: Any) -> bool:
+    """PEFT's intruder reduction is defined for LoRA (not DoRA, whose magnitude vector is not a low-rank update)."""
+    kind = getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None))
+    return str(kind) == "LORA" and not getattr(config, "use_dora", False)
 
 
 def _score_candidates(cands: Sequence[Candidate], builder: WeightBuilder, scorer: Scorer, config: JanusConfig,
@@ -344,7 +434,8 @@ def _score_candidate(c: Candidate, builder: WeightBuilder, scorer: Scorer, confi
     with builder.applied(c) as working, torch.no_grad():
         results = scorer(working)
     point = FrontierPoint(c.label, c.kind, c.a, c.tau, c.b, {n: r.score for n, r in results.items()},
-                          jacobian_evaluations=evals, seconds=time.perf_counter() - t0, damping=c.damping)
+                          jacobian_evaluations=evals, seconds=time.perf_counter() - t0, damping=c.damping,
+                          mitigation_lambda=c.mitigation_lambda)
     return point, results
 
 
@@ -355,5 +446,7 @@ def _add_ap_figures(points: list[FrontierPoint], past_names: list[str], new_name
         ap = ap_metrics(p.scores, points[0].scores, points[1].scores, past_names, new_names, higher)
         p.ap1, p.ap2, p.ap = ap["ap1"], ap["ap2"], ap["ap"]
     for p in points:
-        if p.kind not in ("anchor", "wise"):
+        if p.kind not in WISE_CURVE:
             p.above_wise = wise_margin(points, p.ap1, p.ap2)
+        if p.kind not in WISE_CURVE + INTRUDER_CURVE and any(q.kind == "intruder" for q in points):
+            p.above_intruder = wise_margin(points, p.ap1, p.ap2, INTRUDER_CURVE)

@@ -95,18 +95,27 @@ def load_model(model: ModelLike, *, revision: Optional[str] = None, torch_dtype:
     """
     if isinstance(model, nn.Module):
         return model
-    from hf_janus.adapters.saved.loading import ADAPTER_CONFIG_NAME, hub_has_file, load_base_model
+    from hf_janus.adapters.saved.loading import load_base_model
 
     name = os.path.expanduser(os.fspath(model))
-    if os.path.isdir(name):
-        adapter = os.path.isfile(os.path.join(name, ADAPTER_CONFIG_NAME))
-    else:  # a Hub repo: transformers would load an adapter repo itself, pickles included, so it is routed here
-        adapter = bool(hub_has_file(name, ADAPTER_CONFIG_NAME, revision, token))
-    if adapter:
+    # a Hub repo: transformers would load an adapter repo itself, pickles included, so it is routed here
+    if is_adapter(name, revision=revision, token=token):
         return _load_merged_adapter(name, revision=revision, torch_dtype=torch_dtype, device=device, token=token,
                                     allow_pickle=allow_pickle)
     return load_base_model(name, revision=revision, torch_dtype=torch_dtype, device=device, token=token,
                            allow_pickle=allow_pickle)
+
+
+def is_adapter(model: ModelLike, *, revision: Optional[str] = None, token: Any = None) -> bool:
+    """Whether ``model`` names a saved PEFT adapter (a directory or Hub repo with ``adapter_config.json``)."""
+    if isinstance(model, nn.Module):
+        return False
+    from hf_janus.adapters.saved.loading import ADAPTER_CONFIG_NAME, hub_has_file
+
+    name = os.path.expanduser(os.fspath(model))
+    if os.path.isdir(name):
+        return os.path.isfile(os.path.join(name, ADAPTER_CONFIG_NAME))
+    return bool(hub_has_file(name, ADAPTER_CONFIG_NAME, revision, token))
 
 
 def _load_merged_adapter(name: str, *, revision: Optional[str], torch_dtype: Any, device: Any, token: Any,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from testing_utils import build_tiny
-from eval_fixtures import char_tokenizer, write_jsonl
+from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
 from hf_janus import JanusConfig, load_report, rectify
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates import candidates
@@ -64,27 +64,14 @@ def test_wise_margin_and_selection():
         result.save_pretrained("/nonexistent/x")
 
 
-def _train(model, texts, tok, steps, lr, seed=0):
-    torch.manual_seed(seed)
-    batch = tok(texts, padding=True, return_tensors="pt")
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        model(**batch, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-
-
 @pytest.fixture(scope="module")
 def setting(tmp_path_factory):
     """θ0 that has learned PAST, θ̂ fine-tuned from it on NEW, JSONL tasks for both, and the replay."""
     tok = char_tokenizer()
     base = build_tiny("llama", seed=0, vocab=len(tok))
-    _train(base, PAST, tok, steps=40, lr=1e-2)
+    train_on_texts(base, PAST, tok, steps=40, lr=1e-2)
     tuned = copy.deepcopy(base)
-    _train(tuned, NEW, tok, steps=25, lr=1e-2, seed=1)
+    train_on_texts(tuned, NEW, tok, steps=25, lr=1e-2, seed=1)
     folder = tmp_path_factory.mktemp("frontier")
     past = write_jsonl(str(folder / "past.jsonl"), [{"prompt": t[:8], "completion": t[9:]} for t in PAST[:6]])
     new = write_jsonl(str(folder / "new.jsonl"), [{"prompt": t[:6], "completion": t[7:]} for t in NEW[:6]])

@@ -1,0 +1,163 @@
+"""PEFT's intruder-dimension reduction as the frontier's peer: the float32 arithmetic of
+hf_janus.evaluation.intruder_reduction against PEFT's own ``reduce_intruder_dimension``, and the frontier on a saved
+LoRA adapter of a bf16 model (intruder points, their curve, and JANUS runs fed the adapter's exact update)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
+from hf_janus import JanusConfig, rectify
+from hf_janus.errors import JanusError
+from hf_janus.evaluation.candidates import candidates
+from hf_janus.evaluation.frontier import INTRUDER_CURVE, frontier, wise_margin
+from hf_janus.evaluation.intruder_reduction import IntruderReduction, find_intruders, reduced_delta
+from testing_utils import build_tiny
+
+PAST = [f"the cat sat on mat {i}" for i in range(12)]
+NEW = [f"{i} plus {i} is {2 * i}" for i in range(12)]
+
+
+def _lora_model(seed: int = 0, scale: float = 0.3):
+    """A tiny Llama with a rank-4 LoRA on every linear layer, factors large enough that some layers' top singular
+    directions are the adapter's own (intruders) and others are not."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build_tiny("llama", seed=seed)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for i, (name, param) in enumerate(model.named_parameters()):
+            if "lora_B" in name:  # every other layer gets a large update
+                param.copy_(torch.randn(param.shape, generator=gen) * (scale if i % 4 == 1 else 0.01))
+    return model.eval()
+
+
+@pytest.mark.parametrize("mitigation_lambda", [0.75, 0.0])
+def test_reduction_matches_peft(mitigation_lambda):
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.intruders import reduce_intruder_dimension
+
+    model = _lora_model()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    reference = {n: m.get_base_layer().weight.detach().clone() for n, m in layers.items()}
+    finetuned = {n: reference[n] + m.get_delta_weight("default").detach() for n, m in layers.items()}
+    ranks = {n: m.r["default"] for n, m in layers.items()}
+    ours = IntruderReduction(reference, finetuned, ranks)
+
+    lines: list[str] = []
+    peft_model = copy.deepcopy(model)
+    reduce_intruder_dimension(peft_model, mitigation_lambda=mitigation_lambda, logging_sink=lines.append)
+    reduced = {name: m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+    with_intruders = sum("Intruders:" in line for line in lines)
+    assert ours.layers_with_intruders == with_intruders and 0 < with_intruders < len(layers)
+    weights = ours.weights(reference, mitigation_lambda)
+    for name, module in reduced.items():
+        theirs = module.get_delta_weight("intruder_reduced")
+        mine = weights[name] - reference[name]
+        assert torch.allclose(mine, theirs, atol=1e-5 * theirs.abs().max().item()), name
+        if ours.layers[name].count and mitigation_lambda < 1:
+            assert not torch.allclose(mine, finetuned[name] - reference[name], atol=1e-4)
+
+
+def test_reduction_edge_cases():
+    w = torch.randn(6, 5)
+    d = torch.zeros(6, 5)
+    quiet = find_intruders(w, d, rank=2)
+    assert quiet.count == 0 and torch.equal(reduced_delta(quiet, 0.0), d)  # no intruders: ΔW kept, as in PEFT
+    loud = find_intruders(w, 50 * torch.outer(torch.randn(6), torch.randn(5)), rank=1, top_k=1)
+    assert loud.count == 1
+    assert torch.linalg.matrix_rank(reduced_delta(loud, 0.5)) <= 1  # truncated to the adapter's rank
+    with pytest.raises(JanusError, match="shape"):
+        find_intruders(w, torch.zeros(5, 6), rank=2)
+    with pytest.raises(JanusError, match="rank"):
+        find_intruders(w, d, rank=0)
+    with pytest.raises(JanusError, match=r"\[0, 1\)"):
+        candidates((0.5,), (0.9,), intruder_lambdas=(1.0,))
+
+
+@pytest.fixture(scope="module")
+def lora_setting(tmp_path_factory):
+    """θ0 that learned PAST (saved), a LoRA trained on NEW from it (saved), tasks and replay."""
+    from peft import LoraConfig, get_peft_model
+
+    folder = tmp_path_factory.mktemp("frontier-lora")
+    tok = char_tokenizer()
+    base = build_tiny("llama", seed=0, vocab=len(tok))
+    train_on_texts(base, PAST, tok, steps=40, lr=1e-2)
+    base_dir = os.fspath(folder / "base")
+    base.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    lora.peft_config["default"].base_model_name_or_path = base_dir
+    train_on_texts(lora, NEW, tok, steps=25, lr=1e-2, seed=1)
+    adapter_dir = os.fspath(folder / "adapter")
+    lora.save_pretrained(adapter_dir)
+    past = write_jsonl(str(folder / "past.jsonl"), [{"prompt": t[:8], "completion": t[9:]} for t in PAST[:6]])
+    new = write_jsonl(str(folder / "new.jsonl"), [{"prompt": t[:6], "completion": t[7:]} for t in NEW[:6]])
+    replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]
+    exact = {f"{n}.weight": (m.get_base_layer().weight.detach().clone(),
+                             m.get_base_layer().weight.detach() + m.get_delta_weight("default").detach())
+             for n, m in lora.base_model.model.named_modules() if hasattr(m, "get_delta_weight")}
+    return tok, base_dir, adapter_dir, past, new, replay, exact
+
+
+def test_frontier_offers_intruder_reduction_on_a_bf16_lora(lora_setting):
+    tok, base_dir, adapter_dir, past, new, replay, exact = lora_setting
+    config = JanusConfig(tau=0.9, max_steps=3)
+    result = frontier(base_dir, adapter_dir, replay, past_tasks=[past], new_tasks=[new], config=config,
+                      wise_grid=(0.5,), taus=(0.9,), dampings=(), hybrid_grid=(0.5,), pre_janus_grid=(),
+                      intruder_lambdas=(0.5, 0.0), pre_janus_intruder_lambdas=(0.5,), tokenizer=tok,
+                      batch_size=2, progress=False, torch_dtype=torch.bfloat16)
+    kinds = [p.kind for p in result.points]
+    assert kinds.count("intruder") == 2 and kinds.count("intruder_then_janus") == 1
+    builder = result._builder
+    assert builder.model.dtype == torch.bfloat16 and builder.intruders is not None
+
+    # θ0 and θ̂ of the adapted layers are PEFT's float32 merge, not their bf16 rounding
+    for key, (w0, w1) in exact.items():  # θ0 is the bf16 base the model holds; ΔW is the adapter's own
+        assert torch.allclose(builder.finetuned[key] - builder.theta0[key], w1 - w0, atol=1e-6)
+        assert torch.equal(builder.theta0[key], w0.bfloat16().float())
+    rounded = {k: (w1.bfloat16().float() - w0.bfloat16().float()) for k, (w0, w1) in exact.items()}
+    worst = max(((rounded[k] - (w1 - w0)).norm() / (w1 - w0).norm()).item() for k, (w0, w1) in exact.items())
+    assert worst > 1e-3  # what the old path (a bf16 merge) would have rectified instead
+
+    # an intruder point's weights are θ0 + PEFT's reduced update of each adapted layer; other parameters θ̂
+    by = {p.label: p for p in result.points}
+    point = by["intruder reduction λ=0"]
+    weights = builder.weights(point)
+    for key, layer in builder.intruders.layers.items():
+        assert torch.allclose(weights[key], builder.theta0[key] + reduced_delta(layer, 0.0))
+    for p in result.points:
+        if p.kind not in ("anchor", "wise", "intruder"):
+            assert p.above_intruder == (None if p.ap1 is None else wise_margin(result.points, p.ap1, p.ap2,
+                                                                              INTRUDER_CURVE))
+    assert "AP1 vs intruder" in result.to_markdown()
+
+    # the JANUS run was given the exact update: the same rectification with finetuned= gives the same weights
+    model = copy.deepcopy(builder.model)
+    builder.write(builder.finetuned)
+    reference = {**{k: p.detach() for k, p in model.named_parameters()}, **builder.theta0}
+    own = {k: p.detach() for k, p in model.named_parameters()}
+    rectify(model, reference, replay, config, progress=False, finetuned={**own, **builder.finetuned})
+    janus = builder.janus["tau=0.9"]
+    assert all(torch.equal(model.get_parameter(k).detach().cpu(), janus[k]) for k in janus)
+    # intruder reduction → JANUS starts from the λ=0.5 point
+    started = builder.weights(candidates((0.5,), (), intruder_lambdas=(0.5,))[-1])
+    assert result.reports["tau=0.9,intruder=0.5"]["num_jacobian_evals"] > 0
+    assert any(not torch.equal(started[k], builder.finetuned[k]) for k in builder.intruders.layers)
+
+
+def test_no_intruder_points_for_full_weights(lora_setting, tmp_path):
+    tok, base_dir, adapter_dir, past, new, replay, _ = lora_setting
+    from hf_janus.evaluation.harness import load_model
+
+    merged = load_model(adapter_dir)  # full weights: intruder reduction is defined for LoRA adapters only
+    result = frontier(base_dir, merged, replay, past_tasks=[past], new_tasks=[new], wise_grid=(0.5,), taus=(),
+                      dampings=(), hybrids=False, tokenizer=tok, batch_size=2, progress=False)
+    assert [p.kind for p in result.points] == ["anchor", "anchor", "wise"]
+    assert "AP1 vs intruder" not in result.to_markdown()
