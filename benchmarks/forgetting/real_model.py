@@ -284,6 +284,21 @@ def plain_step_seconds(model_dir: str, dtype: torch.dtype, replay: list[dict]) -
     return best
 
 
+def janus_run_figures(reports: dict, plain: float) -> dict:
+    """Per JANUS run: evaluations, the rectifier's own seconds (its ``total`` timing, loading excluded), seconds per
+    evaluation and R_eval = seconds per evaluation / one plain forward+backward over the replay."""
+    out = {}
+    for key, report in reports.items():
+        evals = report.get("num_jacobian_evals") or 0
+        seconds = (report.get("timings") or {}).get("total")
+        per_eval = seconds / evals if seconds and evals else None
+        out[key] = {"jacobian_evaluations": evals, "recaptures": report.get("recaptures", 0), "seconds": seconds,
+                    "seconds_per_evaluation": per_eval, "R_eval": per_eval / plain if per_eval else None,
+                    "stop_reason": report.get("stop_reason"),
+                    "captures": (report.get("memory_plan") or {}).get("captures", "all")}
+    return out
+
+
 # ---- the summary of every run ----------------------------------------------------------------------------------
 RUN_NAMES = {"full": "full fine-tuning, float32", "lora": "LoRA r=16, bf16 model",
              "qlora": "QLoRA r=16, nf4 base, bf16 compute"}
@@ -302,6 +317,8 @@ def summarize(quick: bool = False) -> str:
             continue
         with open(path, encoding="utf-8") as fh:
             rec = json.load(fh)
+        # recomputed from the reports, so that a run written before a fix of these figures reads the same
+        rec["janus_runs"] = janus_run_figures(rec["frontier"]["reports"], rec["plain_forward_backward_seconds"])
         points = rec["frontier"]["points"]
         chosen = points[rec["frontier"]["chosen"]]
         runs = rec["janus_runs"]
@@ -374,13 +391,7 @@ def main() -> None:
                       pre_janus_intruder_lambdas=s.pre_janus_intruder_lambdas, tokenizer=tok,
                       batch_size=s.eval_batch, torch_dtype=dtype, progress=False)
 
-    janus_runs = {}
-    for key, report in result.reports.items():
-        evals = report.get("num_jacobian_evals") or 0
-        seconds = sum((report.get("timings") or {}).values())  # the rectifier's phases, loading excluded
-        per_eval = seconds / evals if seconds and evals else None
-        janus_runs[key] = {"jacobian_evaluations": evals, "seconds": seconds, "seconds_per_evaluation": per_eval,
-                           "R_eval": per_eval / plain if per_eval else None, "stop_reason": report.get("stop_reason")}
+    janus_runs = janus_run_figures(result.to_dict()["reports"], plain)
     name = f"real_{args.run}" + ("_quick" if args.quick else "")
     os.makedirs(RESULTS, exist_ok=True)
     record = {

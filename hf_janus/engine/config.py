@@ -26,6 +26,8 @@ FINAL_STEPS = ("guarded", "paper")
 ACCEPTANCES = ("cosine", "loss", "both")
 #: ``JanusConfig.constraint``: the per-sample function whose Jacobian is kept (:mod:`hf_janus.engine.capture`).
 CONSTRAINTS = ("loss", "target_logit", "logit_projections")
+#: ``JanusConfig.captures``: how many Jacobian captures a run keeps alive (:mod:`hf_janus.engine.memory_plan`).
+CAPTURE_SCHEDULES = ("auto", "all", "two")
 #: The sequence compressions (:mod:`hf_janus.engine.compression`); ``JanusConfig.compression`` adds ``"auto"``.
 COMPRESSION_METHODS = ("exact", "randomized")
 COMPRESSION_CHOICES = ("auto", *COMPRESSION_METHODS)
@@ -126,6 +128,14 @@ class JanusConfig:
     cache: str = field(default="memory", metadata={
         "help": "memory, or a directory: compressed captures stay in host memory up to the memory plan's budget "
                 "(half of the memory available by default) and spill there as safetensors files beyond it"})
+    captures: str = field(default="auto", metadata={
+        "help": "how many Jacobian captures the run keeps alive: all (θ0's for the whole run, the current "
+                "point's, a passing trial the adaptive controller keeps while it probes a larger step, and the "
+                "trial's: up to four, no pass repeated), two (the current point's and the trial's: θ0's is dropped "
+                "after the first step and taken again for the statistics at the end, a kept trial's is dropped and "
+                "taken again only if the loop goes on from it; one or a few more forward/backward passes, counted "
+                "in the report's recaptures, and the same result) or auto (all when the memory plan fits them in "
+                "memory, else two)", "choices": CAPTURE_SCHEDULES})
     seed: int = field(default=0, metadata={
         "help": "seed for anything random (the replay order is never shuffled: samples are grouped by length)"})
     acceptance: str = field(default="cosine", metadata={
@@ -170,6 +180,8 @@ class JanusConfig:
         _check(isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0, "tau", self.tau, "a float in [0, 1]")
         _check(_is_real(self.constraint_temperature) and self.constraint_temperature > 0, "constraint_temperature",
                self.constraint_temperature, "a float > 0")
+        _check(self.captures in CAPTURE_SCHEDULES, "captures", self.captures,
+               " or ".join(repr(c) for c in CAPTURE_SCHEDULES))
         _check(self.acceptance in ACCEPTANCES, "acceptance", self.acceptance,
                " or ".join(repr(c) for c in ACCEPTANCES))
         _check(_is_real(self.loss_tolerance) and self.loss_tolerance > 0, "loss_tolerance", self.loss_tolerance,

@@ -20,7 +20,9 @@ Pieces (all bytes, summed over the target layers):
   add nothing);
 * ``current``: θ_t in float32; ``proj``: the projected update of the step in float32;
 * ``factors``: compressed Jacobian factors, per capture ``m · slots · (d_in + d_out)`` in the factor dtype, with
-  up to four captures alive (θ0's, the current point's, a passing trial held by the adaptive controller, the trial);
+  up to four captures alive (θ0's, the current point's, a passing trial held by the adaptive controller, the trial),
+  or two (``JanusConfig.captures="two"``, which ``"auto"`` picks when four do not fit in memory: the current
+  point's and the trial's, θ0's and a kept trial's taken again when needed);
 * ``activations``: one replay batch's forward/backward with the recorders' inputs held until their gradient arrives;
 * ``ghost``: the largest layer's Gram blocks, eigendecompositions and update-sized temporaries.
 """
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+import shutil
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -47,9 +50,12 @@ GIB = float(1 << 30)
 DEVICE_FILL = 0.92
 # Share of the host memory available at planning time the plan may fill (the OS, other processes, page cache).
 HOST_FILL = 0.85
+# Share of the cache directory's free disk the factors may fill (other writers, the file system's own reserve).
+DISK_FILL = 0.9
 # Captures alive at the peak: θ0's, the current point's, and the trial's; the adaptive controller may also hold a
-# passing trial while it checks a larger step.
+# passing trial while it checks a larger step. With captures="two" only the current point's and the trial's.
 CAPTURES_ALIVE = {"adaptive": 4, "paper": 3}
+LEAN_CAPTURES_ALIVE = 2
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,11 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     # with a cache directory: how many bytes of factors the store keeps in host memory before spilling to disk
     factor_host_budget: Optional[int] = None
+    # factors the plan sends to disk at the peak (0 unless placements["factors"] == "disk")
+    disk_bytes: int = 0
+    # the capture schedule: "all" (θ0's and a kept trial's held too) or "two" (JanusConfig.captures)
+    captures: str = "all"
+    captures_alive: int = 4
 
     @property
     def peak_device_bytes(self) -> int:
@@ -231,10 +242,44 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
             plan = _phase_bytes(work, pieces, placements, shared, held)
     fits = not host_full and (shared or not _exceeds("device", plan, in_use, capacity))
     notes = [] if fits else [_refusal(work, pieces, plan, in_use, capacity, shared, cache)]
+    disk = pieces["factors"] - held if placements["factors"] == "disk" else 0
+    if fits and capacity.get("disk") is not None and disk > capacity["disk"]:
+        fits = False
+        notes = [f"the factors that do not fit in host memory need {disk / GIB:.1f} GiB of disk in cache="
+                 f"{cache!r} but {capacity['disk'] / GIB:.1f} GiB are free there; point cache at a larger file "
+                 "system, or lower rank or the replay samples (factors: "
+                 f"{pieces['factors'] / GIB:.1f} GiB for {work.captures_alive} captures)"]
     return MemoryPlan(device=str(device), placements=placements, pieces=pieces, phases=plan, in_use=dict(in_use),
-                      capacity=dict(capacity), fits=fits, notes=notes,
+                      capacity=dict(capacity), fits=fits, notes=notes, disk_bytes=disk,
                       factor_host_budget=(held if placements["factors"] == "disk"
                                           else pieces["factors"] if directory else None))
+
+
+def plan_with_captures(work: Workload, device: torch.device, cache: str, in_use: dict[str, int],
+                       capacity: dict[str, Optional[int]], captures: str, step_control: str) -> MemoryPlan:
+    """:func:`plan_memory` with the capture schedule of ``JanusConfig.captures``: ``"all"``, ``"two"``, or
+    ``"auto"``: all when their factors fit in memory (not on disk), else two, whichever fits."""
+    full = CAPTURES_ALIVE[step_control]
+
+    def plan_for(alive: int, schedule: str) -> MemoryPlan:
+        plan = plan_memory(replace(work, captures_alive=alive), device, cache, in_use, capacity)
+        plan.captures, plan.captures_alive = schedule, alive
+        return plan
+
+    if captures != "auto":
+        return plan_for(full if captures == "all" else LEAN_CAPTURES_ALIVE, captures)
+    plan = plan_for(full, "all")
+    if plan.fits and plan.placements["factors"] != "disk":
+        return plan
+    lean = plan_for(LEAN_CAPTURES_ALIVE, "two")
+    if lean.fits or not plan.fits:
+        note = (f"captures='two': {full} captures' factors ({plan.pieces['factors'] / GIB:.2f} GiB) "
+                + ("would spill to disk" if plan.fits else "do not fit") + f"; two take "
+                f"{lean.pieces['factors'] / GIB:.2f} GiB, at the cost of one or a few more passes")
+        logger.info("JANUS memory plan: %s", note)
+        lean.notes.insert(0, note) if lean.fits else None
+        return lean
+    return plan
 
 
 def _phase_bytes(work: Workload, pieces: dict[str, int], placements: dict[str, str], shared: bool,
@@ -296,19 +341,38 @@ def current_host_bytes() -> int:
     return 0
 
 
-def measure_in_use_and_capacity(device: torch.device) -> tuple[dict[str, int], dict[str, Optional[int]]]:
-    """Bytes in use now and the most the plan may fill, on the device and on the host."""
+def free_disk_bytes(cache: str) -> Optional[int]:
+    """Free bytes on the file system of the cache directory (or of its nearest existing parent); None for
+    ``cache="memory"`` or where it cannot be read."""
+    if str(cache) == "memory":
+        return None
+    path = os.path.abspath(os.fspath(cache))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def measure_in_use_and_capacity(device: torch.device,
+                                cache: str = "memory") -> tuple[dict[str, int], dict[str, Optional[int]]]:
+    """Bytes in use now and the most the plan may fill, on the device, on the host and (with a cache directory)
+    on the disk that holds it: measured on this machine, not assumed."""
     rss = current_host_bytes()
     available = available_host_memory()
     host_capacity = None if available is None else rss + int(HOST_FILL * available)
+    free_disk = free_disk_bytes(cache)
+    disk_capacity = None if free_disk is None else int(DISK_FILL * free_disk)
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
         reserved_idle = torch.cuda.memory_reserved(device) - allocated
         device_capacity = int(DEVICE_FILL * (allocated + reserved_idle + free))
-        return {"device": allocated, "host": rss}, {"device": device_capacity, "host": host_capacity}
-    return {"device": 0, "host": rss}, {"device": None, "host": host_capacity}
+        return ({"device": allocated, "host": rss},
+                {"device": device_capacity, "host": host_capacity, "disk": disk_capacity})
+    return {"device": 0, "host": rss}, {"device": None, "host": host_capacity, "disk": disk_capacity}
 
 
 def model_dimensions(model: torch.nn.Module, layers: Sequence[LayerShape]) -> dict[str, int]:

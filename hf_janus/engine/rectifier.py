@@ -39,7 +39,7 @@ from hf_janus.engine.memory_plan import (
     Workload,
     measure_in_use_and_capacity,
     model_dimensions,
-    plan_memory,
+    plan_with_captures,
 )
 from hf_janus.engine.report import RectificationReport
 from hf_janus.engine.result import LayerResult, RectificationResult
@@ -149,8 +149,8 @@ class Rectifier:
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
             theta0_borrowed=theta0_borrowed, backup_kept=backup_kept,
             **model_dimensions(self.model, shapes))
-        in_use, capacity = measure_in_use_and_capacity(self.device)
-        plan = plan_memory(work, self.device, cfg.cache, in_use, capacity)
+        in_use, capacity = measure_in_use_and_capacity(self.device, cfg.cache)
+        plan = plan_with_captures(work, self.device, cfg.cache, in_use, capacity, cfg.captures, cfg.step_control)
         logger.info(plan.summary())
         if not plan.fits:
             raise JanusError(f"JANUS would run out of memory: {plan.notes[0]}. Nothing was changed.")
@@ -193,7 +193,8 @@ class Rectifier:
         budget = budget if budget is not None else Budget(None, None, self.clock)
         bar = bar if bar is not None else tqdm(disable=True)
         return StepLoop(self.layers, self.jacobians, self.capture, self.store, self.world, self.config,
-                        self._home("proj"), report, budget, bar, self.cosine_override)
+                        self._home("proj"), report, budget, bar, self.cosine_override,
+                        lean=self.memory_plan.captures == "two")
 
     def run(self) -> RectificationResult:
         """Rectify: the model's target layers end at θ_rect (on failure, at θ̂ exactly, and an error says why).
@@ -218,6 +219,12 @@ class Rectifier:
             if self.world.active:
                 loop.phase = "synchronizing the rectified weights across ranks"
                 self._synchronize()
+            if not self.store.has("c0"):  # captures="two": θ0's capture was dropped after the first step
+                loop.phase = "capturing θ0 again for the statistics"
+                self.layers.write_reference("c0")
+                self.capture("c0")
+                report.recaptures += 1
+                self.layers.hold_current()
             loop.phase = "computing per-layer statistics"
             report.layers = layer_statistics(self.layers, self.jacobians)
             report.memory_plan = self.memory_plan.to_dict()

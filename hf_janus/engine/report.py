@@ -59,6 +59,9 @@ class RectificationReport:
     config: dict[str, Any]
     steps: list[StepRecord] = field(default_factory=list)
     num_jacobian_evals: int = 0
+    # captures taken again because captures="two" dropped them (θ0's for the statistics, a kept trial's): passes
+    # that cost as much as an evaluation but decide nothing
+    recaptures: int = 0
     replay_loss: dict[str, float] = field(default_factory=dict)  # reference / finetuned / rectified
     layers: list[LayerStats] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)

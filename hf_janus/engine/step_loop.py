@@ -4,6 +4,11 @@ point's Jacobian, try step sizes (chosen by :mod:`.step_control`) until one is t
 A trial is one Jacobian evaluation: its weights are written, captured, and compared with the current point's
 (the mean principal-angle cosine c̄ over layers); :mod:`.acceptance` turns that into the score the controller
 decides on. The adaptive controller may keep a passing trial while it probes a larger step, and fall back to it.
+
+With ``lean`` (``JanusConfig.captures="two"``) at most two captures are alive, the current point's and the trial's:
+θ0's capture is dropped once the loop leaves θ0, and a kept trial's factors are dropped while the larger step is
+probed; a point whose factors are needed again is captured again (a *recapture*, deterministic, so the run takes
+the same decisions and ends at the same weights).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from hf_janus.engine.jacobians import JacobianSource
 from hf_janus.engine.report import RectificationReport, StepRecord, TrialRecord
 from hf_janus.engine.step_control import Decision, make_step_controller
 from hf_janus.engine.store import FactorStore
-from hf_janus.engine.target_layers import TargetLayers
+from hf_janus.engine.target_layers import CURRENT, TargetLayers
 from hf_janus.parallel.distributed import World
 
 logger = logging.getLogger(__name__)
@@ -65,10 +70,10 @@ class StepLoop:
     def __init__(self, layers: TargetLayers, jacobians: JacobianSource, capture: Callable[[str], CaptureResult],
                  store: FactorStore, world: World, config: JanusConfig, proj_home: torch.device,
                  report: RectificationReport, budget: Budget, bar: Any,
-                 cosine_override: Optional[CosineOverride] = None):
+                 cosine_override: Optional[CosineOverride] = None, lean: bool = False):
         self.layers, self.jacobians, self.capture, self.store, self.world = layers, jacobians, capture, store, world
         self.config, self.proj_home, self.report, self.budget, self.bar = config, proj_home, report, budget, bar
-        self.cosine_override = cosine_override
+        self.cosine_override, self.lean = cosine_override, lean
         self.threshold = threshold(config)
         self.controller = make_step_controller(config.step_control, self.threshold, config.beta, config.min_alpha)
         self.phase = "starting the step loop"
@@ -83,6 +88,7 @@ class StepLoop:
             if self.budget.exhausted(report.num_jacobian_evals):
                 break
             self.phase = f"projecting the update at step {step}"
+            self.ensure_captured(current_tag)
             self.project_all(current_tag)
             if step == 0:
                 self._note_gram_ranks()
@@ -96,7 +102,7 @@ class StepLoop:
             report.steps.append(record)
             self.release_current()
             self.layers.move_to(taken.tag, taken.alpha)
-            if current_tag != "c0":
+            if current_tag != "c0" or self.lean:  # lean: θ0's capture is taken again for the statistics
                 self.store.drop(current_tag)
             current_tag, last = taken.tag, taken.capture
             if taken.alpha == 1.0:
@@ -135,6 +141,8 @@ class StepLoop:
                     self._drop(kept)
                     kept = KeptTrial(trial, len(record.trials) - 1,
                                      {layer.name: layer.trial_eig for layer in self.layers})
+                    if self.lean:  # its eigendecompositions are kept; its factors are captured again if needed
+                        self.store.drop(trial.tag)
                 else:
                     self.store.drop(trial.tag)
                 self._show_trial(record, None)
@@ -186,6 +194,15 @@ class StepLoop:
         if kept is not None:
             self.store.drop(kept.taken.tag)
 
+    def ensure_captured(self, tag: str) -> None:
+        """Capture the point the model holds again as ``tag`` when its factors were dropped (lean schedule)."""
+        if self.store.has(tag):
+            return
+        if self.layers.held != CURRENT:
+            raise RuntimeError(f"capture {tag!r} is needed again but the model does not hold that point")
+        self.phase = f"capturing {tag} again (captures='two')"
+        self.capture(tag)
+        self.report.recaptures += 1
     def _end_without_step(self) -> None:
         found = self.report.discarded_final_step
         if found is not None:

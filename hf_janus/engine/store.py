@@ -100,6 +100,8 @@ class FactorStore:
         self.held_bytes = 0  # bytes of the pieces a directory-backed store keeps in host memory
         self.peak_held_bytes = 0
         self.spilled_bytes = 0  # bytes written to disk in all
+        #: the most captures (tags) whose factors were stored at once: what the memory plan's captures_alive bounds
+        self.peak_captures = 0
         self._pieces: dict[tuple[str, str], list] = defaultdict(list)
         self._root: Optional[str] = None
         self.memory_budget_bytes = 0
@@ -130,9 +132,16 @@ class FactorStore:
         host.copy_(t, non_blocking=host.is_pinned())
         return host
 
+    @property
+    def captures(self) -> set[str]:
+        """The tags whose factors are stored now."""
+        return {tag for tag, _ in self._pieces}
+
     def append(self, tag: str, layer: str, x: Tensor, a: Tensor) -> None:
         key = (tag, layer)
         x, a = self._cast(x), self._cast(a)
+        if key not in self._pieces:
+            self.peak_captures = max(self.peak_captures, len(self.captures | {tag}))
         if self.in_memory:
             self._pieces[key].append((x, a))
             return
@@ -155,8 +164,9 @@ class FactorStore:
         self.spilled_bytes += nbytes
         self.io_seconds += time.perf_counter() - start
 
-    def has(self, tag: str, layer: str) -> bool:
-        return (tag, layer) in self._pieces
+    def has(self, tag: str, layer: Optional[str] = None) -> bool:
+        """Whether factors of ``layer`` (any layer when None) are stored under ``tag``."""
+        return (tag, layer) in self._pieces if layer is not None else tag in self.captures
 
     def _release(self, pieces: list) -> None:
         self.held_bytes -= sum(p.nbytes for p in pieces if isinstance(p, _Held))

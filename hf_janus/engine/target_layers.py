@@ -227,6 +227,14 @@ class TargetLayers(Sequence):
         self._write(alpha)
         self.held = tag
 
+    def write_reference(self, tag: str) -> None:
+        """Write θ0, to be captured (again) as ``tag``; rounded as θ0 was when the run began from it."""
+        self.held = None
+        reshard(self.model)
+        for layer in self.layers:
+            layer.write(layer.reference(self.device))
+        self.held = tag
+
     def hold_current(self) -> None:
         """Make the model hold θ_t, unless it already does."""
         if self.held != CURRENT:

@@ -111,6 +111,8 @@ class FrontierResult:
     chosen: Optional[int] = None  # index into points
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # JANUS run key -> RectificationReport dict
     seconds: float = 0.0
+    # LoRA adapters: how many adapted layers PEFT's detection found intruder dimensions in, of how many
+    intruder_layers: Optional[dict[str, int]] = None
     # The weights of every point, rebuilt on demand (set by frontier(); not serialized).
     _builder: Optional[WeightBuilder] = field(default=None, repr=False, compare=False)
 
@@ -334,7 +336,10 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     _add_ap_figures(points, past_names, new_names, higher)
     result = FrontierResult(points=points, past_tasks=past_names, new_tasks=new_names, metrics=metrics,
                             higher_is_better=higher, reports={k: r.to_dict() for k, r in builder.reports.items()},
-                            seconds=time.perf_counter() - start, _builder=builder)
+                            seconds=time.perf_counter() - start, _builder=builder,
+                            intruder_layers=None if builder.intruders is None else {
+                                "with_intruders": builder.intruders.layers_with_intruders,
+                                "layers": len(builder.intruders.layers)})
     result.select(min_ap2=min_ap2, min_ap1=min_ap1)
     return result
 

@@ -9,6 +9,7 @@ second per Jacobian evaluation, so time budgets are as reproducible as evaluatio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -107,8 +108,8 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: getattr(model, name).weight.detach().clone() for name in TARGETS}
 
 
-def _run(case):
-    config, table = case["config"], case["table"]
+def _run(case, captures: str = "all"):
+    config, table = dataclasses.replace(case["config"], captures=captures), case["table"]
     MODEL.load_state_dict(FINETUNED)
     clock, seen = FakeClock(), []
 
@@ -121,6 +122,7 @@ def _run(case):
 
     rectifier = Rectifier(MODEL, REFERENCE, REPLAY, config, progress=False, cosine_override=cosine, clock=clock)
     report = rectifier.run().report
+    assert rectifier.memory_plan.captures == captures
     return rectifier, report, seen
 
 
@@ -220,3 +222,34 @@ def test_the_final_step_after_a_fallback_does_not_crash():
     assert [t.alpha for t in report.steps[1].trials] == [0.7, 1.0] and report.steps[1].alpha == 0.7
     assert len(report.steps) == 3 and report.steps[2].forced and report.steps[2].alpha == 1.0
     _check(case)
+
+
+def _decisions(report) -> list:
+    return [(r.step, r.alpha, r.forced, [(t.alpha, t.mean_cosine, t.accepted, t.replay_loss) for t in r.trials])
+            for r in report.steps]
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
+@given(cases())
+@example(FALLBACK_THEN_BUDGET)
+@example(FALLBACK_THEN_FINAL)
+def test_two_captures_take_the_same_decisions_and_weights(case):
+    """captures='two' (θ0's and a kept trial's capture dropped, taken again when needed) is the same run as
+    captures='all' with at most two captures alive: the same trials, decisions, weights and statistics."""
+    full, full_report, _ = _run(case, "all")
+    want = _weights(MODEL)
+    lean, lean_report, _ = _run(case, "two")
+    for name in TARGETS:
+        assert torch.equal(_weights(MODEL)[name], want[name]), name
+    assert _decisions(lean_report) == _decisions(full_report)
+    assert (lean_report.num_jacobian_evals, lean_report.stop_reason, lean_report.replay_loss) == (
+        full_report.num_jacobian_evals, full_report.stop_reason, full_report.replay_loss)
+    assert [(x.residual, x.rect_delta_norm) for x in lean_report.layers] == [
+        (x.residual, x.rect_delta_norm) for x in full_report.layers]
+    assert lean.store.peak_captures <= 2 and full.store.peak_captures >= lean.store.peak_captures
+    # θ0's capture is taken again once the loop left θ0; a kept trial's only when the loop went on from it
+    kept_fallbacks = sum(1 for r in full_report.steps[:-1] if not r.trials[-1].accepted)
+    assert lean_report.recaptures == (1 if full_report.steps else 0) + kept_fallbacks
+    assert full_report.recaptures == 0

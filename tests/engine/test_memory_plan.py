@@ -18,7 +18,8 @@ from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine import rectifier
-from hf_janus.engine.memory_plan import LayerShape, Workload, plan_memory
+from hf_janus.engine.memory_plan import (LayerShape, Workload, free_disk_bytes, measure_in_use_and_capacity,
+                                         plan_memory, plan_with_captures)
 from hf_janus.errors import JanusError
 
 GIB = float(1 << 30)
@@ -60,6 +61,41 @@ def test_7b_fits_an_80gb_gpu_by_moving_state_to_the_host_and_factors_to_disk():
     assert MODEL_7B + sum(plan.pieces[p] for p in ("theta0", "current", "proj", "activations")) > H100["device"]
 
 
+#: The GPU machine this project can use, as issue 34 states its limits: one H100 (≤ 75 GiB for the run), ≤ 100 GiB
+#: of its 128 GiB host memory, ≤ 40 GiB of its 64 GiB disk.
+GPU_MACHINE = {"device": 75 * (1 << 30), "host": 100 * (1 << 30), "disk": 40 * (1 << 30)}
+
+
+def test_7b_fits_the_gpu_machine_with_two_captures_alive():
+    """Four captures' factors (152 GiB in bf16) fit neither the host nor the disk of the GPU machine; two (76 GiB) do:
+    captures='auto' picks two, and the plan stays within all three limits."""
+    in_use = {"device": MODEL_7B, "host": 4 << 30}
+    plan = plan_with_captures(llama_7b(), torch.device("cuda"), "/scratch/janus", in_use, GPU_MACHINE, "auto",
+                              "adaptive")
+    assert plan.fits and (plan.captures, plan.captures_alive) == ("two", 2), plan.notes
+    assert plan.peak_device_bytes <= GPU_MACHINE["device"] and plan.peak_host_bytes <= GPU_MACHINE["host"]
+    assert 0 < plan.disk_bytes <= GPU_MACHINE["disk"]
+    assert plan.pieces["factors"] / GIB == pytest.approx(2 * 38.1, rel=0.01)
+    assert "captures='two'" in plan.notes[0]
+    every = plan_with_captures(llama_7b(), torch.device("cuda"), "/scratch/janus", in_use, GPU_MACHINE, "all",
+                               "adaptive")
+    assert not every.fits and "GiB of disk" in every.notes[0] and "cache=" in every.notes[0]
+    assert plan_with_captures(llama_7b(), torch.device("cuda"), "/scratch/janus", in_use,
+                              {**GPU_MACHINE, "disk": 8 << 30}, "auto", "adaptive").fits is False
+
+
+def test_free_disk_is_measured_where_the_cache_lives(tmp_path):
+    import shutil
+
+    assert free_disk_bytes("memory") is None
+    below = tmp_path / "not" / "yet" / "made"  # the store creates it; the plan measures its nearest parent
+    free = free_disk_bytes(str(below))
+    assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < (64 << 20)
+    in_use, capacity = measure_in_use_and_capacity(torch.device("cpu"), str(below))
+    assert 0 < capacity["disk"] <= free and in_use["host"] > 0
+    assert measure_in_use_and_capacity(torch.device("cpu"))[1]["disk"] is None
+
+
 def test_7b_without_a_cache_directory_is_refused_naming_the_knobs():
     plan = plan_memory(llama_7b(), torch.device("cuda"), "memory", {"device": MODEL_7B, "host": 4 << 30}, H100)
     assert not plan.fits
@@ -89,7 +125,8 @@ def test_a_run_that_cannot_fit_is_refused_before_any_work(monkeypatch, tuned_lla
     model, reference = tuned_llama
     before = copy.deepcopy(model.state_dict())
     monkeypatch.setattr(rectifier, "measure_in_use_and_capacity",
-                        lambda device: ({"device": 0, "host": 1 << 30}, {"device": None, "host": (1 << 30) + 4096}))
+                        lambda device, cache="memory": ({"device": 0, "host": 1 << 30},
+                                                        {"device": None, "host": (1 << 30) + 4096}))
     with pytest.raises(JanusError, match="would run out of memory.*lower one of.*replay_batch_size"):
         rectify(model, reference, random_replay(8), JanusConfig(rank=4), progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

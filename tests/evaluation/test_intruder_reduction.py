@@ -117,6 +117,8 @@ def test_frontier_offers_intruder_reduction_on_a_bf16_lora(lora_setting):
     assert kinds.count("intruder") == 2 and kinds.count("intruder_then_janus") == 1
     builder = result._builder
     assert builder.model.dtype == torch.bfloat16 and builder.intruders is not None
+    assert result.intruder_layers == {"with_intruders": builder.intruders.layers_with_intruders,
+                                      "layers": len(exact)}
 
     # θ0 and θ̂ of the adapted layers are PEFT's float32 merge, not their bf16 rounding
     for key, (w0, w1) in exact.items():  # θ0 is the bf16 base the model holds; ΔW is the adapter's own
@@ -160,4 +162,4 @@ def test_no_intruder_points_for_full_weights(lora_setting, tmp_path):
     result = frontier(base_dir, merged, replay, past_tasks=[past], new_tasks=[new], wise_grid=(0.5,), taus=(),
                       dampings=(), hybrids=False, tokenizer=tok, batch_size=2, progress=False)
     assert [p.kind for p in result.points] == ["anchor", "anchor", "wise"]
-    assert "AP1 vs intruder" not in result.to_markdown()
+    assert "AP1 vs intruder" not in result.to_markdown() and result.intruder_layers is None
