@@ -277,7 +277,8 @@ def plan_with_captures(work: Workload, device: torch.device, cache: str, in_use:
                 + ("would spill to disk" if plan.fits else "do not fit") + f"; two take "
                 f"{lean.pieces['factors'] / GIB:.2f} GiB, at the cost of one or a few more passes")
         logger.info("JANUS memory plan: %s", note)
-        lean.notes.insert(0, note) if lean.fits else None
+        if lean.fits:  # a refusal's first note must stay the refusal
+            lean.notes.insert(0, note)
         return lean
     return plan
 

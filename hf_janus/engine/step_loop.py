@@ -203,6 +203,7 @@ class StepLoop:
         self.phase = f"capturing {tag} again (captures='two')"
         self.capture(tag)
         self.report.recaptures += 1
+
     def _end_without_step(self) -> None:
         found = self.report.discarded_final_step
         if found is not None:
