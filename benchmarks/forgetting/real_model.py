@@ -40,17 +40,18 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
-DATA = os.path.join(ROOT, "benchmarks", "data")
 RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
 
+import lib  # noqa: E402  (benchmarks/forgetting/lib.py: the benchmark data)
 import real_model  # noqa: E402  (tests/real_model.py: the offline SmolLM2 folder)
 
 from hf_janus import JanusConfig  # noqa: E402
 from hf_janus.evaluation import completion_task, qa_task  # noqa: E402
+from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402
 from hf_janus.evaluation.frontier import frontier  # noqa: E402
 
-QA_PROMPT = "Q: {question}?\nA:"  # lm-eval's NQ-open prompt, as hf_janus.evaluation.qa_task builds it
 MATH_PROMPT = "Question: {question}\nAnswer:"
 
 
@@ -85,11 +86,6 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def read_jsonl(name: str) -> list[dict]:
-    with open(os.path.join(DATA, name), encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def write_jsonl(path: str, rows: list[dict]) -> str:
     with open(path, "w", encoding="utf-8") as fh:
         for row in rows:
@@ -103,7 +99,7 @@ def greedy_answers(model, tok, questions: list[str], max_new_tokens: int) -> lis
     task compares). One question at a time: no padding, so the answer is exactly what the task generates."""
     out = []
     for q in questions:
-        batch = tok(QA_PROMPT.format(question=q.rstrip(" ?")), return_tensors="pt")
+        batch = tok(qa_prompt({"question": q}), return_tensors="pt")
         with torch.no_grad():
             ids = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id or tok.eos_token_id)
@@ -114,8 +110,8 @@ def greedy_answers(model, tok, questions: list[str], max_new_tokens: int) -> lis
 def prepare_data(s: Settings, tok, model, folder: str) -> dict:
     """The replay, the past tasks (θ0's own answers) and the new task, written to ``folder`` as JSONL."""
     rng = random.Random(s.seed)
-    nq = read_jsonl("nq_open_dev_subset.jsonl")
-    wq = read_jsonl("webquestions_val_subset.jsonl")
+    nq = lib.read_jsonl("nq_open_dev_subset.jsonl")
+    wq = lib.read_jsonl("webquestions_val_subset.jsonl")
     rng.shuffle(nq)
     rng.shuffle(wq)
 
@@ -135,25 +131,25 @@ def prepare_data(s: Settings, tok, model, folder: str) -> dict:
     wq_eval = own(wq, s.n_wq_eval, "qText" if "qText" in wq[0] else "question")
     log(f"[data] θ0's own answers to {len(replay_rows) + len(nq_eval) + len(wq_eval)} questions in "
         f"{time.perf_counter() - t:.0f}s, e.g. {replay_rows[0]}")
-    gsm_train = read_jsonl("gsm8k_train_subset.jsonl")
-    gsm_test = read_jsonl("gsm8k_test_subset.jsonl")[: s.n_gsm_test]
+    gsm_train = lib.read_jsonl("gsm8k_train_subset.jsonl")
+    gsm_test = lib.read_jsonl("gsm8k_test_subset.jsonl")[: s.n_gsm_test]
 
-    def solution(text: str) -> str:
-        return re.sub(r"<<[^>]*>>", "", text)
+    def solution(row: dict) -> str:  # the worked answer without its calculator annotations, as run.py trains it
+        return lib.Math(row["question"], row["answer"]).target[1:]
 
     paths = {
         "past_nq": write_jsonl(os.path.join(folder, "past_nq_own_answers.jsonl"), nq_eval),
         "past_wq": write_jsonl(os.path.join(folder, "past_webq_own_answers.jsonl"), wq_eval),
         "new_gsm": write_jsonl(os.path.join(folder, "new_gsm8k.jsonl"),
-                               [{"prompt": MATH_PROMPT.format(question=r["question"]), "completion": solution(r["answer"])}
+                               [{"prompt": MATH_PROMPT.format(question=r["question"]), "completion": solution(r)}
                                 for r in gsm_test]),
     }
     replay = []
     for row in replay_rows:
-        prompt = tok(QA_PROMPT.format(question=row["question"].rstrip(" ?")))["input_ids"]
+        prompt = tok(qa_prompt(row))["input_ids"]
         answer = tok(" " + row["answers"][0] + "\n")["input_ids"]
         replay.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
-    train = [(MATH_PROMPT.format(question=r["question"]), " " + solution(r["answer"])) for r in gsm_train]
+    train = [(MATH_PROMPT.format(question=r["question"]), " " + solution(r)) for r in gsm_train]
     return {"paths": paths, "replay": replay, "train": train,
             "examples": {"replay": replay_rows[:3], "webq": wq_eval[:3]}}
 

@@ -372,8 +372,7 @@ def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok:
     if exact is not None:
         keys = [name + ".weight" for name in exact.linear_layers]
         theta0.update({k: exact.reference[k].float() for k in keys})
-        tuned.update({k: exact.finetuned[k].float() if k in exact.finetuned
-                      else exact.model.get_parameter(k).detach().float().cpu() for k in keys})
+        tuned.update({name + ".weight": exact.finetuned_weight(name) for name in exact.linear_layers})
         if intruders and _plain_lora(exact.adapter.config):
             ranks = {name + ".weight": exact.layers[name].rank for name in exact.linear_layers}
             reduction = IntruderReduction({k: theta0[k] for k in keys}, {k: tuned[k] for k in keys}, ranks)

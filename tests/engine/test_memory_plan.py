@@ -143,9 +143,10 @@ def test_the_plan_is_in_the_report(tmp_path, tuned_llama):
 
 
 PROBE = textwrap.dedent('''
-    import ctypes, json, os, sys
+    import json, sys
     import torch
     import transformers as tf
+    from memory_probe import own_peak_bytes
     from hf_janus import JanusConfig
     from hf_janus.engine.rectifier import Rectifier
 
@@ -164,22 +165,10 @@ PROBE = textwrap.dedent('''
     replay = [{"input_ids": torch.randint(0, 4000, (64,), generator=gen).tolist()} for _ in range(m)]
     # the forced schedule of benchmarks/perf/profile_rectify.py: 4 evaluations, a rejected, a forced and a final step
     config = JanusConfig(rank=16, tau=1.0, beta=0.7, min_alpha=0.5, max_steps=2, step_control="paper")
-    try:  # hand the heap's free pages back, so that the baseline holds only live memory
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    with open(f"/proc/{os.getpid()}/clear_refs", "w") as fh:
-        fh.write("5")  # reset the kernel's peak-RSS mark: what follows is the rectification's own peak
-
-    def status(key):
-        with open(f"/proc/{os.getpid()}/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key))
-
-    baseline = status("VmRSS:")
-    report = Rectifier(model, reference, replay, config, progress=False).run().report
+    measured, report = own_peak_bytes(lambda: Rectifier(model, reference, replay, config, progress=False).run().report)
     plan = report.memory_plan
     # the plan's own bytes: its peak above what was in use when it was made (in __init__, just after the baseline)
-    print(json.dumps({"measured": status("VmHWM:") - baseline,
+    print(json.dumps({"measured": measured,
                       "predicted": plan["peak_host_bytes"] - plan["in_use"]["host"]}))
 ''')
 
@@ -202,7 +191,8 @@ def test_predicted_own_host_bytes_are_within_15_percent_of_the_measured_ones(tmp
     """
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_=str(128 << 10))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+               MALLOC_MMAP_THRESHOLD_=str(128 << 10))
     out = subprocess.run([sys.executable, str(script), str(hidden), str(inter), str(layers), str(m)], env=env,
                          capture_output=True, text=True, timeout=600, check=True)
     figures = json.loads(out.stdout.strip().splitlines()[-1])

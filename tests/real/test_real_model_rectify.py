@@ -456,9 +456,10 @@ def test_merger_and_cli_agree_and_their_outputs_load_with_stock_libraries(folder
 
 
 PROBE = textwrap.dedent('''
-    import ctypes, json, os, sys
+    import json, sys
     import torch
     import real_model
+    from memory_probe import own_peak_bytes
     from hf_janus import JanusConfig, Rectifier, resolve_target_modules
 
     replay_file, targets = sys.argv[1:3]
@@ -477,21 +478,9 @@ PROBE = textwrap.dedent('''
         # forward would count as the rectification's. Read them all now.
         model(input_ids=torch.tensor([replay[0]["input_ids"][:4]]))
     config = JanusConfig(tau=0.0, replay_batch_size=len(replay), target_modules=targets)
-    try:  # hand the heap's free pages back, so that the baseline holds only live memory
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    with open(f"/proc/{os.getpid()}/clear_refs", "w") as fh:
-        fh.write("5")  # reset the kernel's peak-RSS mark: what follows is the rectification's own peak
-
-    def status(key):
-        with open(f"/proc/{os.getpid()}/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key))
-
-    baseline = status("VmRSS:")
-    report = Rectifier(model, reference, replay, config, progress=False).run().report
+    measured, report = own_peak_bytes(lambda: Rectifier(model, reference, replay, config, progress=False).run().report)
     plan = report.memory_plan
-    print(json.dumps({"layers": len(names), "measured": status("VmHWM:") - baseline,
+    print(json.dumps({"layers": len(names), "measured": measured,
                       "predicted": plan["peak_host_bytes"] - plan["in_use"]["host"],
                       "pieces": plan["pieces"]}))
 ''')

@@ -93,12 +93,15 @@ class EffectiveModel:
     def linear_layers(self) -> list[str]:
         return [n for n, layer in self.layers.items() if layer.layer_type == "linear"]
 
+    def finetuned_weight(self, name: str) -> Tensor:
+        """θ̂ of one adapted layer, float32, native layout: PEFT's float32 merge where it was kept, the model's
+        weight otherwise."""
+        exact = self.finetuned.get(name + ".weight")
+        return exact.float() if exact is not None else self.model.get_submodule(name).weight.detach().float().cpu()
+
     def delta(self, name: str) -> Tensor:
         """``ΔW`` = effective − base weight of one adapted layer, float32, native layout."""
-        exact = self.finetuned.get(name + ".weight")
-        if exact is None:
-            exact = self.model.get_submodule(name).weight.detach().float().cpu()
-        return exact - self.reference[name + ".weight"].float()
+        return self.finetuned_weight(name) - self.reference[name + ".weight"].float()
 
 
 
