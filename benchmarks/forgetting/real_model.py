@@ -41,8 +41,9 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 RESULTS = os.path.join(HERE, "results")
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, HERE)
+# after HERE, so first: this file is named real_model too, and must not shadow tests/real_model.py
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import lib  # noqa: E402  (benchmarks/forgetting/lib.py: the benchmark data)
 import real_model  # noqa: E402  (tests/real_model.py: the offline SmolLM2 folder)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from hf_janus.engine.layers import rule_for, select_layers
+from hf_janus.engine.memory_plan import cuda_in_use_and_capacity
 from hf_janus.engine.quantized import (
     compute_dtype,
     dequantized_weight,
@@ -234,20 +235,71 @@ def theta0_weights(layers: dict[str, nn.Module], state: dict[str, Tensor]) -> di
         if key in state:  # a base that trains (or a snapshot of hf-janus ≤ 0.1 for a dense base)
             out[key] = state[key].float()
             continue
-        current = _adapter_tensors(module)
-        missing = [local for local in current if f"{name}.{local}" not in state]
-        if missing:
-            raise JanusError(f"the θ0 snapshot has no initial {missing[0]} of layer {name!r}: it was taken of "
-                             "another adapter")
-        saved = {local: p.data for local, p in current.items()}
-        try:
-            for local, p in current.items():
-                p.data = state[f"{name}.{local}"].to(device=p.device, dtype=p.dtype)
-            out[f"{name}.weight"] = _effective_on_cpu(module)
-        finally:
-            for local, p in current.items():
-                p.data = saved[local]
+        with _adapter_set_to(module, name, state):
+            out[key] = _effective_on_cpu(module)
     return out
+
+
+@contextlib.contextmanager
+def _adapter_set_to(module: nn.Module, name: str, state: dict[str, Tensor]) -> Iterator[None]:
+    """The tuner layer's adapter tensors hold their values from ``state`` (``"<name>.<local name>"``, as
+    :func:`initial_state` takes them) inside, their own again on exit."""
+    current = _adapter_tensors(module)
+    missing = [local for local in current if f"{name}.{local}" not in state]
+    if missing:
+        raise JanusError(f"the θ0 snapshot has no initial {missing[0]} of layer {name!r}: it was taken of "
+                         "another adapter")
+    saved = {local: p.data for local, p in current.items()}
+    try:
+        for local, p in current.items():
+            p.data = state[f"{name}.{local}"].to(device=p.device, dtype=p.dtype)
+        yield
+    finally:
+        for local, p in current.items():
+            p.data = saved[local]
+
+
+class AdapterOnQuantizedBase:
+    """θ0 and θ̂ of a tuner layer on a quantized base, rebuilt when the engine needs them (it implements
+    :class:`~hf_janus.engine.target_layers.RebuiltWeights`): the dequantized base plus the adapter as it was at
+    train begin (from :func:`initial_state`) or as it was when this was made, in float32, one layer at a time.
+
+    Why: holding both in float32 for every adapted layer costs two dense copies of the model (52 GB at 7B) on a
+    machine chosen because the quantized model fits it. The base is never written; the trained adapter is copied
+    here (its size, not the layer's), so θ̂ stays what it was once the rectified update is written into the adapter.
+    """
+
+    def __init__(self, module: nn.Module, name: str, state: dict[str, Tensor]):
+        self.module, self.name = module, name
+        self.initial = {key: t for key, t in state.items() if key.startswith(f"{name}.")}
+        self.trained = {f"{name}.{local}": p.detach().to("cpu", copy=True)
+                        for local, p in _adapter_tensors(module).items()}
+        # writing the result back may change the adapter's rank, hence its scaling α/r
+        self.scaling = dict(module.scaling)
+
+    def finetuned(self, device: torch.device) -> Tensor:
+        return self._effective(self.trained, device)
+
+    def reference(self, device: torch.device) -> Tensor:
+        return self._effective(self.initial, device)
+
+    def _effective(self, state: dict[str, Tensor], device: torch.device) -> Tensor:
+        scaling = dict(self.module.scaling)
+        try:
+            self.module.scaling.update(self.scaling)
+            with torch.no_grad(), _adapter_set_to(self.module, self.name, state):
+                return effective_params(self.module, torch.float32)[0].to(device)
+        finally:
+            self.module.scaling.clear()
+            self.module.scaling.update(scaling)
+
+
+def rebuilt_on_quantized_bases(layers: dict[str, nn.Module], state: dict[str, Tensor]
+                               ) -> dict[str, AdapterOnQuantizedBase]:
+    """``{name: AdapterOnQuantizedBase}`` for the layers of ``layers`` on a quantized base whose θ0 ``state`` holds as
+    initial adapter tensors (every one :func:`initial_state` took)."""
+    return {name: AdapterOnQuantizedBase(module, name, state) for name, module in layers.items()
+            if on_quantized_base(module) and f"{name}.weight" not in state}
 
 
 def _set_child(root: nn.Module, name: str, child: nn.Module) -> None:
@@ -257,26 +309,34 @@ def _set_child(root: nn.Module, name: str, child: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def plain_view(peft_model: nn.Module, weights: dict[str, Tensor]) -> Iterator[nn.Module]:
+def plain_view(peft_model: nn.Module, weights: dict[str, Tensor],
+               rebuilt: Optional[dict[str, AdapterOnQuantizedBase]] = None) -> Iterator[nn.Module]:
     """Yield the inner model with every tuner layer replaced by its base layer holding its effective
-    weight and bias (``weights["<name>.weight"]`` where given); on exit everything is as before.
+    weight and bias (``weights["<name>.weight"]``, or ``rebuilt[name].finetuned``, where given); on exit everything
+    is as before.
 
     Inside, the model is an ordinary transformers model that computes exactly what the PEFT model
     computes and that :class:`~hf_janus.Rectifier` can work on, with the plain model's module names. A layer on
-    a quantized base is swapped for a :func:`dense_stand_in` instead (its base is never written).
+    a quantized base is swapped for a :func:`dense_stand_in` instead (its base is never written); the stand-ins
+    live on the host when the device has no room for them (:func:`stand_in_home`).
     """
     model = inner_model(peft_model)
     tuners = _tuner_layers(model)
+    rebuilt = rebuilt or {}
+    home = stand_in_home([m for m in tuners.values() if on_quantized_base(m)])
     saved: dict[str, tuple[nn.Module, Tensor, Optional[Tensor]]] = {}
     try:
         with torch.no_grad():
             for name, module in tuners.items():
                 base = module.get_base_layer()
                 given = weights.get(f"{name}.weight")
+                if given is None and name in rebuilt:
+                    given = rebuilt[name].finetuned(base.weight.device)
                 if on_quantized_base(module):
                     # a dense stand-in, built one layer at a time; the quantized base is left untouched
                     saved[name] = (module, None, None)
-                    _set_child(model, name, dense_stand_in(module, given))
+                    _set_child(model, name, dense_stand_in(module, given, home))
+                    del given
                     continue
                 eff_weight, eff_bias = effective_params(module)
                 if given is not None:
@@ -298,25 +358,71 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor]) -> Iterator[nn
             _set_child(model, name, module)
 
 
+#: Share of the device memory left to the run that the dense stand-ins of a quantized model may take; beyond it they
+#: live on the host and each is brought to the device only while its layer runs (the activations need the rest).
+STAND_IN_DEVICE_SHARE = 0.5
+
+
+def stand_in_home(modules: list[nn.Module]) -> Optional[torch.device]:
+    """Where the dense stand-ins of ``modules`` (tuner layers on quantized bases) keep their weights: ``None`` (the
+    base's device) when they fit :data:`STAND_IN_DEVICE_SHARE` of what the run may still fill there (the memory
+    plan's measure), else the host.
+
+    Why: a QLoRA model is chosen because its quantized base fits the card; dense stand-ins of every adapted layer
+    would need the dense model's memory (13 GB at 7B in bf16) on top of it."""
+    if not modules:
+        return None
+    device = modules[0].get_base_layer().weight.device
+    if device.type != "cuda":
+        return None
+    need = sum(m.get_base_layer().in_features * m.get_base_layer().out_features
+               * torch.empty((), dtype=compute_dtype(m.get_base_layer())).element_size() for m in modules)
+    in_use, capacity = cuda_in_use_and_capacity(device)
+    if need <= STAND_IN_DEVICE_SHARE * (capacity - in_use):
+        return None
+    logger.info("JANUS: the dense stand-ins of %d quantized layers (%.1f GiB) stay on the host; each is brought to "
+                "%s only while its layer runs", len(modules), need / 2**30, device)
+    return torch.device("cpu")
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """``y = x Wᵀ + b`` with ``W`` and ``b`` frozen, kept wherever they are (the host, for stand-ins the device cannot
+    hold): they are brought to ``x``'s device for the product, in the forward and again in the backward, so that
+    no layer's device copy waits for the backward. Only the input gradient flows."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(weight)
+        on = weight.to(x.device, non_blocking=True)
+        return nn.functional.linear(x, on, None if bias is None else bias.to(x.device, non_blocking=True))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (weight,) = ctx.saved_tensors
+        return grad.matmul(weight.to(grad.device, non_blocking=True)), None, None
+
+
 class DenseStandIn(nn.Linear):
     """A dense ``nn.Linear`` in a quantized layer's place. Like bitsandbytes' layers it computes in its own dtype
     (the quantized layer's compute dtype) and hands back the input's dtype: an 8-bit layer of a bf16 model has no
-    compute dtype of its own, so its stand-in holds float32 while the activations around it are bf16."""
+    compute dtype of its own, so its stand-in holds float32 while the activations around it are bf16. Its weight
+    may live on the host while the activations are on the device (see :func:`stand_in_home`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+        return _FrozenLinear.apply(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
-def dense_stand_in(module: nn.Module, weight: Optional[Tensor]) -> nn.Linear:
+def dense_stand_in(module: nn.Module, weight: Optional[Tensor], home: Optional[torch.device] = None) -> nn.Linear:
     """A :class:`DenseStandIn` computing what the tuner layer on a quantized base computes, holding ``weight`` (its
-    effective weight when ``None``) in the base's compute dtype, on its device."""
+    effective weight when ``None``) in the base's compute dtype, on ``home`` (default: the base's device)."""
     base = module.get_base_layer()
     if weight is None:
         weight = effective_params(module)[0]
     bias = base.bias if isinstance(getattr(base, "bias", None), Tensor) else None
     dense = DenseStandIn(base.in_features, base.out_features, bias=bias is not None, device="meta")
-    device, dtype = base.weight.device, compute_dtype(base)
+    device, dtype = home or base.weight.device, compute_dtype(base)
     dense.weight = nn.Parameter(weight.to(device=device, dtype=dtype, copy=True), requires_grad=False)
     if bias is not None:
-        dense.bias = nn.Parameter(bias.detach().to(device=device, dtype=dtype, copy=True), requires_grad=False)
+        dense.bias = nn.Parameter(bias.detach().to(device=base.weight.device, dtype=dtype, copy=True),
+                                  requires_grad=False)
     return dense

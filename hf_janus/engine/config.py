@@ -28,6 +28,8 @@ ACCEPTANCES = ("cosine", "loss", "both")
 CONSTRAINTS = ("loss", "target_logit", "logit_projections")
 #: ``JanusConfig.captures``: how many Jacobian captures a run keeps alive (:mod:`hf_janus.engine.memory_plan`).
 CAPTURE_SCHEDULES = ("auto", "all", "two")
+#: ``JanusConfig.factor_dtype``: the storage dtype of the compressed Jacobian factors (:mod:`hf_janus.engine.store`).
+FACTOR_DTYPES = ("auto", "float32", "bfloat16")
 #: The sequence compressions (:mod:`hf_janus.engine.compression`); ``JanusConfig.compression`` adds ``"auto"``.
 COMPRESSION_METHODS = ("exact", "randomized")
 COMPRESSION_CHOICES = ("auto", *COMPRESSION_METHODS)
@@ -136,6 +138,12 @@ class JanusConfig:
                 "taken again only if the loop goes on from it; one or a few more forward/backward passes, counted "
                 "in the report's recaptures, and the same result) or auto (all when the memory plan fits them in "
                 "memory, else two)", "choices": CAPTURE_SCHEDULES})
+    factor_dtype: str = field(default="auto", metadata={
+        "help": "storage dtype of the compressed Jacobian factors: float32 (as computed), bfloat16 (half the "
+                "memory and disk, as the paper's float16 cache; on a tiny Llama the same decisions and a rectified "
+                "update within 1e-3 of the float32 one, relative to |ΔW|: tests/engine/test_memory_plan.py) or "
+                "auto (float32 unless the memory plan finds no schedule for it, then bfloat16, logged and "
+                "recorded in the report's memory_plan)", "choices": FACTOR_DTYPES})
     seed: int = field(default=0, metadata={
         "help": "seed for anything random (the replay order is never shuffled: samples are grouped by length)"})
     acceptance: str = field(default="cosine", metadata={
@@ -182,6 +190,8 @@ class JanusConfig:
                self.constraint_temperature, "a float > 0")
         _check(self.captures in CAPTURE_SCHEDULES, "captures", self.captures,
                " or ".join(repr(c) for c in CAPTURE_SCHEDULES))
+        _check(self.factor_dtype in FACTOR_DTYPES, "factor_dtype", self.factor_dtype,
+               " or ".join(repr(c) for c in FACTOR_DTYPES))
         _check(self.acceptance in ACCEPTANCES, "acceptance", self.acceptance,
                " or ".join(repr(c) for c in ACCEPTANCES))
         _check(_is_real(self.loss_tolerance) and self.loss_tolerance > 0, "loss_tolerance", self.loss_tolerance,

@@ -17,7 +17,7 @@ Pieces (all bytes, summed over the target layers):
 * ``backup``: the fine-tuned weights, kept on the host to restore the model on failure (native dtype; none when
   the caller gives the exact θ̂, which restores the model as well);
 * ``theta0``: the reference weights (native dtype; a state dict's tensors on the host are kept, not copied, and
-  add nothing);
+  add nothing; nothing where θ0 and θ̂ are rebuilt when needed, as for an adapter on a quantized base);
 * ``current``: θ_t in float32; ``proj``: the projected update of the step in float32;
 * ``factors``: compressed Jacobian factors, per capture ``m · slots · (d_in + d_out)`` in the factor dtype, with
   up to four captures alive (θ0's, the current point's, a passing trial held by the adaptive controller, the trial),
@@ -96,6 +96,8 @@ class Workload:
     theta0_borrowed: bool = False
     # False when the caller gives the exact θ̂ (adapters): the rectifier restores from it and keeps no backup
     backup_kept: bool = True
+    # False when θ0 and θ̂ are rebuilt when needed (an adapter on a quantized base): neither is held
+    theta0_held: bool = True
 
     @property
     def rows(self) -> int:
@@ -185,6 +187,8 @@ class MemoryPlan:
     # the capture schedule: "all" (θ0's and a kept trial's held too) or "two" (JanusConfig.captures)
     captures: str = "all"
     captures_alive: int = 4
+    # the factors' storage dtype (JanusConfig.factor_dtype as chosen)
+    factor_dtype: str = "float32"
 
     @property
     def peak_device_bytes(self) -> int:
@@ -245,9 +249,10 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
     disk = pieces["factors"] - held if placements["factors"] == "disk" else 0
     if fits and capacity.get("disk") is not None and disk > capacity["disk"]:
         fits = False
+        half = ", factor_dtype='bfloat16' (halves the factors)" if work.factor_itemsize > 2 else ""
         notes = [f"the factors that do not fit in host memory need {disk / GIB:.1f} GiB of disk in cache="
                  f"{cache!r} but {capacity['disk'] / GIB:.1f} GiB are free there; point cache at a larger file "
-                 "system, or lower rank or the replay samples (factors: "
+                 f"system, or lower rank or the replay samples{half} (factors: "
                  f"{pieces['factors'] / GIB:.1f} GiB for {work.captures_alive} captures)"]
     return MemoryPlan(device=str(device), placements=placements, pieces=pieces, phases=plan, in_use=dict(in_use),
                       capacity=dict(capacity), fits=fits, notes=notes, disk_bytes=disk,
@@ -283,6 +288,31 @@ def plan_with_captures(work: Workload, device: torch.device, cache: str, in_use:
     return plan
 
 
+def plan_schedule(work: Workload, device: torch.device, cache: str, in_use: dict[str, int],
+                  capacity: dict[str, Optional[int]], captures: str, step_control: str,
+                  factor_dtype: str) -> MemoryPlan:
+    """:func:`plan_with_captures` with the factors stored as ``factor_dtype``, or for ``"auto"``: float32 where any
+    schedule fits, else bfloat16 (half the bytes, at bf16 precision), logged and noted. ``factor_dtype`` names a
+    torch dtype ("float32", "bfloat16", ...) or is "auto"."""
+    if factor_dtype != "auto":
+        itemsize = torch.empty((), dtype=getattr(torch, factor_dtype)).element_size()
+        plan = plan_with_captures(replace(work, factor_itemsize=itemsize), device, cache, in_use, capacity, captures,
+                                  step_control)
+        plan.factor_dtype = factor_dtype
+        return plan
+    exact = plan_schedule(work, device, cache, in_use, capacity, captures, step_control, "float32")
+    if exact.fits:
+        return exact
+    half = plan_schedule(work, device, cache, in_use, capacity, captures, step_control, "bfloat16")
+    if not half.fits:
+        return exact  # the refusal names the knobs, bfloat16 factors among them
+    note = (f"factor_dtype='bfloat16': no schedule fits float32 factors ({exact.notes[0]}); in bfloat16 they take "
+            f"{half.pieces['factors'] / GIB:.2f} GiB")
+    logger.info("JANUS memory plan: %s", note)
+    half.notes.insert(0, note)
+    return half
+
+
 def _phase_bytes(work: Workload, pieces: dict[str, int], placements: dict[str, str], shared: bool,
                  held: int = 0) -> dict[str, dict[str, int]]:
     """The bytes each phase (capture, ghost math) adds on the device and the host with the pieces where
@@ -291,6 +321,8 @@ def _phase_bytes(work: Workload, pieces: dict[str, int], placements: dict[str, s
     for name in ("current", "proj", "factors", "theta0", "backup"):
         where = "host" if shared or placements[name] == "host" else "device"
         if placements[name] == "disk" or (name == "backup" and not work.backup_kept):
+            continue
+        if name == "theta0" and not work.theta0_held:
             continue
         if name == "theta0" and work.theta0_borrowed and where == "host":
             continue  # the caller's θ0 on the host, counted in ``in_use`` already
@@ -322,7 +354,7 @@ def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, i
     if str(cache) == "memory":
         knobs.insert(0, "cache=<a directory> (factors spill to disk)")
     if work.factor_itemsize > 2:
-        knobs.insert(1, "factor dtype bfloat16 (Rectifier(factor_dtype=torch.bfloat16) halves the factors)")
+        knobs.insert(1, "factor_dtype='bfloat16' (halves the factors)")
     return (f"the rectification needs about {need / GIB:.1f} GiB of {'host' if where == 'host' else 'device'} memory "
             f"at its peak but {capacity[where] / GIB:.1f} GiB can be used; lower one of: " + "; ".join(knobs))
 
@@ -367,13 +399,22 @@ def measure_in_use_and_capacity(device: torch.device,
     disk_capacity = None if free_disk is None else int(DISK_FILL * free_disk)
     device = torch.device(device)
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        allocated = torch.cuda.memory_allocated(device)
-        reserved_idle = torch.cuda.memory_reserved(device) - allocated
-        device_capacity = int(DEVICE_FILL * (allocated + reserved_idle + free))
+        allocated, device_capacity = cuda_in_use_and_capacity(device)
         return ({"device": allocated, "host": rss},
                 {"device": device_capacity, "host": host_capacity, "disk": disk_capacity})
     return {"device": 0, "host": rss}, {"device": None, "host": host_capacity, "disk": disk_capacity}
+
+
+def cuda_in_use_and_capacity(device: torch.device) -> tuple[int, int]:
+    """Bytes this process has allocated on a CUDA device and the most it may fill there: what is free or held idle
+    by the caching allocator, capped by ``torch.cuda.set_per_process_memory_fraction`` (how a shared card, or a
+    benchmark standing in for a smaller one, limits a process), times :data:`DEVICE_FILL`."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    reserved_idle = torch.cuda.memory_reserved(device) - allocated
+    reachable = allocated + reserved_idle + free
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _device: 1.0)(device)
+    return allocated, int(DEVICE_FILL * min(reachable, fraction * total))
 
 
 def model_dimensions(model: torch.nn.Module, layers: Sequence[LayerShape]) -> dict[str, int]:

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -39,14 +39,14 @@ from hf_janus.engine.memory_plan import (
     Workload,
     measure_in_use_and_capacity,
     model_dimensions,
-    plan_with_captures,
+    plan_schedule,
 )
 from hf_janus.engine.report import RectificationReport
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.statistics import layer_statistics
 from hf_janus.engine.step_loop import CosineOverride, StepLoop
 from hf_janus.engine.store import FactorStore
-from hf_janus.engine.target_layers import Reference, TargetLayers, build_target_layer, storage_of
+from hf_janus.engine.target_layers import RebuiltWeights, Reference, TargetLayers, build_target_layer, storage_of
 from hf_janus.engine.timing import PhaseTimer
 from hf_janus.engine.workspace import Workspace
 from hf_janus.errors import JanusError, RectificationError
@@ -65,16 +65,18 @@ class Rectifier:
 
     def __init__(self, model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None,
                  progress: bool = True, keep_reference_factors: bool = False,
-                 factor_dtype: Optional[torch.dtype] = None, memory_budget_bytes: Optional[int] = None,
+                 factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
                  cosine_override: Optional[CosineOverride] = None, clock: Callable[[], float] = time.perf_counter,
-                 finetuned: Optional[Mapping[str, Tensor]] = None):
+                 finetuned: Optional[Mapping[str, Tensor]] = None,
+                 rebuilt: Optional[Mapping[str, RebuiltWeights]] = None):
         """See :func:`rectify` for the first four arguments.
 
         Args:
             keep_reference_factors: keep each layer's θ0 Jacobian in the result (``LayerResult.jacobian``), for
                 callers that post-process ΔW_rect (adapter re-factorization) and measure ``||J0 ΔW||``.
-            factor_dtype: storage dtype of the compressed factors (default: float32 as computed);
-                ``torch.bfloat16`` halves their memory, as the paper's float16 cache, at bf16 precision.
+            factor_dtype: storage dtype of the compressed factors, over ``config.factor_dtype`` (which the
+                memory plan resolves): ``torch.bfloat16`` halves their memory, as the paper's float16 cache, at bf16
+                precision.
             memory_budget_bytes: with ``config.cache`` a directory, how many bytes of factors to keep in
                 host memory before spilling to disk (default: what the memory plan leaves).
             cosine_override: called as ``cosine_override(step, alpha, measured)`` after each trial's comparison,
@@ -87,6 +89,9 @@ class Rectifier:
                 (the model holds round(W + ΔW), and round(W + ΔW) − W is rounding noise where ΔW is small). ΔW is
                 then ``finetuned − reference`` in float32, the model still runs the captures in its own dtype, and
                 the caller keeps the float32 θ_rect (``result.layers[name].rectified``); the statistics measure it.
+            rebuilt: ``{layer name: RebuiltWeights}`` for layers whose θ0 and θ̂ are computed when needed instead of
+                read from ``reference`` and ``finetuned`` and held (an adapter on a quantized base: the dequantized
+                base plus the initial or trained adapter); as with ``finetuned``, the caller keeps θ_rect.
         """
         self.model, self.progress, self.keep_reference_factors = model, progress, keep_reference_factors
         self.cosine_override, self.clock = cosine_override, clock
@@ -104,16 +109,20 @@ class Rectifier:
         except (AttributeError, NotImplementedError):  # not a language model: nothing to check ids against
             embeddings = None
         check_vocabulary(self.batches, getattr(embeddings, "num_embeddings", None))
-        if isinstance(factor_dtype, str):
-            factor_dtype = getattr(torch, factor_dtype.replace("torch.", ""))
+        # an explicit dtype wins over config.factor_dtype (the memory plan resolves "auto")
+        factor_dtype = (self.config.factor_dtype if factor_dtype is None
+                        else str(factor_dtype).replace("torch.", ""))
         #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
+        self.rebuilt = dict(rebuilt or {})
         self.memory_plan = self._plan_memory(modules, factor_dtype, theta0_borrowed=isinstance(reference, Mapping),
-                                             backup_kept=finetuned is None)
+                                             backup_kept=finetuned is None and not self.rebuilt,
+                                             theta0_held=set(modules) - set(self.rebuilt) != set())
         #: The target layers (θ0, θ̂, θ_t of each) and which point the model holds.
         self.layers = self._build_layers(modules, reference, finetuned)
         self.timer = PhaseTimer(self.device)
         self.workspace = Workspace()
-        self.store = FactorStore(self.config.cache, self.device, factor_dtype=factor_dtype,
+        chosen = self.memory_plan.factor_dtype
+        self.store = FactorStore(self.config.cache, self.device, factor_dtype=None if chosen == "float32" else chosen,
                                  memory_budget_bytes=(memory_budget_bytes if memory_budget_bytes is not None
                                                       else self.memory_plan.factor_host_budget),
                                  offload=self.memory_plan.placements["factors"] == "host")
@@ -126,8 +135,8 @@ class Rectifier:
         collective = passes_are_collective(model)
         self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if collective else []
 
-    def _plan_memory(self, modules: dict[str, nn.Module], factor_dtype: Optional[torch.dtype],
-                     theta0_borrowed: bool, backup_kept: bool) -> MemoryPlan:
+    def _plan_memory(self, modules: dict[str, nn.Module], factor_dtype: str,
+                     theta0_borrowed: bool, backup_kept: bool, theta0_held: bool) -> MemoryPlan:
         """The memory plan (:mod:`.memory_plan`), before anything is allocated; refuses a run that cannot fit."""
         cfg = self.config
         shapes = []
@@ -142,15 +151,15 @@ class Rectifier:
             batch_size=max(int(b["input_ids"].shape[0]) for b in self.batches),
             seq_len=max(int(b["input_ids"].shape[1]) for b in self.batches), rank=cfg.rank,
             activation_itemsize=floats[0].element_size() if floats else 4,
-            factor_itemsize=torch.empty((), dtype=factor_dtype or torch.float32).element_size(),
             matmul_itemsize=torch.empty((), dtype=getattr(torch, cfg.ghost_matmul)).element_size(),
             materialize_max_bytes=cfg.materialize_max_bytes, captures_alive=CAPTURES_ALIVE[cfg.step_control],
             tempered=cfg.constraint_temperature != 1.0,
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
-            theta0_borrowed=theta0_borrowed, backup_kept=backup_kept,
+            theta0_borrowed=theta0_borrowed, backup_kept=backup_kept, theta0_held=theta0_held,
             **model_dimensions(self.model, shapes))
         in_use, capacity = measure_in_use_and_capacity(self.device, cfg.cache)
-        plan = plan_with_captures(work, self.device, cfg.cache, in_use, capacity, cfg.captures, cfg.step_control)
+        plan = plan_schedule(work, self.device, cfg.cache, in_use, capacity, cfg.captures, cfg.step_control,
+                             factor_dtype)
         logger.info(plan.summary())
         if not plan.fits:
             raise JanusError(f"JANUS would run out of memory: {plan.notes[0]}. Nothing was changed.")
@@ -166,7 +175,8 @@ class Rectifier:
         storages = {storage_of(p) for p in self.model.parameters()} - {None}
         # Under FSDP and ZeRO-3 each read is a collective: every rank walks the same layers in the same order.
         layers = [build_target_layer(name, module, reference, finetuned, storages, self._home("theta0"),
-                                     self._home("current")) for name, module in modules.items()]
+                                     self._home("current"), rebuilt=self.rebuilt.get(name))
+                  for name, module in modules.items()]
         return TargetLayers(self.model, layers, self.device)
 
     def capture(self, tag: str) -> CaptureResult:
@@ -244,7 +254,7 @@ class Rectifier:
         self.result = RectificationResult(report, {
             layer.name: LayerResult(name=layer.name, rule=layer.rule, reference_weight=layer.reference_matrix,
                                     finetuned_weight=layer.finetuned_native(), rectified=layer.current,
-                                    jacobian=jacobians.get(layer.name))
+                                    jacobian=jacobians.get(layer.name), rebuilt=layer.rebuilt)
             for layer in self.layers})
         logger.info(report.summary())
         return self.result

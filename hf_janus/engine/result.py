@@ -11,6 +11,7 @@ from torch import Tensor
 from hf_janus.engine.ghost import LayerJacobian
 from hf_janus.engine.layers import LayerRule
 from hf_janus.engine.report import RectificationReport
+from hf_janus.engine.target_layers import RebuiltWeights
 
 
 @dataclass
@@ -20,20 +21,25 @@ class LayerResult:
 
     name: str
     rule: LayerRule
-    reference_weight: Tensor  # θ0 as (d_out, d_in), in its own dtype
+    reference_weight: Optional[Tensor]  # θ0 as (d_out, d_in), in its own dtype (None where ``rebuilt``)
     # θ̂ in the module's layout on the CPU: as the module stores it, or the float32 θ̂ the caller gave the rectifier
-    # (an adapter's exact update on a bf16 base, see Rectifier's ``finetuned``)
-    finetuned_weight: Tensor
+    # (an adapter's exact update on a bf16 base, see Rectifier's ``finetuned``); None where ``rebuilt``
+    finetuned_weight: Optional[Tensor]
     rectified: Tensor  # θ_rect, float32 (d_out, d_in), where the memory plan kept θ_t (the device, or the host)
     jacobian: Optional[LayerJacobian] = None  # J0 (compressed factors at θ0), when kept
+    rebuilt: Optional[RebuiltWeights] = None  # θ0 and θ̂ computed when asked for (see Rectifier's ``rebuilt``)
 
     @property
     def reference(self) -> Tensor:
         """θ0 as float32 on the device of :attr:`rectified` (no copy for float32 weights already there)."""
+        if self.rebuilt is not None:
+            return self.rebuilt.reference(self.rectified.device)
         return self.reference_weight.to(self.rectified.device, torch.float32)
 
     def finetuned(self) -> Tensor:
         """θ̂ as float32 ``(d_out, d_in)`` on the device of :attr:`rectified`."""
+        if self.rebuilt is not None:
+            return self.rebuilt.finetuned(self.rectified.device)
         return self.rule.to_matrix(self.finetuned_weight).to(self.rectified.device, torch.float32)
 
     def delta(self) -> Tensor:

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 def layer_statistics(layers: TargetLayers, jacobians: JacobianSource) -> list[LayerStats]:
     """One :class:`LayerStats` per layer, measured at θ0's capture (tag ``"c0"``) on what the rectification leaves:
-    the model's (possibly rounded) weights, or θ_t itself where the caller gave an exact θ̂ and keeps θ_t."""
+    the model's (possibly rounded) weights, or θ_t itself where the caller gave an exact or rebuilt θ̂ and keeps θ_t."""
     stats, rounded = [], []
     device = jacobians.device
     with jacobians.ghost_phase():
@@ -43,7 +43,7 @@ def _one_layer(layer: TargetLayer, jacobians: JacobianSource, device: torch.devi
     jac = jacobians.jacobian(layer.name, "c0")
     reference = layer.reference(device)
     delta = layer.finetuned(device) - reference
-    written = (layer.current.to(device) if layer.finetuned_exact is not None
+    written = (layer.current.to(device) if layer.keeps_current
                else layer.rule.weight(layer.module).detach())
     rect = written.to(torch.float32) - reference
     before = float((layer.jvp0 if layer.jvp0 is not None else jac.jvp(delta)).norm())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Protocol, Union, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,18 @@ from hf_janus.errors import JanusError
 from hf_janus.parallel.sharding import full_master_weight, full_shape, full_weight, reshard, write_full_
 
 Reference = Union[nn.Module, Mapping[str, Tensor]]
+
+
+@runtime_checkable
+class RebuiltWeights(Protocol):
+    """θ0 and θ̂ of one layer computed when needed instead of held: for an adapter on a quantized base they are the
+    dequantized base plus the initial or the trained adapter, so that no dense copy of every adapted layer is
+    kept through the run (at 7B two float32 copies would take 52 GB). Each call returns a fresh float32
+    ``(d_out, d_in)`` matrix on ``device``; the two must be the same every time they are asked for."""
+
+    def reference(self, device: torch.device) -> Tensor: ...
+
+    def finetuned(self, device: torch.device) -> Tensor: ...
 
 
 @dataclass
@@ -32,8 +44,9 @@ class TargetLayer:
     # written back, gives the stored weight bit for bit (no second copy of θ̂ is kept then)
     finetuned_backup: Optional[Tensor]
     # θ0, (d_out, d_in), in its own dtype: exact, and bf16 takes half the bytes of fp32. θ0, θ_t and the projection
-    # live where the memory plan put them (the device, or the host when the device cannot hold them all).
-    reference_matrix: Tensor
+    # live where the memory plan put them (the device, or the host when the device cannot hold them all). None
+    # where ``rebuilt`` computes θ0 and θ̂ when needed.
+    reference_matrix: Optional[Tensor]
     current: Tensor  # θ_t, float32
     proj: Optional[Tensor] = None  # Δθ_t,proj, float32
     eig: Optional[GramEig] = None  # eigendecomposition of J_t J_tᵀ
@@ -47,10 +60,18 @@ class TargetLayer:
     # adapter's update on a bf16 base: the model holds round(W + ΔW), whose difference from W is rounding noise
     # where ΔW is small), on the CPU
     finetuned_exact: Optional[Tensor] = None
+    rebuilt: Optional[RebuiltWeights] = None  # θ0 and θ̂ computed when needed (then neither is held)
 
     def reference(self, device: torch.device) -> Tensor:
         """θ0 as float32 (d_out, d_in) on ``device``; no copy for float32 weights already there."""
+        if self.rebuilt is not None:
+            return self.rebuilt.reference(device)
         return self.reference_matrix.to(device, torch.float32)
+
+    @property
+    def keeps_current(self) -> bool:
+        """Whether the caller keeps the float32 θ_t (an exact or rebuilt θ̂) rather than the model's weights."""
+        return self.finetuned_exact is not None or self.rebuilt is not None
 
     @property
     def d_out(self) -> int:
@@ -61,13 +82,18 @@ class TargetLayer:
         return self.current.shape[1]
 
     def finetuned(self, device: torch.device) -> Tensor:
-        """θ̂ as float32 (d_out, d_in) on ``device``: the exact one when given, else the model's weight."""
+        """θ̂ as float32 (d_out, d_in) on ``device``: rebuilt or the exact one when given, else the model's weight."""
+        if self.rebuilt is not None:
+            return self.rebuilt.finetuned(device)
         if self.finetuned_exact is not None:
             return self.finetuned_exact.to(device, torch.float32)
         return self.rule.to_matrix(self.finetuned_backup).to(device, torch.float32)
 
-    def finetuned_native(self) -> Tensor:
-        """θ̂ in the module's layout: the exact one when given (float32), else the stored weight's backup."""
+    def finetuned_native(self) -> Optional[Tensor]:
+        """θ̂ in the module's layout: the exact one when given (float32), else the stored weight's backup; None
+        where it is rebuilt when needed."""
+        if self.rebuilt is not None:
+            return None
         if self.finetuned_exact is not None:
             return self.rule.from_matrix(self.finetuned_exact)
         return self.finetuned_backup
@@ -77,8 +103,12 @@ class TargetLayer:
 
     def restore(self) -> None:
         """Put θ̂ back as the module stored it (the exact θ̂ rounds to it bit for bit where no backup is kept)."""
-        stored = (self.finetuned_backup if self.finetuned_backup is not None
-                  else self.rule.from_matrix(self.finetuned_exact))
+        if self.finetuned_backup is not None:
+            stored = self.finetuned_backup
+        elif self.rebuilt is not None:
+            stored = self.rule.from_matrix(self.rebuilt.finetuned(self.module.weight.device))
+        else:
+            stored = self.rule.from_matrix(self.finetuned_exact)
         write_full_(self.module.weight, stored, master=self.master_backup)
 
     def release_current_jacobian(self) -> None:
@@ -158,10 +188,14 @@ def _given_finetuned(finetuned: Mapping[str, Tensor], name: str, stored: Tensor)
 
 
 def build_target_layer(name: str, module: nn.Module, reference: Reference, finetuned: Optional[Mapping[str, Tensor]],
-                       model_storages: set, theta0_home: torch.device, current_home: torch.device) -> TargetLayer:
+                       model_storages: set, theta0_home: torch.device, current_home: torch.device,
+                       rebuilt: Optional[RebuiltWeights] = None) -> TargetLayer:
     """Read one layer's θ̂ and θ0 (a collective under FSDP and ZeRO-3: every rank builds the same layers in the same
-    order). ``model_storages``: the storages of the model's parameters, which a borrowed tensor must not share."""
+    order). ``model_storages``: the storages of the model's parameters, which a borrowed tensor must not share.
+    ``rebuilt``: θ0 and θ̂ computed when needed, instead of read from ``reference`` and ``finetuned`` and held."""
     rule = rule_for(module)
+    if rebuilt is not None and not rule.quantized:
+        return _rebuilt_target_layer(name, module, rule, rebuilt, current_home)
     if rule.quantized:
         raise JanusError(
             f"layer {name!r} is quantized ({rule.name}): rectify() writes rectified weights into the model's "
@@ -191,6 +225,27 @@ def build_target_layer(name: str, module: nn.Module, reference: Reference, finet
         current=ref_matrix.to(current_home, torch.float32, copy=True),
         master_backup=full_master_weight(module.weight), finetuned_exact=exact,
     )
+
+
+def _rebuilt_target_layer(name: str, module: nn.Module, rule: LayerRule, rebuilt: RebuiltWeights,
+                          current_home: torch.device) -> TargetLayer:
+    """A layer whose θ0 and θ̂ are rebuilt when needed: checked once here, then only θ_t is held."""
+    stored = full_weight(module.weight)
+    device = stored.device
+    reference, finetuned = rebuilt.reference(device), rebuilt.finetuned(device)
+    shape = tuple(rule.to_matrix(stored).shape)
+    for what, matrix in (("reference", reference), ("fine-tuned", finetuned)):
+        if tuple(matrix.shape) != shape or matrix.dtype != torch.float32:
+            raise JanusError(f"the rebuilt {what} weight of {name!r} is a {matrix.dtype} tensor of shape "
+                             f"{tuple(matrix.shape)}; the layer's weight is {shape}: rebuild float32 (d_out, d_in)")
+        check_finite(matrix, f"{what} weight of {name!r}")
+    # restoring writes the rebuilt θ̂; a backup only where that would not give the stored weight bit for bit
+    restores = torch.equal(rule.from_matrix(finetuned).to(stored.dtype), stored)
+    del finetuned
+    backup = None if restores else stored.clone().cpu()
+    return TargetLayer(name=name, module=module, rule=rule, finetuned_backup=backup, reference_matrix=None,
+                       current=reference.to(current_home, copy=True), master_backup=full_master_weight(module.weight),
+                       rebuilt=rebuilt)
 
 
 #: ``TargetLayers.held``: the model holds θ_t, not a trial

@@ -27,6 +27,7 @@ from hf_janus.adapters.peft_layers import (
     is_mutating_init,
     on_quantized_base,
     plain_view,
+    rebuilt_on_quantized_bases,
     theta0_weights,
 )
 from hf_janus.engine.config import JanusConfig
@@ -106,14 +107,18 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
         ``format="adapter"``, the merged plain model for ``format="merged"``) and the rectifier.
     """
     layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
+    # On a quantized base θ0 and θ̂ are rebuilt from the base and the adapter when needed, never held for all layers.
+    rebuilt = rebuilt_on_quantized_bases(layers, initial)
+    dense = {name: module for name, module in layers.items() if name not in rebuilt}
     # θ0 and θ̂ in float32 whatever the base dtype: the update is the adapter's own, not round(W + ΔW) − W
-    theta0 = theta0_weights(layers, initial)
-    finetuned = effective_weights(layers)
+    theta0 = theta0_weights(dense, initial)
+    finetuned = effective_weights(dense)
     # Only the adapted layers moved during training: they are the targets, whatever "all-linear" says.
     config = dataclasses.replace(config, target_modules=list(layers), exclude_modules=None)
-    with plain_view(model, finetuned) as plain:
+    with plain_view(model, finetuned, rebuilt) as plain:
         rectifier = Rectifier(plain, theta0, replay, config, progress=progress,
-                              keep_reference_factors=output.format == "adapter", finetuned=finetuned)
+                              keep_reference_factors=output.format == "adapter", finetuned=finetuned,
+                              rebuilt=rebuilt)
         result = rectifier.run()
     report = result.report
     if output.format == "merged":
