@@ -11,7 +11,9 @@ compare like for like and every part of Algorithm 1 (rejection, acceptance, a se
 Per run it records ``report.timings`` (the engine's phases: forward_backward, compression, ghost, io) and a
 finer split measured by wrapping engine functions (exclusive time per operation, grouped by the
 Rectifier step it ran in: capture, projection, orientation comparison, per-layer statistics), the peak RSS
-(psutil sampling thread and the kernel high-water mark), and the number of Jacobian evaluations.
+(psutil sampling thread and the kernel high-water mark), and the number of Jacobian evaluations. ``Instrument``
+takes a callback run after each Rectifier step; ``PartialJSON`` uses it (in ``scale.py`` and ``qlora.py``) to
+rewrite the figures so far atomically, so that a run killed at a device call's time limit still leaves them.
 
 ``--baseline REV`` additionally runs every configuration with the engine of git revision REV (extracted with
 ``git archive`` into a temporary directory that goes first on PYTHONPATH), alternating baseline and current
@@ -38,7 +40,9 @@ import functools
 import importlib
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +51,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import psutil
 import torch
 from torch import Tensor
 
@@ -157,9 +162,13 @@ class Instrument:
     figures add up. Accelerator work is synchronized at every boundary (as the engine's own timer does).
     """
 
-    def __init__(self, device: torch.device, verbose: bool = False, ops: bool = True):
-        # ops=False: the Rectifier steps only (one synchronization per step, not per operation)
-        self.device, self.verbose, self.ops = device, verbose, ops
+    def __init__(self, device: torch.device, verbose: bool = False, ops: bool = True,
+                 on_section: Optional[Callable[["Instrument", str, Any], None]] = None):
+        # ops=False: the Rectifier steps only (one synchronization per step, not per operation).
+        # on_section(instrument, label, owner) runs after each step ends; owner: the object the step ran on (the
+        # Rectifier, its StepLoop), so that a caller can read live state (PartialJSON) without timing anything twice
+        self.device, self.verbose, self.ops, self.on_section = device, verbose, ops, on_section
+        self.section_calls: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.cpu: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -204,9 +213,12 @@ class Instrument:
                 elapsed = time.perf_counter() - start
                 self.section_seconds[label] += elapsed
                 self.section_cpu[label] += time.process_time() - cpu0
+                self.section_calls[label] += 1
                 self._section = outer
                 if self.verbose:
                     progress(label, elapsed)
+                if self.on_section is not None:
+                    self.on_section(self, label, args[0] if args else None)
         return inner
 
     def _op_wrapper(self, fn: Callable, label: str) -> Callable:
@@ -229,6 +241,11 @@ class Instrument:
                 self.calls[self._section][label] += 1
         return inner
 
+    @property
+    def current_section(self) -> str:
+        """The Rectifier step running now ("outside" between steps)."""
+        return self._section
+
     def __enter__(self) -> "Instrument":
         for module, attr, label in SECTIONS:
             self._wrap(module, attr, self._section_wrapper, label)
@@ -248,6 +265,122 @@ class Instrument:
                             "unattributed": total - sum(ops.values()),
                             "cpu_seconds": self.section_cpu[section], "ops_cpu": dict(self.cpu.get(section, {}))}
         return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# Figures so far: a run killed at a device call's time limit still leaves them
+# ------------------------------------------------------------------------------------------------------
+
+GIB = float(1 << 30)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """``data`` as JSON at ``path`` through a temporary file and ``os.replace``: a reader, or a kill mid-write,
+    never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def plan_figures(plan: Any) -> dict[str, Any]:
+    """The memory plan's predictions and placements in GiB (a ``MemoryPlan`` or its ``to_dict()``; {} for none)."""
+    plan = plan.to_dict() if hasattr(plan, "to_dict") else (plan or {})
+    if not plan:
+        return {}
+    gib = lambda key: plan[key] / GIB if plan.get(key) is not None else None  # noqa: E731
+    return {"predicted_peak_device_gib": gib("peak_device_bytes"), "predicted_peak_host_gib": gib("peak_host_bytes"),
+            "predicted_disk_gib": gib("disk_bytes"), "factor_host_budget_gib": gib("factor_host_budget"),
+            "placements": plan.get("placements"), "captures": plan.get("captures"),
+            "captures_alive": plan.get("captures_alive"), "factor_dtype": plan.get("factor_dtype"),
+            "plan_fits": plan.get("fits")}
+
+
+def peak_host_bytes() -> int:
+    """The kernel's high-water mark of this process's resident memory (model build included)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_host_gib() -> float:
+    return peak_host_bytes() / GIB
+
+
+class PartialJSON:
+    """What a run has measured so far, rewritten atomically at the stages the caller marks and after every Rectifier
+    step (pass :meth:`on_section` to :class:`Instrument`): elapsed and per-step seconds, evaluations, peak GPU and
+    host memory, and once known the memory plan. ``path=None`` writes nothing."""
+
+    def __init__(self, path: Optional[str], device: torch.device, verbose: bool = False, **fields: Any):
+        self.path, self.device, self.fields = (Path(path) if path else None), torch.device(device), dict(fields)
+        self.verbose = verbose  # a timestamped line per stage on stderr (Instrument(verbose=True) does the steps)
+        self.start = time.perf_counter()
+        # the process's age too: a phase's time limit also counts the interpreter's start and the imports
+        self.process_start = psutil.Process().create_time()
+        self.instrument: Optional[Instrument] = None
+        self.rectifier: Any = None  # learnt from the steps when the caller cannot reach it (rectify_live_peft)
+        self.report: Any = None  # the live report, from the StepLoop's steps
+
+    def stage(self, name: str, **fields: Any) -> None:
+        """Record that the run reached ``name`` (with ``fields``, e.g. F once measured) and rewrite the file."""
+        if self.verbose:
+            progress(name, time.perf_counter() - self.start)
+        self._update(name, **fields)
+
+    def _update(self, name: str, **fields: Any) -> None:
+        self.fields.update(fields)
+        self.fields["stage"] = name
+        self.write()
+
+    def on_section(self, inst: Instrument, label: str, owner: Any) -> None:
+        self.instrument = inst
+        if hasattr(owner, "memory_plan") and hasattr(owner, "store"):
+            self.rectifier = owner
+        if hasattr(getattr(owner, "report", None), "num_jacobian_evals"):
+            self.report = owner.report
+        self._update(f"after {label}")
+
+    def evaluations(self) -> int:
+        """The report's count once a StepLoop step has run; before that, the captures taken (θ0's)."""
+        if self.report is not None:
+            return self.report.num_jacobian_evals
+        return self.instrument.section_calls.get("capture", 0) if self.instrument else 0
+
+    def snapshot(self) -> dict[str, Any]:
+        out = {**self.fields, "elapsed_s": time.perf_counter() - self.start,
+               "process_s": time.time() - self.process_start, "peak_host_gib": peak_host_gib(),
+               "evaluations": self.evaluations()}
+        if self.device.type == "cuda" and torch.cuda.is_initialized():  # a parent process must not make a context
+            out["peak_gpu_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+        if self.instrument is not None:
+            out["sections_s"] = dict(self.instrument.section_seconds)
+            out["section_calls"] = dict(self.instrument.section_calls)
+            out["current_section"] = self.instrument.current_section
+        if self.report is not None:
+            out["recaptures"] = getattr(self.report, "recaptures", None)
+        if self.rectifier is not None:  # getattr: a baseline engine may have no plan or store
+            out.update(plan_figures(getattr(self.rectifier, "memory_plan", None)))
+            out["peak_captures"] = getattr(getattr(self.rectifier, "store", None), "peak_captures", None)
+        sections, f_s = out.get("sections_s", {}), out.get("f_s")
+        if f_s and out["evaluations"]:  # R_eval of the evaluations so far (scale.py's definition)
+            per_eval = sum(sections.get(k, 0.0) for k in ("capture", "project", "compare"))
+            out["r_eval_so_far"] = per_eval / (out["evaluations"] * f_s)
+        return out
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        try:
+            write_json_atomic(self.path, self.snapshot())
+        except OSError as err:  # a full disk must not end the run being measured
+            print(f"partial JSON not written: {err}", file=sys.stderr, flush=True)
+
+    def stop_on_sigterm(self) -> None:
+        """On SIGTERM (``timeout`` at the phase's limit) record where the run was, then exit at once (124, as
+        ``timeout`` does): no clean-up that could outlast the kill grace."""
+        def handler(signum: int, frame: Any) -> None:
+            self.stage("killed by SIGTERM (the phase's time limit)")
+            os._exit(124)
+        signal.signal(signal.SIGTERM, handler)
 
 
 # ------------------------------------------------------------------------------------------------------

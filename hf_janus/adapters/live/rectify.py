@@ -107,19 +107,9 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
         ``format="adapter"``, the merged plain model for ``format="merged"``) and the rectifier.
     """
     layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
-    # On a quantized base θ0 and θ̂ are rebuilt from the base and the adapter when needed, never held for all layers.
-    rebuilt = rebuilt_on_quantized_bases(layers, initial)
-    dense = {name: module for name, module in layers.items() if name not in rebuilt}
-    # θ0 and θ̂ in float32 whatever the base dtype: the update is the adapter's own, not round(W + ΔW) − W
-    theta0 = theta0_weights(dense, initial)
-    finetuned = effective_weights(dense)
-    # Only the adapted layers moved during training: they are the targets, whatever "all-linear" says.
-    config = dataclasses.replace(config, target_modules=list(layers), exclude_modules=None)
-    with plain_view(model, finetuned, rebuilt) as plain:
-        rectifier = Rectifier(plain, theta0, replay, config, progress=progress,
-                              keep_reference_factors=output.format == "adapter", finetuned=finetuned,
-                              rebuilt=rebuilt)
-        result = rectifier.run()
+    rectifier = rectify_adapted_layers(model, layers, initial, replay, config, progress=progress,
+                                       keep_reference_factors=output.format == "adapter")
+    result = rectifier.result
     report = result.report
     if output.format == "merged":
         merged = _merge(model, layers, result)
@@ -130,6 +120,28 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
     finally:
         result.release()
     return LivePeftRun(report, model, rectifier)
+
+
+def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initial: dict[str, Tensor], replay: Any,
+                           config: JanusConfig, *, progress: bool = True,
+                           keep_reference_factors: bool = False) -> Rectifier:
+    """The rectification of :func:`rectify_live_peft` without keeping its result: the finished :class:`Rectifier`
+    (``.result`` holds θ_rect of each of ``layers``, from :func:`~hf_janus.adapters.peft_layers.adapted_linear_layers`)
+    and the model exactly as it was. For callers that keep the update their own way, and for measuring the
+    rectification alone (at 7B the adapter's re-factorization is 224 float64 SVDs)."""
+    # On a quantized base θ0 and θ̂ are rebuilt from the base and the adapter when needed, never held for all layers.
+    rebuilt = rebuilt_on_quantized_bases(layers, initial)
+    dense = {name: module for name, module in layers.items() if name not in rebuilt}
+    # θ0 and θ̂ in float32 whatever the base dtype: the update is the adapter's own, not round(W + ΔW) − W
+    theta0 = theta0_weights(dense, initial)
+    finetuned = effective_weights(dense)
+    # Only the adapted layers moved during training: they are the targets, whatever "all-linear" says.
+    config = dataclasses.replace(config, target_modules=list(layers), exclude_modules=None)
+    with plain_view(model, finetuned, rebuilt) as plain:
+        rectifier = Rectifier(plain, theta0, replay, config, progress=progress,
+                              keep_reference_factors=keep_reference_factors, finetuned=finetuned, rebuilt=rebuilt)
+        rectifier.run()
+    return rectifier
 
 
 def _write_adapter(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult,
