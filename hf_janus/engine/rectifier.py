@@ -112,8 +112,8 @@ class Rectifier:
         # an explicit dtype wins over config.factor_dtype (the memory plan resolves "auto")
         factor_dtype = (self.config.factor_dtype if factor_dtype is None
                         else str(factor_dtype).replace("torch.", ""))
-        #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
         self.rebuilt = dict(rebuilt or {})
+        #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
         self.memory_plan = self._plan_memory(modules, factor_dtype, theta0_borrowed=isinstance(reference, Mapping),
                                              backup_kept=finetuned is None and not self.rebuilt,
                                              theta0_held=set(modules) - set(self.rebuilt) != set())

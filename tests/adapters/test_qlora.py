@@ -272,15 +272,18 @@ def test_merger_rectifies_a_qlora_adapter_against_its_quantized_base(base_dir, q
     from peft import PeftModel
     from transformers import BitsAndBytesConfig
 
-    from hf_janus import JanusMerger
+    from hf_janus import JanusMerger, load_report
 
     replay = samples(6, seed=2)
     delta = JanusMerger(base_dir, qlora_adapter, replay, EXACT, progress=False,
                         quantization_config=BitsAndBytesConfig(**QUANTIZATIONS["nf4"])).run()
     assert delta.report.rectification.num_jacobian_evals >= 1
+    # the record names the base the adapter was rectified against
+    assert delta.report.base_quantization == "bitsandbytes 4-bit nf4, float32 compute"
     with pytest.raises(JanusError, match="save_full.*quantized base.*save_adapter"):
         delta.save_full(tmp_path / "full")
     out = delta.save_adapter(tmp_path / "rectified", rank=64)
+    assert load_report(out).merge["base_quantization"] == delta.report.base_quantization
     reloaded = PeftModel.from_pretrained(quantized_base(base_dir, "nf4"), out).eval()
     rectified = effective(reloaded)
     # The reloaded adapter on a fresh quantized base holds the rectified weights (compared as weights: on CPUs

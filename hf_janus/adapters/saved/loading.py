@@ -268,6 +268,21 @@ def _takes_weights_only() -> bool:
     return "weights_only" in inspect.signature(PreTrainedModel.from_pretrained).parameters
 
 
+def describe_quantization(config: Any) -> Optional[str]:
+    """A ``from_pretrained`` quantization config in words, for the merge record (None: a full-precision base)."""
+    if config is None:
+        return None
+    to_dict = getattr(config, "to_dict", None)
+    fields = to_dict() if callable(to_dict) else dict(config)
+    if fields.get("load_in_4bit"):
+        double = ", double quantization" if fields.get("bnb_4bit_use_double_quant") else ""
+        return (f"bitsandbytes 4-bit {fields.get('bnb_4bit_quant_type', 'fp4')}{double}, "
+                f"{str(fields.get('bnb_4bit_compute_dtype', 'float32')).replace('torch.', '')} compute")
+    if fields.get("load_in_8bit"):
+        return "bitsandbytes 8-bit (LLM.int8)"
+    return str(getattr(fields.get("quant_method"), "value", fields.get("quant_method", type(config).__name__)))
+
+
 def load_base_model(base_model: Union[str, os.PathLike], revision: Optional[str] = None,
                     torch_dtype: DTypeLike = None, device: Union[str, torch.device, None] = None,
                     token: Union[str, bool, None] = None, quantization_config: Any = None, *,

@@ -37,6 +37,8 @@ class MergeReport:
     base_revision: Optional[str] = None
     adapter_revision: Optional[str] = None
     replay: Optional[str] = None
+    # the base's quantization when the adapter was rectified against a quantized base (QLoRA), in words
+    base_quantization: Optional[str] = None
     output_format: Optional[str] = None  # "adapter" or "full" once saved
     refactorization: Optional[dict[str, Any]] = None  # {"rank", "energy", "refine", "layers": [RefactorStats]}
     schema_version: int = MERGE_SCHEMA_VERSION

@@ -36,7 +36,7 @@ from torch import nn
 
 from hf_janus.adapters.saved.delta import LayerDelta, RectifiedDelta
 from hf_janus.adapters.saved.effective import EffectiveModel, load_effective_model
-from hf_janus.adapters.saved.loading import DTypeLike
+from hf_janus.adapters.saved.loading import DTypeLike, describe_quantization
 from hf_janus.adapters.saved.merge_report import MergeReport
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.layers import rule_for, select_layers
@@ -213,6 +213,7 @@ class JanusMerger:
             peft_type=effective.adapter.peft_type, rectification=rect_report, rectified_layers=list(targets),
             unrectified_layers=unrectified, modules_to_save=list(effective.modules_to_save),
             base_revision=self.base_revision, adapter_revision=self.revision, replay=replay_name,
+            base_quantization=describe_quantization(self.quantization_config),
         )
         if unrectified:
             logger.info("adapted layer(s) kept at their fine-tuned value: %s", ", ".join(unrectified))
