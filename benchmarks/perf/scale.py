@@ -113,6 +113,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     f_seconds = plain_pass_seconds(model, replay, spec["batch_size"], spec.get("f_passes", 2))
     partial.stage("F measured", f_s=f_seconds)
     schedule = pr.schedule(spec["evals"]) if spec["evals"] else {}  # 0: default settings, to convergence
+    if spec.get("captures", "auto") != "auto":  # only then: an engine before issue 34 has no such field
+        schedule["captures"] = spec["captures"]
     config = hf_janus.JanusConfig(rank=spec["r"], replay_batch_size=spec["batch_size"], seed=spec["seed"],
                                   cache=spec.get("cache", "memory"), **schedule)
     options = {"factor_dtype": getattr(torch, spec["factor_dtype"])} if spec.get("factor_dtype") else {}
@@ -219,14 +221,16 @@ def bitsandbytes_check(device: str) -> Any:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["config", "engine", "F s", "evals", "capture s", "projection s", "comparison s", "total s", "R_eval", "R",
-            "peak RSS GiB", "predicted GiB", "other cores"]
+    head = ["config", "engine", "captures (most alive, recaptures)", "F s", "evals", "capture s", "projection s",
+            "comparison s", "total s", "R_eval", "R", "peak RSS GiB", "predicted GiB", "other cores"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         s = row["sections_s"]
         predicted = row.get("predicted_peak_host_gib")
         lines.append("| " + " | ".join([
-            f"{row['size']} m={row['m']} T={row['T']}", row["label"], f"{row['f_s']:.2f}", str(row["evaluations"]),
+            f"{row['size']} m={row['m']} T={row['T']}", row["label"],
+            f"{row.get('captures') or '-'} ({row.get('peak_captures') or '-'}, {row.get('recaptures') or 0})",
+            f"{row['f_s']:.2f}", str(row["evaluations"]),
             f"{s.get('capture', 0):.1f}", f"{s.get('project', 0):.1f}", f"{s.get('compare', 0):.1f}",
             f"{row['total_s']:.1f}", f"{row['r_eval']:.1f}", f"{row['r']:.1f}", f"{row['peak_host_gib']:.2f}",
             "-" if predicted is None else f"{predicted:.2f}", f"{row['other_processes_cores']:.2f}"]) + " |")
@@ -266,8 +270,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="synthetic fine-tune: W += scale·std(W)·N(0, 1) on every target weight (default 0.05)")
     ap.add_argument("--size", default="7B", help="--gpu-7b: the model shape (7B, or a CPU size such as 130M for a "
                                                   "smoke test)")
-    ap.add_argument("--m", type=int, default=256, help="--gpu-7b: replay samples")
-    ap.add_argument("--T", type=int, default=512, help="--gpu-7b: tokens per replay sample")
+    ap.add_argument("--m", type=int, default=None, help="replay samples (default: 256 with --gpu-7b, else 32)")
+    ap.add_argument("--T", type=int, default=None,
+                    help="tokens per replay sample (default: 512 with --gpu-7b, else 64)")
+    ap.add_argument("--sizes", default="20M,60M,130M", help="on the CPU: the model shapes (default: %(default)s)")
+    ap.add_argument("--captures", default="auto", help="JanusConfig.captures; comma-separated runs each "
+                                                       "configuration once per schedule (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gpu-7b", action="store_true", help="LLaMA-2-7B shape on the GPU (bf16, m=256, T=512, r=32)")
     ap.add_argument("--device", default="cuda", help="--gpu-7b: the device (cpu smoke-tests the path with a small "
@@ -300,13 +308,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.gpu_7b:
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise SystemExit("--gpu-7b needs a CUDA device (none is visible); --device cpu smoke-tests the path")
-        specs = [dict(base, size=args.size, m=args.m, T=args.T, device=args.device, dtype="bfloat16",
+        specs = [dict(base, size=args.size, m=args.m or 256, T=args.T or 512, device=args.device, dtype="bfloat16",
                       factor_dtype="bfloat16", reference_device="cpu", free_reference=True, verbose=True,
                       partial=str(args.partial.resolve()) if args.partial else None)]
     elif args.quick:
         specs = [dict(base, size=s, m=16, T=16, threads=args.threads) for s in ("5M", "9M")]
     else:
-        specs = [dict(base, size=s, m=32, T=64, threads=args.threads) for s in ("20M", "60M", "130M")]
+        specs = [dict(base, size=s, m=args.m or 32, T=args.T or 64, threads=args.threads)
+                 for s in args.sizes.split(",")]
+    specs = [dict(spec, captures=c) for spec in specs for c in args.captures.split(",")]
     rows = []
     engines = [("current", None)] + ([(f"baseline {args.baseline}", args.baseline)] if args.baseline else [])
     for spec in specs:

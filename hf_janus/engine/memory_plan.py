@@ -146,21 +146,31 @@ class Workload:
         update-sized temporaries, plus the materialized per-sample gradients kept for a step and the CPU buffer pool."""
         m, r = self.rows, self.slots
         mm = self.matmul_itemsize
-        peak, materialized = 0, []
+        peak = 0
         for layer in self.layers:
             block = min(GRAM_BLOCK_ELEMS, m * r * m * r)
             gram = 3 * m * m * 8  # Gram, symmetrized copy, eigenvectors
             factors = m * r * (layer.d_in + layer.d_out) * (mm + 8)  # product-dtype copies, a float64 refinement copy
             update = 6 * layer.numel * 4  # θ̂ and θ_t in float32, ΔW, the VJP, the projection, its refinement
             peak = max(peak, 3 * block * mm + gram + factors + update)
-            size = m * layer.numel * mm
-            if size <= self.materialize_max_bytes and _materialized_is_cheaper(m, r, layer):
-                materialized.append(size)
+        materialized = self.materialized_sizes()
         if materialized:
             total = sum(materialized)
-            # the layer being built, the current point's kept for the step (up to materialize_max_bytes), the pool
-            peak += max(materialized) + min(self.materialize_max_bytes, total) + min(WORKSPACE_MAX_BYTES, total)
-        return peak
+            # the layer being built and the pool, beside the current point's kept for the step (kept_gradient_bytes)
+            peak += max(materialized) + min(WORKSPACE_MAX_BYTES, total)
+        return peak + self.kept_gradient_bytes()
+
+    def materialized_sizes(self) -> list[int]:
+        """Bytes of each layer's materialized per-sample gradients, for the layers on that path."""
+        m, r = self.rows, self.slots
+        sizes = [m * layer.numel * self.matmul_itemsize for layer in self.layers]
+        return [size for size, layer in zip(sizes, self.layers)
+                if size <= self.materialize_max_bytes and _materialized_is_cheaper(m, r, layer)]
+
+    def kept_gradient_bytes(self) -> int:
+        """The current point's materialized gradients kept for the trials of a step (up to materialize_max_bytes):
+        alive through each trial's capture as well as the ghost math."""
+        return min(self.materialize_max_bytes, sum(self.materialized_sizes()))
 
 
 def _materialized_is_cheaper(m: int, r: int, layer: LayerShape) -> bool:
@@ -331,7 +341,8 @@ def _phase_bytes(work: Workload, pieces: dict[str, int], placements: dict[str, s
     work_on = "host" if shared else "device"
     resident[work_on] += pieces["eigendecompositions"]
     capture, ghost = dict(resident), dict(resident)
-    capture[work_on] += pieces["activations"]
+    # a trial's capture runs while the current point's materialized gradients wait for its comparison
+    capture[work_on] += pieces["activations"] + work.kept_gradient_bytes()
     ghost[work_on] += pieces["ghost"]
     return {"capture": capture, "ghost": ghost}
 
