@@ -40,9 +40,10 @@ SCHEDULES = ("all", "two")
 
 def replay(tok: Any, m: int) -> list[dict[str, list[int]]]:
     """m NQ-open questions with their first reference answer, as a chat in the model's template."""
-    rows = [json.loads(line) for line in (ROOT / "hf_janus" / "data" / "nq_open_dev_400.jsonl").open(encoding="utf-8")]
+    from hf_janus.evaluation.local_tasks import read_jsonl
+
     out = []
-    for row in rows[:m]:
+    for row in read_jsonl(ROOT / "hf_janus" / "data" / "nq_open_dev_400.jsonl")[:m]:
         chat = [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"][0]}]
         out.append({"input_ids": tok.apply_chat_template(chat, tokenize=True, return_dict=False)})
     return out

@@ -41,6 +41,7 @@ import hf_janus
 from hf_janus import JanusCallback, JanusConfig, JanusMerger, MergeReport, RectificationReport, rectify
 from hf_janus.adapters.peft_layers import adapted_linear_layers
 from hf_janus.cli import main as cli_main
+from hf_janus.evaluation.local_tasks import read_jsonl
 from hf_janus.publish.record_file import REPORT_NAME
 
 DATA = Path(hf_janus.__file__).parent / "data"  # NQ-open and GSM8K excerpts (see its SOURCES.md)
@@ -74,8 +75,7 @@ BF16_OUTSIDE_OF_REMOVED, BF16_NULL = 0.15, 0.2
 
 
 def _rows(name: str, n: int) -> list[dict]:
-    with open(DATA / name, encoding="utf-8") as fh:
-        return [json.loads(line) for _, line in zip(range(n), fh)]
+    return read_jsonl(DATA / name)[:n]
 
 
 def qa_rows(n: int = M) -> list[dict[str, str]]:
