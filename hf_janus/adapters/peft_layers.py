@@ -52,15 +52,49 @@ def inner_model(peft_model: nn.Module) -> nn.Module:
     return peft_model.get_base_model()
 
 
-def _tuner_layers(model: nn.Module) -> dict[str, nn.Module]:
+def _tuner_layers(model: nn.Module, active_only: bool = True) -> dict[str, nn.Module]:
+    """The tuner layers, by default only those that hold the active adapter. A layer that holds only other
+    (inactive) adapters computes its base layer's output and did not change with the active adapter's training:
+    it is no target, and it has no factors of the active adapter's name."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     found = {}
     for name, module in model.named_modules():
         if isinstance(module, BaseTunerLayer) and hasattr(module, "get_base_layer"):
-            if module.get_base_layer() is not module:
+            if module.get_base_layer() is not module and (not active_only or _holds_active_adapter(module)):
                 found[name] = module
     return found
+
+
+def _holds_active_adapter(module: nn.Module) -> bool:
+    held = set()
+    for layer_name in getattr(module, "adapter_layer_names", ()):
+        held.update(getattr(module, layer_name, {}) or {})
+    return any(adapter in held for adapter in module.active_adapters)
+
+
+def lora_bias_term(module: nn.Module, adapter: Optional[str] = None) -> Optional[Tensor]:
+    """``scaling · lora_B.bias``, what a LoRA adapter trained with ``lora_bias=True`` adds to the layer's bias
+    (PEFT's forward and merge), or None when the adapter has no bias of its own."""
+    adapter = adapter or active_adapter(module)
+    if not (getattr(module, "lora_bias", {}) or {}).get(adapter, False):
+        return None
+    bias = module.lora_B[adapter].bias
+    return None if bias is None else bias.detach() * module.scaling[adapter]
+
+
+def check_lora_bias(peft_model: nn.Module) -> None:
+    """Refuse, before training, adapters trained with ``lora_bias=True`` on layers without a bias of their own:
+    PEFT can neither merge them nor does the plain model have a bias to hold their contribution."""
+    bad = [name for name, module in _tuner_layers(inner_model(peft_model)).items()
+           if lora_bias_term(module) is not None and getattr(module.get_base_layer(), "bias", None) is None]
+    if bad:
+        raise JanusError(
+            f"the adapter was trained with lora_bias=True on layer(s) without a bias ({', '.join(bad[:3])}"
+            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): PEFT cannot merge such a layer, so its "
+            "effective weights do not exist as a plain layer. Train with lora_bias=False, or narrow the adapter's "
+            "target_modules to layers that have a bias"
+        )
 
 
 def adapted_linear_layers(peft_model: nn.Module, target_modules: Union[str, list[str]] = "all-linear",
@@ -142,10 +176,7 @@ def _effective_params(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[
             weight = dequantized_weight(base)
             weight = weight.to(dtype) if dtype is not None else weight
             weight += module.get_delta_weight(active_adapter(module)).to(weight.dtype)
-        bias = base.bias.detach().clone() if isinstance(getattr(base, "bias", None), Tensor) else None
-        if bias is not None and dtype is not None:
-            bias = bias.to(dtype)
-        return weight, bias
+        return weight, _effective_bias(module, dtype)
     weight = base.weight.data
     bias = base.bias.data if isinstance(getattr(base, "bias", None), Tensor) else None
     merged_before = list(getattr(module, "merged_adapters", []))
@@ -155,7 +186,7 @@ def _effective_params(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[
         module.merge(safe_merge=True)
         eff_weight = base.weight.data.detach().clone()
         eff_bias = base.bias.data.detach().clone() if bias is not None else None
-    except ValueError as err:
+    except (ValueError, RuntimeError) as err:
         raise JanusError(f"PEFT could not merge the adapter of a {type(base).__name__} layer: {err}") from err
     finally:
         base.weight.data = weight
@@ -164,6 +195,20 @@ def _effective_params(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[
         if hasattr(module, "merged_adapters"):
             module.merged_adapters[:] = merged_before
     return eff_weight, eff_bias
+
+
+def _effective_bias(module: nn.Module, dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+    """The bias of a tuner layer on a quantized base as PEFT's forward applies it: the base's, plus the LoRA
+    bias of an adapter trained with ``lora_bias=True``; in ``dtype`` (default: the base's compute dtype)."""
+    base = module.get_base_layer()
+    bias = base.bias if isinstance(getattr(base, "bias", None), Tensor) else None
+    if bias is None:
+        return None
+    out = bias.detach().to(dtype or bias.dtype, copy=True)
+    term = lora_bias_term(module)
+    if term is not None:
+        out += term.to(device=out.device, dtype=out.dtype)
+    return out
 
 
 def effective_weights(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
@@ -322,11 +367,16 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor],
     """
     model = inner_model(peft_model)
     tuners = _tuner_layers(model)
+    # layers holding only inactive adapters compute their base layer: that is what stands in their place
+    inactive = {n: m for n, m in _tuner_layers(model, active_only=False).items() if n not in tuners}
     rebuilt = rebuilt or {}
     home = stand_in_home([m for m in tuners.values() if on_quantized_base(m)])
     saved: dict[str, tuple[nn.Module, Tensor, Optional[Tensor]]] = {}
     try:
         with torch.no_grad():
+            for name, module in inactive.items():
+                saved[name] = (module, None, None)
+                _set_child(model, name, module.get_base_layer())
             for name, module in tuners.items():
                 base = module.get_base_layer()
                 given = weights.get(f"{name}.weight")
@@ -418,7 +468,7 @@ def dense_stand_in(module: nn.Module, weight: Optional[Tensor], home: Optional[t
     base = module.get_base_layer()
     if weight is None:
         weight = effective_params(module)[0]
-    bias = base.bias if isinstance(getattr(base, "bias", None), Tensor) else None
+    bias = _effective_bias(module, torch.float32)  # the adapter's own bias too (lora_bias=True)
     dense = DenseStandIn(base.in_features, base.out_features, bias=bias is not None, device="meta")
     device, dtype = home or base.weight.device, compute_dtype(base)
     dense.weight = nn.Parameter(weight.to(device=device, dtype=dtype, copy=True), requires_grad=False)

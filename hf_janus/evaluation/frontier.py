@@ -375,7 +375,8 @@ def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok:
         tuned.update({name + ".weight": exact.finetuned_weight(name) for name in exact.linear_layers})
         if intruders and _plain_lora(exact.adapter.config):
             ranks = {name + ".weight": exact.layers[name].rank for name in exact.linear_layers}
-            reduction = IntruderReduction({k: theta0[k] for k in keys}, {k: tuned[k] for k in keys}, ranks)
+            base = {name + ".weight": exact.adapter_base(name) for name in exact.linear_layers}
+            reduction = IntruderReduction({k: theta0[k] for k in keys}, {k: tuned[k] for k in keys}, ranks, base=base)
             logger.info("intruder reduction: %d of %d adapted layers have intruder dimensions",
                         reduction.layers_with_intruders, len(keys))
     if all(torch.equal(theta0[k].float(), tuned[k].float()) for k in theta0):

@@ -16,7 +16,7 @@ checks it against PEFT's own function.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -75,15 +75,20 @@ class IntruderReduction:
         reference: ``"<layer>.weight"`` → θ0 of each adapted linear layer, as the layer stores it.
         finetuned: the same keys → θ̂ = θ0 + ΔW (exact, float32 where available).
         ranks: the same keys → the adapter's rank of that layer (``r``, or its ``rank_pattern`` entry).
+        base: the same keys → the weight the adapter sits on where it is not θ0: W_res of an unconverted PiSSA-like
+            adapter, as PEFT's model holds it. PEFT measures intruders against that weight and reduces the adapter's
+            own rank-r update θ̂ − W_res; measured against θ0, the update would be θ̂ − θ0, of rank up to 2r.
     """
 
     def __init__(self, reference: Mapping[str, Tensor], finetuned: Mapping[str, Tensor], ranks: Mapping[str, int],
-                 *, top_k: int = DEFAULT_TOP_K, threshold_epsilon: float = DEFAULT_THRESHOLD_EPSILON):
+                 *, top_k: int = DEFAULT_TOP_K, threshold_epsilon: float = DEFAULT_THRESHOLD_EPSILON,
+                 base: Optional[Mapping[str, Tensor]] = None):
         missing = sorted(set(finetuned) - set(ranks))
         if missing:
             raise JanusError(f"intruder reduction needs the adapter's rank of every layer; none for {missing[:3]}")
         self.top_k, self.threshold_epsilon = top_k, threshold_epsilon
-        self.layers = {name: find_intruders(reference[name], finetuned[name].float() - reference[name].float(),
+        self.base = {name: (base or {}).get(name, reference[name]).float() for name in finetuned}
+        self.layers = {name: find_intruders(self.base[name], finetuned[name].float() - self.base[name],
                                             ranks[name], top_k=top_k, threshold_epsilon=threshold_epsilon)
                        for name in finetuned}
 
@@ -92,6 +97,7 @@ class IntruderReduction:
         return sum(1 for layer in self.layers.values() if layer.count)
 
     def weights(self, reference: Mapping[str, Tensor], mitigation_lambda: float) -> dict[str, Tensor]:
-        """θ0 + the reduced ΔW of every layer, float32."""
-        return {name: reference[name].float() + reduced_delta(layer, mitigation_lambda)
-                for name, layer in self.layers.items()}
+        """The adapter's base weight (θ0 in ``reference``, or the ``base`` it was given) + the reduced update of
+        every layer, float32."""
+        return {name: (self.base[name] if name in self.base else reference[name].float())
+                + reduced_delta(layer, mitigation_lambda) for name, layer in self.layers.items()}

@@ -67,6 +67,13 @@ class StepProbe(TrainerCallback):
         self.steps += 1
 
 
+class FinetunedProbe(TrainerCallback):
+    """θ̂ of the adapted layers at train end, before a JanusCallback listed after it rectifies them."""
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.weights = effective(model)
+
+
 def train(model, tmp_path, callbacks, steps=3):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
                              learning_rate=2e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
@@ -153,7 +160,8 @@ def test_qlora_rectified_update_is_in_the_null_space_at_the_dequantized_base(bas
               for name, m in adapted_linear_layers(model).items()}
     adapter_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     janus = JanusCallback(replay, EXACT, adapter_rank=64)  # rank 64 = min(d_out, d_in): the update fits exactly
-    train(model, tmp_path, [janus])
+    finetuned = FinetunedProbe()  # before the callback: θ̂ (the callback releases its copies at train end)
+    train(model, tmp_path, [finetuned, janus])
     assert janus.report is not None and janus.report.output["format"] == "adapter"
     rectified = effective(model)
 
@@ -163,7 +171,7 @@ def test_qlora_rectified_update_is_in_the_null_space_at_the_dequantized_base(bas
         assert float(delta.norm()) > 0, name
         j = jac[name].reshape(len(replay), -1)
         residual = float((j @ delta.reshape(-1)).norm() / (j.norm() * delta.norm()))
-        update = janus.rectifier.result.layers[name].delta().double()
+        update = finetuned.weights[name] - w0
         before = float((j @ update.reshape(-1)).norm() / (j.norm() * update.norm()))
         if quant == "int8":
             # LLM.int8 also quantizes the activations (per row, to 1/127): the layers compute a slightly different

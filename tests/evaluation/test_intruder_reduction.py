@@ -64,12 +64,59 @@ def test_reduction_matches_peft(mitigation_lambda):
             assert not torch.allclose(mine, finetuned[name] - reference[name], atol=1e-4)
 
 
+def test_unconverted_pissa_adapter_is_reduced_as_peft_reduces_it(tmp_path):
+    """An unconverted PiSSA adapter sits on W_res, not on θ0: PEFT measures intruders against W_res and reduces the
+    adapter's own rank-r update; the frontier's arithmetic on a saved adapter must do the same."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.intruders import reduce_intruder_dimension
+
+    from hf_janus.adapters.saved.effective import load_effective_model
+
+    base_dir = tmp_path / "base"
+    build_tiny("llama").save_pretrained(base_dir)
+    model = get_peft_model(build_tiny("llama"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           init_lora_weights="pissa"))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for i, (name, param) in enumerate(model.named_parameters()):
+            if "lora_B" in name:  # a trained-looking adapter: some layers moved a lot
+                param.add_(torch.randn(param.shape, generator=gen) * (0.5 if i % 4 == 1 else 0.01))
+    model.save_pretrained(tmp_path / "adapter")  # unconverted: relative to W_res, rebuilt from W by its exact SVD
+    exact = load_effective_model(os.fspath(base_dir), os.fspath(tmp_path / "adapter"), progress=False)
+    keys = {name: name + ".weight" for name in exact.linear_layers}
+    reference = {k: exact.reference[k].float() for k in keys.values()}
+    finetuned = {k: exact.finetuned_weight(n) for n, k in keys.items()}
+    ranks = {k: exact.layers[n].rank for n, k in keys.items()}
+    ours = IntruderReduction(reference, finetuned, ranks, base={k: exact.adapter_base(n) for n, k in keys.items()})
+
+    lines: list[str] = []
+    # PEFT adds the reduced adapter with the old adapter's config: with init_lora_weights="pissa" that would run
+    # PiSSA's initialization again and move the base weight a second time, under its own computation
+    model.peft_config["default"].init_lora_weights = True
+    reduce_intruder_dimension(model, mitigation_lambda=0.0, logging_sink=lines.append)
+    assert ours.layers_with_intruders == sum("Intruders:" in line for line in lines) > 0
+    weights = ours.weights(reference, 0.0)
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        key = name.removeprefix("base_model.model.") + ".weight"
+        theirs = module.get_base_layer().weight.detach() + module.get_delta_weight("intruder_reduced").detach()
+        assert torch.allclose(weights[key], theirs, atol=1e-4 * theirs.abs().max().item()), key
+    # measured against θ0 instead, the update θ̂ − θ0 has rank up to 2r and other intruders
+    naive = IntruderReduction(reference, finetuned, ranks)
+    assert any(not torch.allclose(naive.weights(reference, 0.0)[k], weights[k], atol=1e-4) for k in weights)
+
+
 def test_reduction_edge_cases():
     w = torch.randn(6, 5)
     d = torch.zeros(6, 5)
     quiet = find_intruders(w, d, rank=2)
     assert quiet.count == 0 and torch.equal(reduced_delta(quiet, 0.0), d)  # no intruders: ΔW kept, as in PEFT
-    loud = find_intruders(w, 50 * torch.outer(torch.randn(6), torch.randn(5)), rank=1, top_k=1)
+    # an update along a direction W's column space lacks (W's last row is zero): an intruder whatever the draw
+    w = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    w[-1] = 0
+    loud = find_intruders(w, 50 * torch.outer(torch.eye(6)[-1], torch.ones(5)), rank=1, top_k=1)
     assert loud.count == 1
     assert torch.linalg.matrix_rank(reduced_delta(loud, 0.5)) <= 1  # truncated to the adapter's rank
     with pytest.raises(JanusError, match="shape"):

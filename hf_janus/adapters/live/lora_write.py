@@ -48,18 +48,22 @@ def _scaling(module: nn.Module, adapter: str) -> float:
 
 
 def _resize_lora(module: nn.Module, adapter: str, k: int) -> None:
-    """Give the layer's LoRA factors rank ``k``, keeping ``lora_alpha`` (PEFT recomputes the scaling)."""
+    """Give the layer's LoRA factors rank ``k``, keeping ``lora_alpha`` (PEFT recomputes the scaling) and what a
+    ``lora_bias`` adds to the output (``scaling · lora_B.bias``: the bias is rescaled with the scaling)."""
     a_old, b_old = module.lora_A[adapter], module.lora_B[adapter]
     dtype, device = a_old.weight.dtype, a_old.weight.device
+    old_scaling = _scaling(module, adapter)
+    alpha = module.lora_alpha[adapter]
+    rslora = getattr(module, "use_rslora", {})
+    new_scaling = alpha / (k**0.5) if (isinstance(rslora, dict) and rslora.get(adapter)) else alpha / k
     module.lora_A[adapter] = nn.Linear(a_old.in_features, k, bias=False).to(device=device, dtype=dtype)
     new_b = nn.Linear(k, b_old.out_features, bias=b_old.bias is not None).to(device=device, dtype=dtype)
     if b_old.bias is not None:
-        new_b.bias.data.copy_(b_old.bias.data)
+        new_b.bias.data.copy_((b_old.bias.data.double() * (old_scaling / new_scaling)).to(new_b.bias.dtype))
+        new_b.bias.requires_grad_(b_old.bias.requires_grad)
     module.lora_B[adapter] = new_b
-    alpha = module.lora_alpha[adapter]
     module.r[adapter] = k
-    rslora = getattr(module, "use_rslora", {})
-    module.scaling[adapter] = alpha / (k**0.5) if (isinstance(rslora, dict) and rslora.get(adapter)) else alpha / k
+    module.scaling[adapter] = new_scaling
     module.lora_A[adapter].weight.requires_grad_(a_old.weight.requires_grad)
     module.lora_B[adapter].weight.requires_grad_(b_old.weight.requires_grad)
 
@@ -140,10 +144,43 @@ def record_rank_pattern(peft_model: nn.Module, adapter: str, ranks: dict[str, in
     config.alpha_pattern = alpha
 
 
-def set_base_weight(module: nn.Module, matrix: Tensor) -> None:
-    """Write ``matrix`` (``(d_out, d_in)``) into the base layer of a tuner layer (for merged output)."""
+def set_base_params(module: nn.Module, matrix: Tensor, bias: Optional[Tensor] = None) -> None:
+    """Give the base layer of a tuner layer the weight ``matrix`` (``(d_out, d_in)``) and, when given, the bias
+    ``bias`` (for merged output), as new tensors: what :class:`BaseLayerState` captured stays intact."""
     base = module.get_base_layer()
-    rule_for(base).set_weight(base, matrix)
+    rule = rule_for(base)
+    if rule.quantized:  # refused at train begin (check_live_peft); requantizing would round the update away
+        raise JanusError(f"cannot write a merged weight into a quantized {type(base).__name__} layer")
+    weight = base.weight
+    weight.data = rule.from_matrix(matrix).to(device=weight.device, dtype=weight.dtype, copy=True)
+    if bias is not None:
+        base.bias.data = bias.to(device=base.bias.device, dtype=base.bias.dtype, copy=True)
+
+
+@dataclass
+class BaseLayerState:
+    """The base layer's tensors and merge state of a tuner layer, kept (by reference: writers give the layer new
+    tensors) to put back exactly when a merged write is interrupted."""
+
+    module: nn.Module
+    weight: Tensor
+    bias: Optional[Tensor]
+    merged: list[str]
+
+    @classmethod
+    def capture(cls, module: nn.Module) -> "BaseLayerState":
+        base = module.get_base_layer()
+        bias = base.bias.data if isinstance(getattr(base, "bias", None), Tensor) else None
+        return cls(module=module, weight=base.weight.data, bias=bias,
+                   merged=list(getattr(module, "merged_adapters", [])))
+
+    def restore(self) -> None:
+        base = self.module.get_base_layer()
+        base.weight.data = self.weight
+        if self.bias is not None:
+            base.bias.data = self.bias
+        if hasattr(self.module, "merged_adapters"):
+            self.module.merged_adapters[:] = self.merged
 
 
 def validate_peft_output(peft_output: str, adapter_rank: Any) -> None:

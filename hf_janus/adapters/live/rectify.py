@@ -12,19 +12,22 @@ import torch
 from torch import Tensor, nn
 
 from hf_janus.adapters.live.lora_write import (
+    BaseLayerState,
     LoraState,
     check_adapter_writable,
     record_rank_pattern,
-    set_base_weight,
+    set_base_params,
     validate_peft_output,
     write_lora,
 )
 from hf_janus.adapters.peft_layers import (
     adapted_linear_layers,
+    check_lora_bias,
     check_quantized_layers,
     effective_weights,
     inner_model,
     is_mutating_init,
+    lora_bias_term,
     on_quantized_base,
     plain_view,
     rebuilt_on_quantized_bases,
@@ -65,6 +68,7 @@ def check_live_peft(model: nn.Module, config: JanusConfig, output: PeftOutput) -
     """
     check_quantized_layers(model)
     layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
+    check_lora_bias(model)
     quantized = [name for name, module in layers.items() if on_quantized_base(module)]
     if quantized and output.format == "merged":
         raise JanusError(
@@ -90,7 +94,9 @@ class LivePeftRun(NamedTuple):
 
     report: RectificationReport  # its ``output`` says what was written
     model: nn.Module  # the model to use from now on: the PeftModel itself, or the merged plain model
-    rectifier: Rectifier  # the finished engine run (replay split, layers), for inspection
+    # the finished engine run (replay split, layers), for inspection; it holds copies of the target layers until its
+    # release() (JanusCallback releases it at train end)
+    rectifier: Rectifier
 
 
 def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any, config: JanusConfig,
@@ -146,6 +152,11 @@ def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initi
 
 def _write_adapter(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult,
                    output: PeftOutput) -> dict[str, Any]:
+    """All or nothing: an interruption (Ctrl-C included) before the last line puts the adapter and its config back
+    as training left it; a half-written adapter would not even reload."""
+    adapter = next(iter(layers.values())).active_adapters[0]
+    config = model.peft_config[adapter]
+    patterns = (getattr(config, "rank_pattern", None), getattr(config, "alpha_pattern", None))
     written, originals = [], {}
     try:
         for name, layer in result.layers.items():
@@ -155,31 +166,44 @@ def _write_adapter(model: nn.Module, layers: dict[str, nn.Module], result: Recti
                 module, name, layer.rectified.detach().float(), layer.reference, layer.rect_delta(),
                 output.rank, output.energy, jacobian=layer.jacobian, reference_norm=layer.reference_norm(),
             ))
-    except Exception:
+        changed = {w.stats.name: w.stats.rank for w in written if w.rank_changed}
+        if changed:
+            record_rank_pattern(model, adapter, changed)
+        kept = [w.stats.kept_energy for w in written]
+        logger.info("JANUS: rectified update written back into the adapter (%d layers, kept energy min %.4f)",
+                    len(written), min(kept) if kept else 1.0)
+        return {"format": "adapter", "adapter_rank": output.rank, "adapter_energy": output.energy,
+                "layers": [w.stats.to_dict() for w in written]}
+    except BaseException:
         for state in originals.values():
             state.restore()
+        config.rank_pattern, config.alpha_pattern = patterns
         raise
-    changed = {w.stats.name: w.stats.rank for w in written if w.rank_changed}
-    if changed:
-        record_rank_pattern(model, next(iter(layers.values())).active_adapters[0], changed)
-    kept = [w.stats.kept_energy for w in written]
-    logger.info("JANUS: rectified update written back into the adapter (%d layers, kept energy min %.4f)",
-                len(written), min(kept) if kept else 1.0)
-    return {"format": "adapter", "adapter_rank": output.rank, "adapter_energy": output.energy,
-            "layers": [w.stats.to_dict() for w in written]}
 
 
 def _merge(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult) -> nn.Module:
-    """Rectified weights into the base layers, every other adapter merged, PEFT wrappers removed."""
+    """Rectified weights into the base layers, every other adapter merged, PEFT wrappers removed. Until the
+    wrappers go, an interruption (Ctrl-C included) puts every base layer back as training left it."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    with torch.no_grad():
-        for name, module in layers.items():
-            set_base_weight(module, result.layers[name].rectified.detach().float())
-        # Adapted layers JANUS did not rectify (narrowed targets, embeddings) keep their fine-tuned value.
-        for name, module in inner_model(model).named_modules():
-            if isinstance(module, BaseTunerLayer) and name not in layers and hasattr(module, "merge"):
-                module.merge()
+    originals: list[BaseLayerState] = []
+    try:
+        with torch.no_grad():
+            for name, module in layers.items():
+                # a lora_bias adapter's bias term is part of the fine-tuned model the rectification kept
+                term = lora_bias_term(module)
+                bias = None if term is None else module.get_base_layer().bias.detach().float() + term.float()
+                originals.append(BaseLayerState.capture(module))
+                set_base_params(module, result.layers[name].rectified.detach().float(), bias)
+            # Adapted layers JANUS did not rectify (narrowed targets, embeddings) keep their fine-tuned value.
+            for name, module in inner_model(model).named_modules():
+                if isinstance(module, BaseTunerLayer) and name not in layers and hasattr(module, "merge"):
+                    originals.append(BaseLayerState.capture(module))
+                    module.merge(safe_merge=True)  # into new tensors, so the captured ones stay intact
+    except BaseException:
+        for state in reversed(originals):
+            state.restore()
+        raise
     merged = model.unload()
     logger.info("JANUS: rectified weights merged into the plain %s", type(merged).__name__)
     return merged

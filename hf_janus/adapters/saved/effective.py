@@ -88,6 +88,9 @@ class EffectiveModel:
     # "<layer>.weight" -> θ̂ = W0 + ΔW of every adapted linear layer, merged by PEFT in float32 (native layout,
     # CPU): the model holds it rounded to its dtype, and on a bf16 base that rounding would swamp a small ΔW
     finetuned: dict[str, Tensor] = field(default_factory=dict)
+    # "<layer>.weight" -> the trained adapter's own update s·BA as factors (s·B, A), for adapters whose base weight is
+    # not θ0 (unconverted PiSSA-like inits: the adapter sits on W_res = θ̂ − s·BA)
+    adapter_factors: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     @property
     def linear_layers(self) -> list[str]:
@@ -102,6 +105,18 @@ class EffectiveModel:
     def delta(self, name: str) -> Tensor:
         """``ΔW`` = effective − base weight of one adapted layer, float32, native layout."""
         return self.finetuned_weight(name) - self.reference[name + ".weight"].float()
+
+    def adapter_base(self, name: str) -> Tensor:
+        """The weight the adapter of one layer sits on, as PEFT holds it, float32, native layout: θ0, or W_res for
+        an unconverted PiSSA-like adapter (its initialization moved s·B0A0 out of the base weight)."""
+        factors = self.adapter_factors.get(name + ".weight")
+        if factors is None:
+            return self.reference[name + ".weight"].float()
+        scaled_b, a = factors
+        own = scaled_b @ a
+        if self.layers[name].fan_in_fan_out:
+            own = own.T
+        return self.finetuned_weight(name) - own
 
 
 
@@ -283,7 +298,7 @@ def load_effective_model(
     return EffectiveModel(
         model=merged, reference=read.reference, layers=read.layers, adapter=src, base_model=base_name,
         base_revision=base_revision, modules_to_save=modules_to_save, changes_bias=changes_bias,
-        quantized=read.quantized, finetuned=read.finetuned,
+        quantized=read.quantized, finetuned=read.finetuned, adapter_factors=read.adapter_factors,
     )
 
 
@@ -358,6 +373,7 @@ class _AdaptedWeights:
     layers: dict[str, AdaptedLayer] = field(default_factory=dict)
     reference: dict[str, Tensor] = field(default_factory=dict)
     finetuned: dict[str, Tensor] = field(default_factory=dict)
+    adapter_factors: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     quantized: bool = False
 
 
@@ -398,4 +414,8 @@ def _read_adapted_layers(peft_model: nn.Module, src: AdapterSource, initial: Opt
                 out.reference[key] = _subtract_initial(module, name, initial, initial_name)
             if info.layer_type == "linear":
                 out.finetuned[key] = effective_params(module, torch.float32)[0].detach().cpu()
+                if (reconstruct or initial is not None) and _ADAPTER_NAME in getattr(module, "lora_A", {}):
+                    out.adapter_factors[key] = (
+                        module.lora_B[_ADAPTER_NAME].weight.detach().float().cpu() * module.scaling[_ADAPTER_NAME],
+                        module.lora_A[_ADAPTER_NAME].weight.detach().float().cpu())
     return out
