@@ -242,8 +242,8 @@ def test_refine_gives_back_less_of_the_repair(ws, lora_result, tmp_path):
     assert improved >= len(stats) // 2
 
 
-def test_adapter_with_trained_biases_cannot_be_saved_as_lora(ws, tmp_path):
-    from peft import LoraConfig, get_peft_model
+def test_lora_bias_is_saved_in_the_adapter_and_base_biases_are_refused(ws, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     base = save_base(tmp_path / "base-with-bias", attention_bias=True, tokenizer=False)
     model = get_peft_model(load_base(base), LoraConfig(r=2, target_modules=["q_proj"], lora_bias=True,
@@ -252,10 +252,22 @@ def test_adapter_with_trained_biases_cannot_be_saved_as_lora(ws, tmp_path):
     delta = JanusMerger(base, tmp_path / "biased", ws["replay"], fast_config(), progress=False).run()
     assert not torch.equal(delta.model.model.layers[0].self_attn.q_proj.bias,
                            load_base(base).model.layers[0].self_attn.q_proj.bias)  # the bias update is kept
-    with pytest.raises(JanusError, match="biases.*save_full"):
-        delta.save_adapter(tmp_path / "out", progress=False)
-    assert not (tmp_path / "out").exists()
+    # lora_bias: the adapter holds s·lora_B.bias (scaling 1 after re-factorization), at full rank the same model
+    delta.save_adapter(tmp_path / "out", rank=16, progress=False)
+    reloaded = PeftModel.from_pretrained(load_base(base), tmp_path / "out")
+    torch.testing.assert_close(logits(reloaded, IDS), logits(delta.model, IDS), rtol=0, atol=1e-5)
     delta.save_full(tmp_path / "full")  # the full weights hold everything
+
+    # bias="all" trains the base biases themselves, which a LoRA adapter cannot hold
+    model = get_peft_model(load_base(base), LoraConfig(r=2, target_modules=["q_proj"], bias="all",
+                                                       init_lora_weights=False))
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.bias.add_(0.1)
+    model.save_pretrained(tmp_path / "base-biases")
+    delta = JanusMerger(base, tmp_path / "base-biases", ws["replay"], fast_config(), progress=False).run()
+    with pytest.raises(JanusError, match="biases.*save_full"):
+        delta.save_adapter(tmp_path / "out2", progress=False)
+    assert not (tmp_path / "out2").exists()
 
 
 def test_gpt2_conv1d_layers_round_trip(tmp_path):

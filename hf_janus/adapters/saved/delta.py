@@ -141,9 +141,9 @@ class RectifiedDelta:
             )
         if eff.changes_bias:
             raise JanusError(
-                "the adapter also trains biases (bias != 'none' or lora_bias=True), which a re-factorized LoRA "
+                "the adapter also trains the base layers' biases (bias != 'none'), which a re-factorized LoRA "
                 "adapter does not hold (as peft.convert_to_lora); save the full weights instead (save_full / "
-                "--format full)"
+                "--format full), or train with bias='none' (lora_bias=True is kept)"
             )
 
     def _lora_config(self, ranks: dict[str, int]) -> Any:
@@ -157,6 +157,7 @@ class RectifiedDelta:
             r=default_rank, lora_alpha=default_rank, rank_pattern=pattern, alpha_pattern=dict(pattern),
             target_modules=sorted(ranks), use_rslora=False, use_dora=False, init_lora_weights=True,
             fan_in_fan_out=any(self.layers[n].fan_in_fan_out for n in ranks), bias="none",
+            lora_bias=bool(self._effective.lora_biases),
             modules_to_save=list(getattr(src_config, "modules_to_save", None) or []) or None,
             base_model_name_or_path=self._effective.base_model, revision=self._effective.base_revision,
             task_type=getattr(src_config, "task_type", None), inference_mode=True,
@@ -172,6 +173,9 @@ class RectifiedDelta:
             else:
                 state[f"{key}.lora_A.weight"] = a.to(dtype).contiguous()
                 state[f"{key}.lora_B.weight"] = b.to(dtype).contiguous()
+                bias = self._effective.lora_biases.get(f"{name}.bias")
+                if bias is not None:  # lora_alpha = r: scaling 1, so lora_B.bias is the whole bias term
+                    state[f"{key}.lora_B.bias"] = bias.to(dtype).contiguous()
         for module_name in self._effective.modules_to_save:
             module = self.model.get_submodule(module_name)
             for pname, param in module.state_dict().items():
@@ -209,6 +213,11 @@ class RectifiedDelta:
         self._check_adapter_representable()
         check_output_dir(path, overwrite, self.inputs)
         factors, stats = self.factorize(rank, energy, refine, refine_iterations, progress)
+        for bias_key in self._effective.lora_biases:  # a layer whose update vanished still holds its LoRA bias
+            name = bias_key.removesuffix(".bias")
+            if name not in factors and name in self.layers:
+                d_out, d_in = self.layers[name].matrix.shape
+                factors[name] = (torch.zeros(1, d_in, dtype=torch.float64), torch.zeros(d_out, 1, dtype=torch.float64))
         if not factors:
             raise JanusError("every rectified layer update is zero: there is no adapter to save")
         config = self._lora_config({n: int(a.shape[0]) for n, (a, _) in factors.items()})

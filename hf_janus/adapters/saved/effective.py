@@ -40,7 +40,13 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from hf_janus.adapters.peft_layers import check_quantized_layers, dense_stand_in, effective_params, on_quantized_base
+from hf_janus.adapters.peft_layers import (
+    check_quantized_layers,
+    dense_stand_in,
+    effective_params,
+    lora_bias_term,
+    on_quantized_base,
+)
 from hf_janus.adapters.saved.loading import (
     PEFT_PREFIX,
     AdapterSource,
@@ -83,7 +89,9 @@ class EffectiveModel:
     base_model: str
     base_revision: Optional[str] = None
     modules_to_save: list[str] = field(default_factory=list)  # qualified names of fully trained modules
-    changes_bias: bool = False  # the adapter also trains biases (bias != "none" or lora_bias)
+    changes_bias: bool = False  # the adapter trains the base layers' biases (bias != "none")
+    # "<layer>.bias" -> s·lora_B.bias of a lora_bias=True adapter: what it adds to the layer's bias (float32, CPU)
+    lora_biases: dict[str, Tensor] = field(default_factory=dict)
     quantized: bool = False  # the base is quantized: adapted layers are dense stand-ins, the rest stays quantized
     # "<layer>.weight" -> θ̂ = W0 + ΔW of every adapted linear layer, merged by PEFT in float32 (native layout,
     # CPU): the model holds it rounded to its dtype, and on a bf16 base that rounding would swamp a small ΔW
@@ -292,13 +300,14 @@ def load_effective_model(
     )
     merged = _merge(peft_model, src, base_name, progress)
     bias = getattr(src.config, "bias", "none")
-    changes_bias = (bias not in (None, "none")) or bool(getattr(src.config, "lora_bias", False))
+    changes_bias = bias not in (None, "none")
     logger.info("loaded %s adapter %r onto %r: %d adapted layer(s)", src.kind, src.name, base_name,
                 len(read.layers))
     return EffectiveModel(
         model=merged, reference=read.reference, layers=read.layers, adapter=src, base_model=base_name,
         base_revision=base_revision, modules_to_save=modules_to_save, changes_bias=changes_bias,
         quantized=read.quantized, finetuned=read.finetuned, adapter_factors=read.adapter_factors,
+        lora_biases=read.lora_biases,
     )
 
 
@@ -374,6 +383,7 @@ class _AdaptedWeights:
     reference: dict[str, Tensor] = field(default_factory=dict)
     finetuned: dict[str, Tensor] = field(default_factory=dict)
     adapter_factors: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    lora_biases: dict[str, Tensor] = field(default_factory=dict)
     quantized: bool = False
 
 
@@ -401,6 +411,9 @@ def _read_adapted_layers(peft_model: nn.Module, src: AdapterSource, initial: Opt
                 continue
             info = out.layers[name] = _describe(name, module)
             key = name + ".weight"
+            term = lora_bias_term(module, _ADAPTER_NAME)
+            if term is not None:
+                out.lora_biases[name + ".bias"] = term.float().cpu()
             if on_quantized_base(module):
                 out.reference[key] = dequantized_weight(module.get_base_layer()).float().cpu()
                 out.finetuned[key] = effective_params(module, torch.float32)[0].cpu()
