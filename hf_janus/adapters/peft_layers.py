@@ -85,7 +85,7 @@ def lora_bias_term(module: nn.Module, adapter: Optional[str] = None) -> Optional
 
 def check_lora_bias(peft_model: nn.Module) -> None:
     """Refuse, before training, adapters trained with ``lora_bias=True`` on layers without a bias of their own:
-    PEFT can neither merge them nor does the plain model have a bias to hold their contribution."""
+    PEFT cannot merge them, and the plain model has no bias to hold what they add."""
     bad = [name for name, module in _tuner_layers(inner_model(peft_model)).items()
            if lora_bias_term(module) is not None and getattr(module.get_base_layer(), "bias", None) is None]
     if bad:
@@ -199,7 +199,7 @@ def _effective_params(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[
 
 def _effective_bias(module: nn.Module, dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
     """The bias of a tuner layer on a quantized base as PEFT's forward applies it: the base's, plus the LoRA
-    bias of an adapter trained with ``lora_bias=True``; in ``dtype`` (default: the base's compute dtype)."""
+    bias of an adapter trained with ``lora_bias=True``; in ``dtype`` (default: the base bias's own)."""
     base = module.get_base_layer()
     bias = base.bias if isinstance(getattr(base, "bias", None), Tensor) else None
     if bias is None:
