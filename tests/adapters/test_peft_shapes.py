@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from adapter_fixtures import collate, samples, train
 from merge_fixtures import char_tokenizer, fast_config, write_jsonl
 from testing_utils import VOCAB, build_tiny
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import TrainerCallback
 
 from hf_janus import JanusCallback, JanusError, JanusMerger, rectify
 from hf_janus.adapters.peft_layers import (
@@ -39,17 +40,7 @@ FULL_RANK = 96  # >= min(d_out, d_in) of every layer: the re-factorization is ex
 IDS = torch.tensor([[1, 5, 9, 13, 2, 30, 11, 4], [7, 3, 3, 40, 12, 6, 8, 19]])
 
 
-def samples(n, length=10, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(4, 40, (length,), generator=gen).tolist()} for _ in range(n)]
-
-
-REPLAY = samples(8, seed=3)
-
-
-def collate(rows):
-    ids = torch.tensor([r["input_ids"] for r in rows])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+REPLAY = samples(8, length=10, seed=3)
 
 
 # ---- bases -----------------------------------------------------------------------------------------------------
@@ -203,19 +194,6 @@ def effective_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def train(model, tmp_path, callbacks, steps=2):
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
-                             learning_rate=2e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
-                             remove_unused_columns=False, seed=0)
-    trainer = Trainer(model=model, args=args, train_dataset=samples(16, seed=1), data_collator=collate,
-                      callbacks=callbacks)
-    for cb in callbacks:
-        if isinstance(cb, JanusCallback):
-            cb.trainer = trainer
-    trainer.train()
-    return trainer
-
-
 def plain_logits(model) -> torch.Tensor:
     """The outputs of the plain model the engine captures (θ̂ in float32, stand-ins for quantized layers)."""
     layers = adapted_linear_layers(model)
@@ -255,7 +233,7 @@ def test_live_shape(bases, tmp_path, shape_name, precision, output):
     probe, janus = Probe(), JanusCallback(REPLAY, EXACT, **kwargs)
     if shape.refused:
         with pytest.raises(JanusError, match=shape.refused):
-            train(model, tmp_path, [janus, probe])
+            train(model, tmp_path, [janus, probe], steps=2)
         assert probe.steps == 0  # refused before the first optimizer step
         return
 
@@ -263,7 +241,7 @@ def test_live_shape(bases, tmp_path, shape_name, precision, output):
     torch.testing.assert_close(plain_logits(model), logits(model), **tolerance(precision))
     layers_before = sorted(adapted_linear_layers(model))
     theta0 = {k: v for k, v in effective_state(model).items() if k.endswith(".weight")}
-    trainer = train(model, tmp_path, [probe, janus])
+    trainer = train(model, tmp_path, [probe, janus], steps=2)
     assert probe.steps == 2
     assert probe.logits is not None
     assert janus.report is not None and janus.report.output["format"] == ("merged" if output == "merged" else "adapter")
@@ -331,7 +309,7 @@ def test_saved_shape(bases, tmp_path, shape_name, precision):
         model.peft_config["default"].init_lora_weights = True
         model.save_pretrained(tmp_path / "initial")
         model.peft_config["default"].init_lora_weights = shape.lora["init_lora_weights"]
-    train(model, tmp_path, [Probe()])
+    train(model, tmp_path, [Probe()], steps=2)
     adapter_dir = tmp_path / "adapter"
     if shape.lora.get("init_lora_weights") in ("pissa", "olora"):
         model.save_pretrained(adapter_dir, path_initial_model_for_weight_conversion=os.fspath(tmp_path / "initial"))
