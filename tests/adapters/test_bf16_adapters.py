@@ -4,8 +4,8 @@ PEFT merges in the base's dtype: on a bf16 base the model holds round(W + ΔW), 
 noise wherever ΔW is small against W. JANUS must work on the adapter's own update instead. What it may change is
 fixed by the paper: ΔW − ΔW_rect lies in the row space of the replay's per-sample Jacobian at θ0. These tests
 measure the part of ΔW − ΔW_rect *outside* that row space, with explicit per-sample gradients (``torch.func``) of
-a float64 twin of the model at θ0, relative to |ΔW|. Measured at |ΔW|/|W| = 1.5e-2 (the review's case), single step,
-no compression: see ``LIMIT`` for the figures reached.
+a float64 twin of the model at θ0, relative to what was removed. Measured at |ΔW|/|W| = 1.5e-2 (the review's case), single step,
+no compression: see ``OUTSIDE_OF_REMOVED`` for the figures reached.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ bnb = pytest.importorskip("bitsandbytes")
 EXACT = JanusConfig(tau=0.0, rank=None, replay_batch_size=6)  # single step, no compression
 RELATIVE_UPDATE = 1.5e-2  # |ΔW| / |W| per layer
 FULL_RANK = 64  # min(d_out, d_in) of every target layer: writing the adapter back truncates nothing
-#: The bound on |ΔW − ΔW_rect outside the row space| / |ΔW|. Reached on the live path (largest of the 6 layers):
-#: bf16 5.7e-4, nf4-bf16 5.8e-4, int8 9.0e-4, where about 1.5e-2 of |ΔW| is removed; before the fix bf16 and
-#: nf4-bf16 gave 1.1e-1. What remains is the capture's own precision: it runs the model in bf16, so the row
-#: space the engine sees differs from the float64 one by bf16 noise (LLM.int8 also rounds the activations).
-LIMIT = 1e-3
+#: The bound on |ΔW − ΔW_rect outside the row space|, as a share of what was removed, |ΔW − ΔW_rect|. The capture runs
+#: the model in bf16 (LLM.int8 also rounds the activations), so the row space the engine projects on is the float64
+#: one turned by an angle θ of bf16 noise, and the part of the removed update that lands outside is sin θ of it. The
+#: allowance for that angle is the one tests/real uses for bf16 captures (0.15). Reached on the live path: 4-6% of
+#: the removed part (bf16 5.7e-4, nf4-bf16 5.8e-4, int8 9.0e-4 of |ΔW|, about 1.5e-2 of |ΔW| removed); before the fix
+#: bf16 and nf4-bf16 left 1.1e-1 of |ΔW| outside, several times the whole removed part.
+OUTSIDE_OF_REMOVED = 0.15
 
 LOADS = {
     "bf16": {},
@@ -115,12 +117,13 @@ def row_space_jacobians(base_dir, params, names, replay):
 
 
 def outside_share(jac, delta, delta_rect):
-    """|part of ΔW − ΔW_rect outside the row space of ``jac``| / |ΔW|."""
+    """|part of ΔW − ΔW_rect outside the row space of ``jac``| / |ΔW − ΔW_rect|: the share of what was removed that
+    the past task's Jacobian does not see."""
     _, s, vh = torch.linalg.svd(jac, full_matrices=False)
     basis = vh[s > s[0] * 1e-10]
     removed = (delta - delta_rect).reshape(-1)
     outside = removed - basis.T @ (basis @ removed)
-    return float(outside.norm() / delta.norm())
+    return float(outside.norm() / removed.norm())
 
 
 @pytest.mark.parametrize("kind", list(LOADS))
@@ -137,7 +140,7 @@ def test_live_adapter_update_is_rectified_in_float32(base_dir, kind):  # noqa: F
     shares = {n: outside_share(jac[n], deltas[n], lora_update(layers[n])) for n in names}
     moved = {n: float((deltas[n] - lora_update(layers[n])).norm() / deltas[n].norm()) for n in names}
     assert all(v > 1e-3 for v in moved.values()), moved  # the rectification did remove something
-    assert max(shares.values()) <= LIMIT, shares
+    assert max(shares.values()) <= OUTSIDE_OF_REMOVED, shares
 
 
 def test_janus_callback_on_a_bf16_lora_as_a_user_runs_it(base_dir, tmp_path):  # noqa: F811
@@ -161,7 +164,7 @@ def test_janus_callback_on_a_bf16_lora_as_a_user_runs_it(base_dir, tmp_path):  #
     jac = row_space_jacobians(base_dir, params, list(layers), replay)
     for n, module in layers.items():
         share = outside_share(jac[n], before.deltas[n], lora_update(module))
-        assert share <= LIMIT, (n, share)
+        assert share <= OUTSIDE_OF_REMOVED, (n, share)
     assert janus.report.steps and janus.report.output["format"] == "adapter"
 
 
@@ -192,7 +195,7 @@ def test_full_fine_tuning_in_bf16_subtracts_and_projects_in_float32(base_dir):  
     for n in names:
         delta = (finetuned[f"{n}.weight"].double() - theta0[f"{n}.weight"].double())
         share = outside_share(jac[n], delta, rectifier.result.layers[n].rect_delta().double())
-        assert share <= LIMIT, (n, share)
+        assert share <= OUTSIDE_OF_REMOVED, (n, share)
 
 
 def test_saved_bf16_adapter_through_the_merger(base_dir, tmp_path):  # noqa: F811
@@ -209,5 +212,5 @@ def test_saved_bf16_adapter_through_the_merger(base_dir, tmp_path):  # noqa: F81
     for n in names:
         got = delta.layers[n].matrix.double()
         share = outside_share(jac[n], deltas[n], got)
-        assert share <= LIMIT, (n, share)
+        assert share <= OUTSIDE_OF_REMOVED, (n, share)
         assert not math.isclose(float((deltas[n] - got).norm()), 0.0)

@@ -1,35 +1,49 @@
 """benchmarks/perf/gpu_scale_session.sh works before a GPU call is spent on it: its phases run on the CPU at tiny
 sizes (JANUS_GPU_SESSION_DEVICE=cpu, JANUS_GPU_SESSION_TINY=1), each leaves $OUT/<phase>.json and the
 $OUT/<phase>.partial.json it rewrote while running, with the figures the GPU session is for, and a phase killed at
-its time limit still leaves its partial figures while the next phase runs."""
+its time limit still leaves its partial figures while the next phase runs.
+
+No test here depends on how fast the machine is: the kill test fires the phase's time limit itself, on an event (its
+partial figures show an evaluation), not after a number of seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil  # a dependency of deepspeed (the test extra)
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "perf" / "gpu_scale_session.sh"
-# the smoke phase's cap in the kill test: imports and the first evaluations take ~10 s here; the run it cuts
-# (100000 evaluations) would take hours
-KILL_AFTER_S = 30
+# The phases' time limits here, far above what any phase takes (20-50 s on 2 cores), so that only a hung phase meets
+# them: the session's own limits (560 s a call, 150 s for smoke) are for the GPU. The kill test ends the smoke phase
+# itself, as its limit would, once the phase has evaluated once (~10 s on an idle 2-core machine); the run it cuts
+# (100000 evaluations) would take hours.
+PHASE_LIMIT_S = 3600
+SMOKE_LIMIT_S = 1800
 
 pytestmark = pytest.mark.slow  # each test runs two phases in fresh interpreters: 20-50 s
 
 
+def session_env(tmp_path: Path, **env: str) -> dict[str, str]:
+    return {**os.environ, "OUT": str(tmp_path / "out"), "CACHE": str(tmp_path / "cache"), "PYTHON": sys.executable,
+            "JANUS_GPU_SESSION_DEVICE": "cpu", "JANUS_GPU_SESSION_TINY": "1", "OMP_NUM_THREADS": "1",
+            "PHASE_LIMIT_S": str(PHASE_LIMIT_S), **env}
+
+
 def run_session(tmp_path: Path, *phases: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "CACHE": str(tmp_path / "cache"), "PYTHON": sys.executable,
-           "JANUS_GPU_SESSION_DEVICE": "cpu", "JANUS_GPU_SESSION_TINY": "1", "OMP_NUM_THREADS": "1", **env}
-    proc = subprocess.run(["bash", str(SCRIPT), *phases], capture_output=True, text=True, env=env, timeout=600)
-    return proc, out
+    proc = subprocess.run(["bash", str(SCRIPT), *phases], capture_output=True, text=True,
+                          env=session_env(tmp_path, **env))
+    return proc, tmp_path / "out"
 
 
 def read(path: Path) -> dict[str, Any]:
@@ -47,6 +61,35 @@ def assert_finite(value: Any, where: str = "") -> None:
             assert_finite(item, f"{where}[{i}]")
     elif isinstance(value, float):
         assert math.isfinite(value), f"{where} = {value}"
+
+
+def shows_an_evaluation(path: Path) -> bool:
+    """The partial JSON (written atomically) holds what :func:`assert_partial` checks."""
+    try:
+        assert_partial(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, AssertionError):
+        return False
+    return True
+
+
+def descendants(session: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(session.pid).children(recursive=True)
+    except psutil.Error:  # the session has ended
+        return []
+
+
+def fire_time_limit(session: subprocess.Popen) -> None:
+    """What the phase's time limit does when it runs out: ``timeout``'s timer sends it SIGALRM, on which it sends
+    SIGTERM to the phase and exits with 124 (the kill grace and SIGKILL after it included)."""
+    def name(process: psutil.Process) -> str:
+        try:
+            return process.name()
+        except psutil.Error:  # a short-lived helper (date, mktemp) that has just exited
+            return ""
+
+    (timer,) = [p for p in descendants(session) if name(p) == "timeout"]
+    timer.send_signal(signal.SIGALRM)
 
 
 def assert_partial(partial: dict[str, Any]) -> None:
@@ -87,12 +130,28 @@ def test_phases_write_results_and_partial_figures(tmp_path):
 
 
 def test_a_killed_phase_leaves_its_partial_figures_and_the_next_phase_runs(tmp_path):
-    proc, out = run_session(tmp_path, "smoke", "qlora", SMOKE_LIMIT_S=str(KILL_AFTER_S),
-                            JANUS_GPU_SESSION_EVALS="100000")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # a phase did not finish
+    env = session_env(tmp_path, SMOKE_LIMIT_S=str(SMOKE_LIMIT_S), JANUS_GPU_SESSION_EVALS="100000")
+    out, log = tmp_path / "out", tmp_path / "session.out"  # a file, not a pipe: nothing blocks while it waits
+    with log.open("w") as sink, subprocess.Popen(["bash", str(SCRIPT), "smoke", "qlora"], stdout=sink,
+                                                 stderr=subprocess.STDOUT, text=True, env=env) as session:
+        try:
+            # polled, not timed: the wait ends on the event, or when the session ends without it (a failed phase)
+            while session.poll() is None and not shows_an_evaluation(out / "smoke.partial.json"):
+                time.sleep(0.2)
+            assert session.poll() is None, log.read_text()[-6000:]
+            fire_time_limit(session)
+        except BaseException:  # not the next half hour waiting for the phases' own limits
+            for process in descendants(session):
+                with contextlib.suppress(psutil.Error):  # it ended meanwhile
+                    process.kill()
+            session.kill()
+            raise
+        returncode = session.wait()
+    output = log.read_text()
+    assert returncode == 1, output[-6000:]  # a phase did not finish
 
     killed = read(out / "smoke.json")
-    assert killed["status"] == "timeout" and killed["exit_code"] == 124 and killed["limit_s"] == KILL_AFTER_S
+    assert killed["status"] == "timeout" and killed["exit_code"] == 124 and killed["limit_s"] == SMOKE_LIMIT_S
     partial = read(out / "smoke.partial.json")
     assert partial["stage"].startswith("killed by SIGTERM")
     assert killed["partial"] == partial  # the result file carries the partial figures

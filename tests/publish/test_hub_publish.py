@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -81,7 +82,13 @@ def test_push_adapter_loads_back_identically_with_its_record(hub, delta, tmp_pat
     from_hub = PeftModel.from_pretrained(hub_base(), "me/janus-adapter").eval()
     from_disk = PeftModel.from_pretrained(hub_base(), local).eval()
     assert torch.equal(logits(from_hub, IDS), logits(from_disk, IDS))
-    torch.testing.assert_close(logits(from_hub, IDS), logits(delta.model, IDS), rtol=0, atol=1e-5)
+    # The adapter computes W x + B (A x) where the merged model computes (W + ΔW_rect) x: another float32 evaluation
+    # of the same function, as far from the float64 logits as the merged model's own float32 evaluation, give or
+    # take (10x, as in tests/real/test_real_model_rectify.py).
+    reference = logits(copy.deepcopy(delta.model).double(), IDS)
+    float32_error = float((logits(delta.model, IDS).double() - reference).abs().max())
+    adapter_error = float((logits(from_hub, IDS).double() - reference).abs().max())
+    assert adapter_error <= 10 * float32_error, (adapter_error, float32_error)
 
     info = HfApi().model_info("me/janus-adapter")
     assert set(JANUS_TAGS) | {"peft"} <= set(info.tags)
@@ -167,7 +174,21 @@ def test_push_never_uploads_theta0_snapshots_or_pickles(hub, delta, tmp_path, ca
     assert "training_args.bin" in caplog.text  # the user is told what stayed local
 
 
-def test_auth_failure_and_dead_server_leave_the_local_output_intact(hub, delta, tmp_path):
+def record_sleeps(monkeypatch) -> list[float]:
+    """The seconds ``time.sleep`` is asked for on this thread from now on (the local hub's threads left out)."""
+    waits: list[float] = []
+    sleep, caller = time.sleep, threading.current_thread()
+
+    def recorded(seconds: float) -> None:
+        if threading.current_thread() is caller:
+            waits.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", recorded)
+    return waits
+
+
+def test_auth_failure_and_dead_server_leave_the_local_output_intact(hub, delta, tmp_path, monkeypatch):
     out = delta.save_adapter(tmp_path / "out", progress=False)
     before = folder_bytes(out)
     with pytest.raises(JanusError, match=r"refused .*'me/refused'.*HTTP 401.*hf auth login.*not changed"):
@@ -179,10 +200,10 @@ def test_auth_failure_and_dead_server_leave_the_local_output_intact(hub, delta, 
 
     with LocalHub(token=TOKEN) as dying, patch_hub_clients(dying, tmp_path / "hf_home_dead"):
         dying.stop()
-        started = time.perf_counter()
+        waits = record_sleeps(monkeypatch)
         with pytest.raises(JanusError, match=r"could not reach the Hugging Face Hub.*not changed"):
             push_folder(out, "me/unreachable")
-        assert time.perf_counter() - started < 15  # fails at once, before the retrying upload calls
+        assert waits == []  # fails at once: no retry waited for (huggingface_hub's back-off sleeps between tries)
     assert folder_bytes(out) == before
     assert sorted(os.listdir(tmp_path)) == ["hf_home_dead", "out"]  # no temporary leftovers
 
