@@ -136,10 +136,15 @@ def test_run_rectifies_exactly_the_adapted_layers(ws, lora_result):
             assert not torch.allclose(delta.delta(name), eff.delta(name))  # rectification changed ΔW
         else:
             assert torch.equal(value, base[key]), key
-    # single-step JANUS without compression: ΔW_rect lies in the null space of J0
+    # single-step JANUS without compression: ΔW_rect lies in the null space of J0. It is projected in float64 and
+    # stored in float32, so what J0 still sees is that one rounding e (|e| ≤ u·|ΔW_rect| entrywise):
+    # |J0 e| ≤ ‖J0‖₂ ‖e‖ ≤ sqrt(λ_max(J0 J0ᵀ)) · u · ‖ΔW_rect‖, doubled for the float64 projection's own residual.
+    unit_roundoff = torch.finfo(torch.float32).eps / 2
     for name, layer in delta.layers.items():
-        leak = layer.jacobian.jvp(delta.delta(name)).norm()
-        assert leak <= 1e-6 * layer.reference_norm, name
+        stored = delta.delta(name)
+        leak = float(layer.jacobian.jvp(stored).norm())
+        spectral = float(torch.linalg.eigvalsh(layer.jacobian.gram()).max().clamp_min(0).sqrt())
+        assert leak <= 2 * spectral * unit_roundoff * float(stored.norm()), (name, leak)
     assert set(delta.report.rectification.replay_loss) == {"reference", "finetuned", "rectified"}
 
 
