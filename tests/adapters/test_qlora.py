@@ -144,13 +144,16 @@ def test_qlora_rectified_update_is_in_the_null_space_at_the_dequantized_base(bas
         update = finetuned.weights[name] - w0
         before = float((j @ update.reshape(-1)).norm() / (j.norm() * update.norm()))
         if quant == "int8":
-            # LLM.int8 also quantizes the activations (per row, to 1/127): the layers compute a slightly different
-            # function than their dequantized weights, so the null space of the model as it computes, which the
-            # engine sees, is that of the dequantized weights only up to that noise. Measured residual / before over
-            # the six layers: 1.4e-3 to 1.03e-2 (largest: layers.1 q_proj, 1.36e-4 vs 1.32e-2); the bound is ~1.55x.
-            assert residual < 0.016 * before, f"{name}: {residual:.2e} vs {before:.2e} before rectification"
+            # LLM.int8 also quantizes the activations (per row, to 1/127 of its absmax): the layers compute a slightly
+            # different function than their dequantized weights, so the null space the engine sees is that of the
+            # dequantized weights only up to that noise, a few activation steps (see test_qlora_8bit.py's INT8_STEP)
+            assert residual < 8 / 254 * before, f"{name}: {residual:.2e} vs {before:.2e} before rectification"
         else:
-            assert residual < 1e-6, f"{name}: |J0 ΔW_rect| / (|J0| |ΔW_rect|) = {residual:.2e} ({before:.2e} before)"
+            # ΔW_rect is orthogonal to the engine's float32 rows J32, so |J ΔW_rect| = |(J − J32) ΔW_rect|: the
+            # residual is at most the float32 rows' relative error, a few unit roundoffs per layer on the path
+            # (2 blocks of a float32-compute model), with 16 allowed
+            bound = 16 * torch.finfo(torch.float32).eps / 2
+            assert residual < bound, f"{name}: |J0 ΔW_rect| / (|J0| |ΔW_rect|) = {residual:.2e} ({before:.2e} before)"
 
     # the quantized base is exactly what it was
     after = base_state(model)

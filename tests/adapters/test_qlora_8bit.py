@@ -36,10 +36,15 @@ from hf_janus.cli import main  # noqa: E402
 from hf_janus.publish.record_file import REPORT_NAME  # noqa: E402
 
 REPLAY = samples(6, seed=2)
-# The rectified update is in the null space of the model as it computes (int8 activations), which is that of the
-# dequantized weights only up to the activations' rounding: the bounds below are ~1.5-2x what was measured.
-RESIDUAL_RATIO = 0.016  # |J ΔW_rect| / |J ΔW| per layer, measured 1.4e-3 to 1.03e-2 (as in test_qlora.py)
-KEPT_OFF = 8e-4  # change outside J's row space / |ΔW|, measured 1.9e-4 to 4.2e-4
+# The rectified update is in the null space of the model as it computes, which is that of the dequantized weights only
+# up to the activations' rounding: LLM.int8 rounds every activation row to 1/127 of its absmax, a relative error of at
+# most INT8_STEP = 1/254 per entry. The engine's Jacobian rows carry that noise from each int8 layer on the path (four
+# in a block of the tiny model, two blocks), so its row space turns from the dequantized one by an angle of a few
+# steps: the residual is allowed 8 steps of |J ΔW|, and what was removed may lie outside J's row space by the bf16
+# captures' allowance, 0.15 of it (tests/real, tests/adapters/test_bf16_adapters.py).
+INT8_STEP = 1 / 254
+RESIDUAL_RATIO = 8 * INT8_STEP  # |J ΔW_rect| / |J ΔW| per layer
+OUTSIDE_OF_REMOVED = 0.15  # |change outside J's row space| / |change|
 
 
 def int8_config():
@@ -91,7 +96,8 @@ def test_merger_removes_only_what_the_replay_constrains(base_dir, int8_adapter, 
         # and only there: what was removed lies in the row space of J, the rest of ΔW is kept
         basis = torch.linalg.qr(j.T).Q
         off = removed - basis @ (basis.T @ removed)
-        assert float(off.norm()) < KEPT_OFF * float(before.norm()), f"{name}: {float(off.norm() / before.norm()):.2e}"
+        assert float(off.norm()) < OUTSIDE_OF_REMOVED * float(removed.norm()), \
+            f"{name}: {float(off.norm() / removed.norm()):.2e}"
 
 
 def test_merger_output_is_an_adapter_stock_peft_loads_on_an_8bit_base(base_dir, int8_delta, tmp_path):  # noqa: F811
