@@ -632,6 +632,7 @@ def _rel(got: Tensor, want: Tensor) -> float:
     return float((got.double() - want).norm() / want.norm())
 
 
+@pytest.mark.usefixtures("torch_threads")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("path", PATHS)
 def test_float32_products_match_explicit_jacobian(kind, path):

@@ -45,6 +45,7 @@ def matrices(model, names):
     return {n: rule_for(modules[n]).weight(modules[n]).detach().double() for n in names}
 
 
+@pytest.mark.usefixtures("torch_threads")
 @pytest.mark.parametrize("ghost_matmul", ["float32", "float64"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_single_step_equals_explicit_projection(family, ghost_matmul):
