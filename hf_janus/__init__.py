@@ -14,6 +14,7 @@ from hf_janus.evaluation.harness import EvaluationResult, evaluate
 from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.publish.hub import load_report
 from hf_janus.publish.record_file import PublishedReport
+from hf_janus.replay.self_replay import SelfReplay, self_replay
 from hf_janus.replay.sources import ReplayOptions
 from hf_janus.version import __version__
 
@@ -35,6 +36,7 @@ __all__ = [
     "RectifiedDelta",
     "ReplayOptions",
     "Rectifier",
+    "SelfReplay",
     "StepRecord",
     "TrialRecord",
     "__version__",
@@ -44,4 +46,5 @@ __all__ = [
     "rectify",
     "register_layer_rule",
     "resolve_target_modules",
+    "self_replay",
 ]

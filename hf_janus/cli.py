@@ -9,8 +9,9 @@ import logging
 import sys
 from typing import Any, Optional, Sequence
 
-from hf_janus.cli_options import (ALLOW_PICKLE_HELP, CONFIG_PREFIX, REPLAY_PREFIX, add_dataclass_options,
-                                  add_evaluation_options, dataclass_values, evaluation_settings)
+from hf_janus.cli_options import (ALLOW_PICKLE_HELP, CONFIG_PREFIX, REPLAY_HELP, REPLAY_PREFIX, add_dataclass_options,
+                                  add_evaluation_options, add_self_replay_options, dataclass_values,
+                                  evaluation_settings, replay_argument, replay_input)
 from hf_janus.engine.config import STEP_CONTROLS, JanusConfig
 from hf_janus.replay.sources import ReplayOptions
 from hf_janus.version import __version__
@@ -76,10 +77,8 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
     _add_merge_inputs(p.add_argument_group("inputs"))
 
     rep = p.add_argument_group("replay (samples of the past task to protect)")
-    rep.add_argument("--replay", required=True, metavar="DATASET[:SPLIT]",
-                     help="Hub dataset id, local .jsonl/.json/.parquet/.csv file, or datasets directory "
-                          "(save_to_disk or data files); optional :SPLIT, e.g. data.jsonl:train[:256] (default "
-                          "split: train)")
+    rep.add_argument("--replay", metavar="DATASET[:SPLIT]", help=REPLAY_HELP)
+    add_self_replay_options(rep)
     add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
 
     jan = p.add_argument_group("JANUS")
@@ -161,7 +160,6 @@ def _run_merge(args: argparse.Namespace) -> int:
     from hf_janus.adapters.low_rank import parse_rank_spec, validate_rank_spec
     from hf_janus.io_utils import check_output_dir
     from hf_janus.publish.hub import push_folder
-    from hf_janus.replay.sources import parse_replay_spec
 
     if (args.load_in_4bit or args.load_in_8bit) and args.output_format != "adapter":
         raise ValueError("--load-in-4bit/--load-in-8bit rectify against a quantized base, which gives an adapter "
@@ -170,13 +168,15 @@ def _run_merge(args: argparse.Namespace) -> int:
     validate_rank_spec(rank, args.energy)
     if args.refine_iterations < 0:
         raise ValueError(f"--refine-iterations must be >= 0, got {args.refine_iterations}")
+    options = replay_options(args)
+    replay = replay_argument(args, options)
     # Fail before the expensive part, and never over an input: a replay given as a file, the base or the adapter.
     output = check_output_dir(args.output, args.overwrite, {"base model": args.base, "adapter": args.adapter,
-                                                            "replay data": parse_replay_spec(args.replay)[0]})
+                                                            "replay data": replay_input(args)})
     merger = JanusMerger(
-        args.base, args.adapter, args.replay, merge_config(args), revision=args.revision, torch_dtype=args.dtype,
+        args.base, args.adapter, replay, merge_config(args), revision=args.revision, torch_dtype=args.dtype,
         device=args.device, base_revision=args.base_revision, initial_adapter=args.initial_adapter,
-        allow_base_mismatch=args.allow_base_mismatch, replay_options=replay_options(args),
+        allow_base_mismatch=args.allow_base_mismatch, replay_options=options,
         progress=not args.no_progress, quantization_config=_quantization_config(args),
         allow_pickle=args.allow_pickle,
     )
@@ -301,8 +301,8 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
     add_evaluation_options(src, tasks_required=True)
 
     rep = p.add_argument_group("replay (samples of the past task, for JANUS)")
-    rep.add_argument("--replay", required=True, metavar="DATASET[:SPLIT]",
-                     help="Hub dataset id, local .jsonl/.json/.parquet/.csv file, or datasets directory")
+    rep.add_argument("--replay", metavar="DATASET[:SPLIT]", help=REPLAY_HELP)
+    add_self_replay_options(rep)
     add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
 
     grid = p.add_argument_group("candidates")
@@ -350,21 +350,21 @@ def _run_frontier(args: argparse.Namespace) -> int:
 
     from hf_janus.evaluation.frontier import frontier
     from hf_janus.io_utils import check_output_dir
-    from hf_janus.replay.sources import parse_replay_spec
 
-    inputs = {"reference": args.reference, "finetuned": args.finetuned,
-              "replay data": parse_replay_spec(args.replay)[0]}
+    options = replay_options(args)
+    replay = replay_argument(args, options)
+    inputs = {"reference": args.reference, "finetuned": args.finetuned, "replay data": replay_input(args)}
     if args.save:  # fail before the expensive part, and never over an input
         check_output_dir(args.save, args.overwrite, inputs)
     if args.output:
         check_output_dir(args.output, True, inputs)
-    result = frontier(args.reference, args.finetuned, args.replay, past_tasks=args.past_task,
+    result = frontier(args.reference, args.finetuned, replay, past_tasks=args.past_task,
                       new_tasks=args.new_task, config=merge_config(args), wise_grid=args.wise_grid, taus=args.taus,
                       dampings=args.dampings, hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid,
                       pre_janus_grid=args.pre_janus_grid, intruder_lambdas=args.intruder_lambdas,
                       pre_janus_intruder_lambdas=args.pre_janus_intruder_lambdas,
                       min_ap2=args.min_ap2, min_ap1=args.min_ap1,
-                      replay_options=replay_options(args), progress=not args.no_progress,
+                      replay_options=options, progress=not args.no_progress,
                       **evaluation_settings(args))
     table = result.to_markdown()
     print(table)

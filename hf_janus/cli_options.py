@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 REPLAY_PREFIX, CONFIG_PREFIX = "replay.", "janus."
 
@@ -83,3 +83,54 @@ def evaluation_settings(args: argparse.Namespace) -> dict[str, Any]:
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     return {"tokenizer": args.tokenizer, "batch_size": batch_size, "limit": limit, "include_path": args.include_path,
             "device": args.device, "torch_dtype": args.dtype, "allow_pickle": args.allow_pickle}
+
+
+REPLAY_HELP = ("Hub dataset id, local .jsonl/.json/.parquet/.csv file, or datasets directory (save_to_disk or data "
+               "files); optional :SPLIT, e.g. data.jsonl:train[:256] (default split: train). Give this, or "
+               "--replay-prompts / --replay-self")
+
+
+def add_self_replay_options(group: Any) -> None:
+    """``--replay-prompts`` and ``--replay-self``: replay that θ0 generates (:class:`hf_janus.SelfReplay`), in place
+    of ``--replay``."""
+    group.add_argument("--replay-prompts", metavar="FILE[:SPLIT]",
+                       help="self-replay: θ0 (the base or reference model, never the fine-tuned one) answers these "
+                            "prompts (greedy, up to 64 new tokens) and its answers are the replay; a local file, "
+                            "datasets directory or Hub dataset id, read from --prompt-field or the first of the "
+                            "columns prompt, question, instruction, text. The first --replay-self N (else "
+                            "--replay-samples) prompts are answered; answers are cached under $HF_JANUS_CACHE (default: $HF_HOME/hf_janus)")
+    group.add_argument("--replay-self", type=int, metavar="N",
+                       help="self-replay of N samples; without --replay-prompts θ0 answers the package's 50 generic "
+                            "instruction prompts, for replay without any data of the past task (greedy up to N=50, "
+                            "beyond that several sampled answers per prompt, seeded)")
+
+
+def replay_argument(args: argparse.Namespace, options: Any) -> Any:
+    """The ``replay`` of a subcommand with :func:`add_self_replay_options`: ``--replay`` as given, or a
+    ``SelfReplay`` (``options``: the ``ReplayOptions`` given, whose ``num_samples`` and ``prompt_field`` it takes)."""
+    from hf_janus.replay.self_replay import GENERIC, SelfReplay
+
+    self_replay = args.replay_prompts is not None or args.replay_self is not None
+    if args.replay is not None and self_replay:
+        raise ValueError("give --replay (data of the past task) or --replay-prompts/--replay-self (θ0's own answers), "
+                         "not both")
+    if not self_replay:
+        if args.replay is None:
+            raise ValueError("give the replay: --replay DATASET (samples of the past task), --replay-prompts FILE "
+                             "(θ0 answers them) or --replay-self N (θ0 answers generic prompts)")
+        return args.replay
+    if args.replay_self is not None and args.replay_self < 1:
+        raise ValueError(f"--replay-self must be >= 1, got {args.replay_self}")
+    count = args.replay_self if args.replay_self is not None else options.num_samples
+    field: Optional[str] = getattr(args, REPLAY_PREFIX + "prompt_field", None)
+    return SelfReplay(prompts=args.replay_prompts or GENERIC, num_samples=count, prompt_field=field,
+                      split=options.split, progress=not getattr(args, "no_progress", False))
+
+
+def replay_input(args: argparse.Namespace) -> Optional[str]:
+    """The local path the replay is read from (``--replay`` or ``--replay-prompts``), for the checks that an output
+    never overwrites an input; None for self-replay of the generic prompts."""
+    from hf_janus.replay.sources import parse_replay_spec
+
+    spec = args.replay if args.replay is not None else args.replay_prompts
+    return parse_replay_spec(spec)[0] if spec is not None else None

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Optional
 
 from hf_janus.engine.config import JanusConfig
@@ -39,8 +40,9 @@ def acceptance_score(config: JanusConfig, cbar: float, alpha: float, trial_loss:
     if config.acceptance == "both":
         tau = config.tau
         cosine = (1.0 - cbar) / (1.0 - tau) if tau < 1.0 else (0.0 if cbar >= 1.0 else math.inf)
-        # not max(): max(ratio, nan) is ratio, which would let an undefined c̄ pass
-        ratio = ratio if cosine <= ratio else cosine
+        # not max(): max(ratio, nan) is ratio and max(nan, ratio) is nan, so either order would let one undefined
+        # half pass; an undefined loss or c̄ fails the whole test
+        ratio = math.nan if math.isnan(ratio) or math.isnan(cosine) else max(ratio, cosine)
     if not math.isfinite(ratio):
         return -math.inf
     return 1.0 - ratio * (1.0 - SCORE_THRESHOLD)
@@ -63,6 +65,9 @@ class Budget:
                  clock: Callable[[], float] = time.perf_counter):
         self.max_evaluations, self.max_seconds, self.clock = max_evaluations, max_seconds, clock
         self.start = clock()
+        # passes that decide nothing (captures="two" taking a dropped capture again): not charged, so that the
+        # schedule changes how much memory a run needs, never which trials a time budget lets it evaluate
+        self.excluded = 0.0
         #: why the budget ran out (None while it has not), and the knob that raises it
         self.reason: Optional[str] = None
         self.knob = ""
@@ -74,10 +79,19 @@ class Budget:
             self.reason = f"budget: max_evaluations={self.max_evaluations} reached"
             self.knob = "JanusConfig.max_evaluations (--max-evaluations)"
         elif self.max_seconds is not None:
-            elapsed = self.clock() - self.start
+            elapsed = self.clock() - self.start - self.excluded
             # Stop before a trial that would end past the limit, not after it: one evaluation can take minutes.
             if elapsed + elapsed / max(evaluations, 1) > self.max_seconds:
                 self.reason = (f"budget: max_seconds={self.max_seconds:g} would be exceeded by the next evaluation "
                                f"({elapsed:.0f} s spent)")
                 self.knob = "JanusConfig.max_seconds (--max-seconds)"
         return self.reason is not None
+
+    @contextmanager
+    def not_charged(self) -> Iterator[None]:
+        """Leave the time spent inside out of ``max_seconds`` (repeated passes, see :attr:`excluded`)."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.excluded += self.clock() - start

@@ -442,7 +442,10 @@ def combine_ranks(world: World, store: FactorStore, result: CaptureResult, shape
             if store.has(result.tag, name):
                 x, a = store.get(result.tag, name)
             else:
-                x = torch.zeros(0, 0, d_in, device=device)
-                a = torch.zeros(0, 0, d_out, device=device)
+                # a rank without replay batches: empty factors in the dtype every other rank sends (gloo aborts
+                # the process on a dtype mismatch, before any handler can restore θ̂)
+                dtype = store.dtype_of(result.tag)
+                x = torch.zeros(0, 0, d_in, device=device, dtype=dtype)
+                a = torch.zeros(0, 0, d_out, device=device, dtype=dtype)
             store.replace(result.tag, name, *world.gather_factors(x, a))
         return combine_losses(world, result)

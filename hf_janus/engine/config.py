@@ -102,7 +102,9 @@ class JanusConfig:
         "type": int, "zero_is_none": True})
     max_seconds: Optional[float] = field(default=None, metadata={
         "help": "budget in seconds: the loop stops at the last accepted point before a trial that would end past "
-                "it, estimated from the mean evaluation time so far (None, or 0 on the command line: no budget)",
+                "it, estimated from the mean evaluation time so far; passes captures='two' repeats are not "
+                "charged, so that both schedules evaluate the same trials (None, or 0 on the command line: no "
+                "budget)",
         "type": float, "zero_is_none": True})
     gram_dtype: torch.dtype = field(default=torch.float64, metadata={
         "help": "dtype in which the Gram matrices and JVPs are accumulated and the eigendecompositions run",
@@ -136,14 +138,16 @@ class JanusConfig:
                 "trial's: up to four, no pass repeated), two (the current point's and the trial's: θ0's is dropped "
                 "after the first step and taken again for the statistics at the end, a kept trial's is dropped and "
                 "taken again only if the loop goes on from it; one or a few more forward/backward passes, counted "
-                "in the report's recaptures, and the same result) or auto (all when the memory plan fits them in "
-                "memory, else two)", "choices": CAPTURE_SCHEDULES})
+                "in the report's recaptures and not charged to max_seconds, and the same result) or auto (all "
+                "when the memory plan fits them in memory, else two)", "choices": CAPTURE_SCHEDULES})
     factor_dtype: str = field(default="auto", metadata={
         "help": "storage dtype of the compressed Jacobian factors: float32 (as computed), bfloat16 (half the "
                 "memory and disk, as the paper's float16 cache; on a tiny Llama the same decisions and a rectified "
-                "update within 1e-3 of the float32 one, relative to |ΔW|: tests/engine/test_memory_plan.py) or "
-                "auto (float32 unless the memory plan finds no schedule for it, then bfloat16, logged and "
-                "recorded in the report's memory_plan)", "choices": FACTOR_DTYPES})
+                "update within 1e-3 of the float32 one, relative to |ΔW|: tests/engine/test_memory_plan.py; θ0 is "
+                "then captured once more in float32, so that the report's residuals are measured against the "
+                "float32 J0, not the rounded one the projection used) or auto (float32 unless the memory plan "
+                "finds no schedule for it, then bfloat16, logged and recorded in the report's memory_plan)",
+        "choices": FACTOR_DTYPES})
     seed: int = field(default=0, metadata={
         "help": "seed for anything random (the replay order is never shuffled: samples are grouped by length)"})
     acceptance: str = field(default="cosine", metadata={

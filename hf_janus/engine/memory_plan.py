@@ -22,7 +22,9 @@ Pieces (all bytes, summed over the target layers):
 * ``factors``: compressed Jacobian factors, per capture ``m · slots · (d_in + d_out)`` in the factor dtype, with
   up to four captures alive (θ0's, the current point's, a passing trial held by the adaptive controller, the trial),
   or two (``JanusConfig.captures="two"``, which ``"auto"`` picks when four do not fit in memory: the current
-  point's and the trial's, θ0's and a kept trial's taken again when needed);
+  point's and the trial's, θ0's and a kept trial's taken again when needed). With factors below float32, θ0's
+  capture is taken once more in float32 at the end, for the residuals, after every other capture is dropped: the
+  bytes of two bf16 captures, within what the plan counts;
 * ``activations``: one replay batch's forward/backward with the recorders' inputs held until their gradient arrives;
 * ``ghost``: the largest layer's Gram blocks, eigendecompositions and update-sized temporaries.
 """
@@ -33,7 +35,7 @@ import logging
 import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -41,6 +43,7 @@ from hf_janus.engine.capture import PENDING_SKETCH_BYTES
 from hf_janus.engine.ghost import GRAM_BLOCK_ELEMS, MATERIALIZED_COST_FACTOR
 from hf_janus.engine.store import available_host_memory
 from hf_janus.engine.workspace import WORKSPACE_MAX_BYTES
+from hf_janus.errors import JanusError
 
 logger = logging.getLogger(__name__)
 
@@ -281,8 +284,16 @@ def plan_with_captures(work: Workload, device: torch.device, cache: str, in_use:
         plan.captures, plan.captures_alive = schedule, alive
         return plan
 
-    if captures != "auto":
-        return plan_for(full if captures == "all" else LEAN_CAPTURES_ALIVE, captures)
+    if captures == "two":
+        return plan_for(LEAN_CAPTURES_ALIVE, captures)
+    if captures == "all":
+        plan = plan_for(full, captures)
+        lean = plan_for(LEAN_CAPTURES_ALIVE, "two") if not plan.fits else None
+        if lean is not None and lean.fits:  # the refusal names the knob that alone would make it fit
+            plan.notes[0] += (f"; or captures='two' (fits: {LEAN_CAPTURES_ALIVE} captures' factors take "
+                              f"{lean.pieces['factors'] / GIB:.2f} GiB instead of {plan.pieces['factors'] / GIB:.2f}, "
+                              "at the cost of one or a few more passes)")
+        return plan
     plan = plan_for(full, "all")
     if plan.fits and plan.placements["factors"] != "disk":
         return plan
@@ -315,7 +326,10 @@ def plan_schedule(work: Workload, device: torch.device, cache: str, in_use: dict
         return exact
     half = plan_schedule(work, device, cache, in_use, capacity, captures, step_control, "bfloat16")
     if not half.fits:
-        return exact  # the refusal names the knobs, bfloat16 factors among them
+        # bfloat16 was the last schedule tried: its sizes are what the other knobs must bring down
+        half.notes[0] = (f"{half.notes[0]} (factor_dtype='auto' tried float32 factors, then bfloat16; neither "
+                         "fits)")
+        return half
     note = (f"factor_dtype='bfloat16': no schedule fits float32 factors ({exact.notes[0]}); in bfloat16 they take "
             f"{half.pieces['factors'] / GIB:.2f} GiB")
     logger.info("JANUS memory plan: %s", note)
@@ -385,26 +399,87 @@ def current_host_bytes() -> int:
     return 0
 
 
-def free_disk_bytes(cache: str) -> Optional[int]:
+def free_disk_bytes(cache: str, disk_usage: Callable[[str], Any] = shutil.disk_usage) -> Optional[int]:
     """Free bytes on the file system of the cache directory (or of its nearest existing parent); None for
-    ``cache="memory"`` or where it cannot be read."""
+    ``cache="memory"`` or where it cannot be read. ``disk_usage``: what reads a path's file system (tests pass their
+    own to see which path is measured)."""
     if str(cache) == "memory":
         return None
     path = os.path.abspath(os.fspath(cache))
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     try:
-        return shutil.disk_usage(path).free
+        return disk_usage(path).free
     except OSError:
         return None
 
 
-def measure_in_use_and_capacity(device: torch.device,
-                                cache: str = "memory") -> tuple[dict[str, int], dict[str, Optional[int]]]:
-    """Bytes in use now and the most the plan may fill, on the device, on the host and (with a cache directory)
-    on the disk that holds it: measured on this machine, not assumed."""
+def check_cache_directory(cache: str) -> None:
+    """Refuse, before any work, a ``cache`` directory that cannot be made or written: the factor store would fail
+    there only after the memory plan said the run fits."""
+    if str(cache) == "memory":
+        return
+    path = os.path.abspath(os.fspath(cache))
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == path else f"lies under {existing!r}, which is a file"
+        raise JanusError(f"cache={os.fspath(cache)!r} {where}, so the factors cannot be stored there: point cache at "
+                         "a directory (it is created if missing), or use cache='memory'")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        made = "" if existing == path else f" (its nearest existing parent {existing!r})"
+        raise JanusError(f"cache={os.fspath(cache)!r}{made} is not writable by this process, so the factors cannot "
+                         "be stored there: point cache at a directory you can write, or use cache='memory'")
+
+
+#: Where the process's cgroup memory controller is mounted (its own cgroup, in a container with a cgroup namespace).
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _read_number(path: str, key: Optional[str] = None) -> Optional[int]:
+    """The integer in a cgroup file (or on its line starting with ``key``); None for "max" or an unreadable file."""
+    try:
+        with open(path, encoding="ascii") as fh:
+            for line in fh:
+                fields = line.split()
+                if key is None and fields:
+                    return int(fields[0]) if fields[0] != "max" else None
+                if len(fields) == 2 and fields[0] == key:
+                    return int(fields[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def container_available_memory(root: str = CGROUP_ROOT) -> Optional[int]:
+    """Bytes the container may still take under its cgroup memory limit: the limit (v2 ``memory.max``, v1
+    ``memory/memory.limit_in_bytes``) less what the cgroup uses that cannot be reclaimed (its usage less inactive
+    file pages, which the kernel drops before it kills). None without a limit or where none can be read: a
+    container's limit does not show in ``/proc/meminfo``, which reports the whole machine."""
+    layouts = (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+               ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+                "total_inactive_file"))
+    for limit_file, usage_file, stat_file, inactive_key in layouts:
+        limit = _read_number(os.path.join(root, limit_file))
+        if limit is None:
+            continue
+        if limit >= 1 << 60:  # cgroup v1 writes "no limit" as the largest page-aligned number
+            return None
+        usage = _read_number(os.path.join(root, usage_file)) or 0
+        inactive = _read_number(os.path.join(root, stat_file), inactive_key) or 0
+        return max(0, limit - max(0, usage - inactive))
+    return None
+
+
+def measure_in_use_and_capacity(device: torch.device, cache: str = "memory",
+                                cgroup_root: str = CGROUP_ROOT) -> tuple[dict[str, int], dict[str, Optional[int]]]:
+    """Bytes in use now and the most the plan may fill, on the device, on the host (the machine's available memory
+    or the container's cgroup limit, whichever is lower) and (with a cache directory) on the disk that holds it:
+    measured on this machine, not assumed. ``cgroup_root``: where the cgroup files are read."""
     rss = current_host_bytes()
-    available = available_host_memory()
+    known = [n for n in (available_host_memory(), container_available_memory(cgroup_root)) if n is not None]
+    available = min(known) if known else None
     host_capacity = None if available is None else rss + int(HOST_FILL * available)
     free_disk = free_disk_bytes(cache)
     disk_capacity = None if free_disk is None else int(DISK_FILL * free_disk)

@@ -37,11 +37,12 @@ from hf_janus.engine.memory_plan import (
     LayerShape,
     MemoryPlan,
     Workload,
+    check_cache_directory,
     measure_in_use_and_capacity,
     model_dimensions,
     plan_schedule,
 )
-from hf_janus.engine.report import RectificationReport
+from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.statistics import layer_statistics
 from hf_janus.engine.step_loop import CosineOverride, StepLoop
@@ -53,6 +54,7 @@ from hf_janus.errors import JanusError, RectificationError
 from hf_janus.parallel.distributed import World
 from hf_janus.parallel.sharding import check_sharding, passes_are_collective, reshard
 from hf_janus.replay.prepare import check_vocabulary, prepare_replay
+from hf_janus.replay.self_replay import SelfReplay
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +159,7 @@ class Rectifier:
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
             theta0_borrowed=theta0_borrowed, backup_kept=backup_kept, theta0_held=theta0_held,
             **model_dimensions(self.model, shapes))
+        check_cache_directory(cfg.cache)
         in_use, capacity = measure_in_use_and_capacity(self.device, cfg.cache)
         plan = plan_schedule(work, self.device, cfg.cache, in_use, capacity, cfg.captures, cfg.step_control,
                              factor_dtype)
@@ -229,12 +232,7 @@ class Rectifier:
             if self.world.active:
                 loop.phase = "synchronizing the rectified weights across ranks"
                 self._synchronize()
-            if not self.store.has("c0"):  # captures="two": θ0's capture was dropped after the first step
-                loop.phase = "capturing θ0 again for the statistics"
-                self.layers.write_reference("c0")
-                self.capture("c0")
-                report.recaptures += 1
-                self.layers.hold_current()
+            self._reference_for_statistics(loop, report)
             loop.phase = "computing per-layer statistics"
             report.layers = layer_statistics(self.layers, self.jacobians)
             report.memory_plan = self.memory_plan.to_dict()
@@ -258,6 +256,47 @@ class Rectifier:
             for layer in self.layers})
         logger.info(report.summary())
         return self.result
+
+    def release(self) -> None:
+        """Free the tensors the run keeps after it ends: θ0, θ̂ (and its backup), θ_t, the kept Jacobians and any
+        factors, in :attr:`layers` and in :attr:`result`'s layers (which callers that need them read before). The
+        report stays (``result.report``, ``result.layers`` empty), and so do :attr:`local_batches`, the replay's
+        token ids. For callers that keep the rectifier after the run, as the Trainer callback does: otherwise its
+        copies of the target layers (possibly on the accelerator) would outlive the run."""
+        if self.result is not None:
+            self.result.release()
+            # a new result: a caller's reference to the old one keeps its layers, this rectifier no longer does
+            self.result = RectificationResult(self.result.report)
+        self.layers.release_current_jacobians()
+        self.layers = TargetLayers(self.model, [], self.device)
+        self.rebuilt = {}
+        self.store.close()
+        self.workspace.clear()
+
+    def _reference_for_statistics(self, loop: StepLoop, report: RectificationReport) -> None:
+        """Make sure θ0's capture (tag ``"c0"``), against which the residuals are measured, is stored in float32.
+
+        captures="two" dropped it after the first step: it is taken again. Factors stored below float32 (bf16) would
+        measure ΔW_rect against the same rounded J0 its projection removed, a residual near zero whatever the
+        rectification left along the true J0: θ0 is captured again in float32 (one more pass, in the memory of the
+        captures dropped first) and J0 ΔW is measured on it too."""
+        dtype = self.store.factor_dtype
+        rounded = dtype is not None and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+        report.residual_jacobian = REFERENCE_JACOBIAN
+        if self.store.has("c0") and not rounded:
+            return
+        loop.phase = "capturing θ0 again for the statistics" + (" in float32" if rounded else "")
+        if rounded:
+            loop.release_current()
+            for tag in sorted(self.store.captures):
+                self.store.drop(tag)
+            self.store.keep_exact("c0")
+            for layer in self.layers:
+                layer.jvp0 = None  # measured on the rounded J0: the statistics measure it again on the float32 one
+        self.layers.write_reference("c0")
+        self.capture("c0")
+        report.recaptures += 1
+        self.layers.hold_current()
 
     def _finetuned_loss(self) -> CaptureResult:
         with self.timer.phase("forward_backward"):
@@ -303,7 +342,9 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
             dict holding ``"<layer name>.weight"`` for every target layer (native layout).
         replay: samples of the past task: a ``datasets.Dataset`` or list of dicts with ``input_ids``,
             optional ``attention_mask`` and ``labels`` (-100 = ignored; without labels every non-padding
-            token counts), or a ``DataLoader`` yielding such batches.
+            token counts), or a ``DataLoader`` yielding such batches. A :class:`~hf_janus.SelfReplay` is generated
+            by ``reference`` when it is a model (with the ``SelfReplay``'s ``tokenizer``), never by the fine-tuned
+            model; for a state-dict reference generate it first with the model that holds θ0.
         config: :class:`JanusConfig`; defaults to the paper's settings (τ=0.95, β=0.7, r=32).
         progress: show a tqdm progress bar over trials.
         finetuned: θ̂ of every target layer (``"<layer name>.weight"``), when it is known more exactly than the
@@ -315,4 +356,6 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
         :class:`~hf_janus.errors.RectificationError` (or :class:`~hf_janus.errors.JanusError` for bad input)
         says what happened.
     """
+    if isinstance(replay, SelfReplay) and isinstance(reference, nn.Module):
+        replay = replay.generate(reference)
     return Rectifier(model, reference, replay, config, progress=progress, finetuned=finetuned).run().report

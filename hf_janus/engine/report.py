@@ -12,6 +12,10 @@ from hf_janus.serialization import known_fields
 
 SCHEMA_VERSION = 1
 
+#: ``RectificationReport.residual_jacobian`` of this version: whatever ``factor_dtype`` the run stored its factors
+#: in, the residuals are measured against θ0's capture kept in float32 (at the run's compression rank).
+REFERENCE_JACOBIAN = "J0 captured in float32 at θ0"
+
 
 @dataclass
 class TrialRecord:
@@ -59,11 +63,15 @@ class RectificationReport:
     config: dict[str, Any]
     steps: list[StepRecord] = field(default_factory=list)
     num_jacobian_evals: int = 0
-    # captures taken again because captures="two" dropped them (θ0's for the statistics, a kept trial's): passes
-    # that cost as much as an evaluation but decide nothing
+    # captures taken again because captures="two" dropped them (θ0's for the statistics, a kept trial's), or θ0's
+    # taken again in float32 for the statistics when the factors are stored in bf16: passes that cost as much as an
+    # evaluation but decide nothing
     recaptures: int = 0
     replay_loss: dict[str, float] = field(default_factory=dict)  # reference / finetuned / rectified
     layers: list[LayerStats] = field(default_factory=list)
+    # the Jacobian the per-layer residuals (and the adapter write-back's) are measured against; "" in reports of
+    # versions that did not say (theirs used the factors as stored: bf16 factors gave residuals near zero)
+    residual_jacobian: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     num_samples: int = 0
     num_tokens: int = 0
@@ -133,7 +141,8 @@ class RectificationReport:
             )
         residuals = [layer.residual for layer in self.layers if layer.residual is not None]
         if residuals:
-            lines.append(f"  first-order residual ||J0 ΔW_rect||/||J0 ΔW||: max {max(residuals):.3g}")
+            against = f" (against {self.residual_jacobian})" if self.residual_jacobian else ""
+            lines.append(f"  first-order residual ||J0 ΔW_rect||/||J0 ΔW||: max {max(residuals):.3g}{against}")
         if self.timings:
             lines.append("  time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         return "\n".join(lines)

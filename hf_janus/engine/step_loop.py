@@ -201,7 +201,8 @@ class StepLoop:
         if self.layers.held != CURRENT:
             raise RuntimeError(f"capture {tag!r} is needed again but the model does not hold that point")
         self.phase = f"capturing {tag} again (captures='two')"
-        self.capture(tag)
+        with self.budget.not_charged():
+            self.capture(tag)
         self.report.recaptures += 1
 
     def _end_without_step(self) -> None:

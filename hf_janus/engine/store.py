@@ -96,6 +96,7 @@ class FactorStore:
         if isinstance(factor_dtype, str):
             factor_dtype = getattr(torch, factor_dtype.replace("torch.", ""))
         self.factor_dtype = factor_dtype
+        self._exact_tags: set[str] = set()  # captures kept as computed (float32) whatever factor_dtype says
         self.io_seconds = 0.0
         self.held_bytes = 0  # bytes of the pieces a directory-backed store keeps in host memory
         self.peak_held_bytes = 0
@@ -115,8 +116,21 @@ class FactorStore:
             os.makedirs(cache, exist_ok=True)
             self._root = tempfile.mkdtemp(prefix="janus-factors-", dir=cache)
 
-    def _cast(self, t: Tensor) -> Tensor:
-        return t if self.factor_dtype is None or t.dtype == self.factor_dtype else t.to(self.factor_dtype)
+    def keep_exact(self, tag: str) -> None:
+        """Store capture ``tag`` in float32, as computed, even where ``factor_dtype`` rounds the others: the
+        reference capture that the report's residuals are measured against."""
+        self._exact_tags.add(tag)
+
+    def dtype_of(self, tag: str) -> torch.dtype:
+        """The dtype capture ``tag``'s factors are stored in (what an empty stand-in for them must carry)."""
+        if self.factor_dtype is None or tag in self._exact_tags:
+            return torch.float32
+        return self.factor_dtype
+
+    def _cast(self, t: Tensor, tag: str) -> Tensor:
+        if self.factor_dtype is None or tag in self._exact_tags or t.dtype == self.factor_dtype:
+            return t
+        return t.to(self.factor_dtype)
 
     def _to_host(self, t: Tensor) -> Tensor:
         if t.device.type == "cpu":
@@ -139,7 +153,7 @@ class FactorStore:
 
     def append(self, tag: str, layer: str, x: Tensor, a: Tensor) -> None:
         key = (tag, layer)
-        x, a = self._cast(x), self._cast(a)
+        x, a = self._cast(x, tag), self._cast(a, tag)
         if key not in self._pieces:
             self.peak_captures = max(self.peak_captures, len(self.captures | {tag}))
         if self.in_memory:

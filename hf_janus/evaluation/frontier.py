@@ -45,6 +45,7 @@ from hf_janus.evaluation.harness import (ModelLike, Scorer, TaskLike, TaskResult
                                          load_tokenizer, resolve_tasks)
 from hf_janus.evaluation.scoring import ap_metrics
 from hf_janus.io_utils import atomic_replace, atomic_write_text
+from hf_janus.replay.self_replay import SelfReplay
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +289,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         finetuned: θ̂ (model object, directory or repo id of full weights or of a PEFT adapter, merged). A model
             object is used as the working model: it holds each candidate in turn and is θ̂ again on return.
         replay: past-task samples for JANUS, as :func:`hf_janus.rectify` takes them, or a dataset id or file as
-            ``hf-janus merge --replay`` takes it (read with ``replay_options``, a :class:`~hf_janus.ReplayOptions`).
+            ``hf-janus merge --replay`` takes it (read with ``replay_options``, a :class:`~hf_janus.ReplayOptions`),
+            or a :class:`~hf_janus.SelfReplay`, which ``reference`` (θ0, never θ̂) answers.
         past_tasks, new_tasks: lm-eval task names, local JSONL files or task configs (see
             :func:`hf_janus.evaluate`); AP1 is measured on the first, AP2 on the second.
         config: the :class:`JanusConfig` of every JANUS run (its ``tau`` is replaced by each of ``taus``; the
@@ -365,6 +367,8 @@ def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok:
     else:
         model = load_model(finetuned, device=device, torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
     base = load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
+    if isinstance(replay, SelfReplay):  # θ0's answers, while θ0 is loaded on its own
+        replay = replay.generate(base, replay.tokenizer if replay.tokenizer is not None else tok)
     differing = differing_parameters(model, dict(base.named_parameters()), allow_identical=exact is not None)
     del base
     theta0, tuned = {k: v[0] for k, v in differing.items()}, {k: v[1] for k, v in differing.items()}

@@ -8,14 +8,13 @@ import logging
 import os
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from hf_janus.adapters.peft_layers import initial_state
 from hf_janus.engine.layers import resolve_target_modules
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_replace
-from hf_janus.parallel.sharding import check_sharding, full_weight, is_sharded, is_zero3_param
+from hf_janus.parallel.sharding import check_sharding, digest_sample, full_weight
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +47,7 @@ def weights_fingerprint(model: nn.Module) -> str:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
-        if is_sharded(param) or is_zero3_param(param) or param.is_meta or param.numel() == 0:
-            continue
-        flat = param.detach().reshape(-1)
-        count = min(flat.numel(), _FINGERPRINT_SAMPLES)
-        # integer spacing: float indices lose precision past 2**24 elements
-        index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
-        digest.update(flat[index].to(torch.float64).cpu().numpy().tobytes())
+        digest_sample(digest, name, param, _FINGERPRINT_SAMPLES)
     return "sha256:" + digest.hexdigest()
 
 

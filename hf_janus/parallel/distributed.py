@@ -24,6 +24,10 @@ def _dist():
     return dist
 
 
+#: Dtypes that travel through :meth:`World._all_gather_padded`, by their index on the wire.
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+
+
 @dataclass
 class World:
     """The process group the rectification runs in; ``size == 1`` means a single process."""
@@ -66,12 +70,18 @@ class World:
         1.15, two gloo ranks, ``DistributedType.NO``).
         """
         dist = _dist()
-        shape = torch.tensor(list(tensor.shape[:2]), dtype=torch.long, device=tensor.device)
+        code = _WIRE_DTYPES.index(tensor.dtype)
+        shape = torch.tensor([*tensor.shape[:2], code], dtype=torch.long, device=tensor.device)
         shapes = [torch.zeros_like(shape) for _ in range(self.size)]
         dist.all_gather(shapes, shape, group=self.group)
         rows = max(int(s[0]) for s in shapes)
         cols = max(int(s[1]) for s in shapes)
-        padded = torch.zeros((rows, cols, *tensor.shape[2:]), dtype=tensor.dtype, device=tensor.device)
+        # Every rank must send the same dtype (gloo aborts the process otherwise): ranks that disagree (each rank's
+        # memory plan chose its own factor_dtype) travel in the common promoted dtype.
+        wire = tensor.dtype
+        for s in shapes:
+            wire = torch.promote_types(wire, _WIRE_DTYPES[int(s[2])])
+        padded = torch.zeros((rows, cols, *tensor.shape[2:]), dtype=wire, device=tensor.device)
         padded[: tensor.shape[0], : tensor.shape[1]] = tensor
         out = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(out, padded.contiguous(), group=self.group)

@@ -206,7 +206,9 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
         "num_layers": len(rect.layers),
         "steps": steps,
         "loss": {k: _fmt(rect.replay_loss.get(k), ".4f") for k in ("reference", "finetuned", "rectified")},
-        "residual": _fmt(max(residuals), ".3g") if residuals else None,
+        "residual": (_fmt(max(residuals), ".3g") + (f" (measured against {_plain(rect.residual_jacobian)})"
+                                                    if rect.residual_jacobian else ""))
+        if residuals else None,
         "load_id": _quoted(load_id),
         "base_load_id": _quoted(base.id) if base else "<base model id or path>",
     }

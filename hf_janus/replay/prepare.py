@@ -107,6 +107,13 @@ def prepare_replay(replay: Any, batch_size: int) -> list[dict[str, Tensor]]:
     """
     if replay is None:
         raise JanusError("replay is None: pass the past-task samples to replay (a Dataset, list of dicts or DataLoader)")
+    from hf_janus.replay.self_replay import SelfReplay  # here: self_replay imports this module
+
+    if isinstance(replay, SelfReplay):
+        # only the caller knows θ0 as a model that can generate (rectify may be given θ0 as a state dict)
+        raise JanusError("a SelfReplay must be generated from θ0 before it is replayed here: pass "
+                         "replay=SelfReplay(...).generate(reference_model, tokenizer) (or hf_janus.self_replay(...)); "
+                         "JanusCallback and JanusMerger generate it themselves")
     if isinstance(replay, torch.utils.data.DataLoader):
         batches = [_normalize_batch(b, i) for i, b in enumerate(replay)]
     elif isinstance(replay, Mapping):

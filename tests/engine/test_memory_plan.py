@@ -18,8 +18,9 @@ from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine import rectifier
-from hf_janus.engine.memory_plan import (LayerShape, Workload, free_disk_bytes, measure_in_use_and_capacity,
-                                         plan_memory, plan_schedule, plan_with_captures)
+from hf_janus.engine.memory_plan import (HOST_FILL, LayerShape, Workload, container_available_memory,
+                                         free_disk_bytes, measure_in_use_and_capacity, plan_memory, plan_schedule,
+                                         plan_with_captures)
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.errors import JanusError
 
@@ -103,20 +104,72 @@ def test_factor_dtype_auto_halves_the_factors_only_where_float32_has_no_schedule
 
 def test_bfloat16_factors_take_the_same_decisions_as_float32(tuned_llama):
     """The cheaper dtype the plan may choose, against the exact path: the same trials and decisions, and a
-    rectified update within 1e-3 of the float32 one relative to |ΔW| (measured 1.0e-3 here)."""
+    rectified update close to the float32 one relative to |ΔW|, but not the same one: the run really projected
+    with bf16 factors (a rectifier that ignored the chosen dtype would return the float32 update bit for bit)."""
     model, reference = tuned_llama
     runs = {}
     for dtype in ("float32", "bfloat16"):
         tuned = copy.deepcopy(model)
-        runs[dtype] = Rectifier(tuned, reference, random_replay(12), JanusConfig(factor_dtype=dtype),
-                                progress=False).run()
+        rectifier = Rectifier(tuned, reference, random_replay(12), JanusConfig(factor_dtype=dtype), progress=False)
+        assert rectifier.store.factor_dtype is (None if dtype == "float32" else torch.bfloat16)
+        runs[dtype] = rectifier.run()
     exact, half = runs["float32"], runs["bfloat16"]
     assert half.report.memory_plan["factor_dtype"] == "bfloat16" and exact.report.memory_plan["factor_dtype"] == "float32"
     assert [(s.alpha, [t.accepted for t in s.trials]) for s in half.report.steps] == \
         [(s.alpha, [t.accepted for t in s.trials]) for s in exact.report.steps]
+    gaps = []
     for name, layer in exact.layers.items():
-        other = half.layers[name]
-        assert float((layer.rect_delta() - other.rect_delta()).norm()) <= 2e-3 * float(layer.delta().norm()), name
+        gap = float((layer.rect_delta() - half.layers[name].rect_delta()).norm())
+        assert gap <= 2e-3 * float(layer.delta().norm()), name
+        gaps.append(gap)
+    assert max(gaps) > 0, "the bfloat16 run returned the float32 update bit for bit: the dtype was not used"
+
+
+def test_bfloat16_residuals_are_measured_against_the_float32_jacobian(tuned_llama):
+    """Issue 39 item 5: with bf16 factors, the report's residual ||J0 ΔW_rect|| / ||J0 ΔW|| of each layer is that of
+    the float32 J0 (the float32 run's θ0 capture, measured here independently), not of the rounded J0 the projection
+    removed (near zero whatever the rectification left). The adapter write-back's residuals use the same J0."""
+    model, reference = tuned_llama
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        # one step at α=1 (any c̄ passes τ=0.01): ΔW_rect is the projection at θ0, so its float32 residual is ~0
+        config = JanusConfig(factor_dtype=dtype, tau=0.01, rank=4)
+        runs[dtype] = Rectifier(copy.deepcopy(model), reference, random_replay(12), config, progress=False,
+                                keep_reference_factors=True).run()
+    exact, half = runs["float32"], runs["bfloat16"]
+    assert half.report.alphas == exact.report.alphas == [1.0]
+    assert half.report.residual_jacobian == exact.report.residual_jacobian != ""
+    assert half.report.residual_jacobian in half.report.summary()
+    for stat in half.report.layers:
+        j0, layer = exact.layers[stat.name].jacobian, half.layers[stat.name]
+        honest = float(j0.precise_jvp(layer.rect_delta()).norm()) / float(j0.jvp(layer.delta()).norm())
+        assert honest > 100 * max(x.residual for x in exact.report.layers), "the bf16 rounding left nothing to see"
+        assert stat.residual == pytest.approx(honest, rel=1e-3), stat.name
+        assert layer.jacobian.x.dtype == torch.float32  # what lora_write's residuals are measured with
+    half.release()
+    exact.release()
+
+
+def test_refusals_name_the_knob_that_was_not_tried():
+    """Issue 39 item 6. factor_dtype='auto' refused with bfloat16 too: the refusal quotes the bfloat16 sizes and does
+    not suggest bfloat16 again. captures='all' set explicitly: the refusal names captures='two' where two fit."""
+    in_use = {"device": MODEL_7B, "host": 4 << 30}
+    tight = {**GPU_MACHINE, "disk": 8 << 30}  # two captures of bf16 factors (76 GiB) do not fit either
+    auto = plan_schedule(llama_7b(factor_itemsize=4), torch.device("cuda"), "/scratch/janus", in_use, tight, "auto",
+                         "adaptive", "auto")
+    assert not auto.fits and auto.factor_dtype == "bfloat16"
+    half = plan_schedule(llama_7b(), torch.device("cuda"), "/scratch/janus", in_use, tight, "auto", "adaptive",
+                         "bfloat16")
+    assert f"{half.pieces['factors'] / GIB:.1f} GiB for 2 captures" in auto.notes[0], auto.notes[0]
+    assert "halves the factors" not in auto.notes[0] and "tried float32 factors, then bfloat16" in auto.notes[0]
+    for dtype in ("bfloat16", "float32"):
+        every = plan_schedule(llama_7b(), torch.device("cuda"), "/scratch/janus", in_use, GPU_MACHINE, "all",
+                              "adaptive", dtype)
+        lean = plan_schedule(llama_7b(), torch.device("cuda"), "/scratch/janus", in_use, GPU_MACHINE, "two",
+                             "adaptive", dtype)
+        assert not every.fits and every.captures == "all"
+        assert ("captures='two' (fits" in every.notes[0]) == lean.fits, (dtype, every.notes[0])
+    assert lean.fits is False  # float32: two captures do not fit either, and the refusal does not pretend they do
 
 
 #: A card QLoRA users train 7B on (24 GB), with the CUDA context and fragmentation left out.
@@ -152,15 +205,77 @@ def test_qlora_7b_fits_a_24gb_card():
 
 
 def test_free_disk_is_measured_where_the_cache_lives(tmp_path):
+    """The disk measured is the cache directory's nearest existing parent, not the root or the working directory: the
+    file system reader sees the path, and answers per path (a plan that measured "/" would get the wrong figure)."""
     import shutil
+    from collections import namedtuple
 
     assert free_disk_bytes("memory") is None
     below = tmp_path / "not" / "yet" / "made"  # the store creates it; the plan measures its nearest parent
+    Usage = namedtuple("Usage", "total used free")
+    asked = []
+
+    def usage(path):
+        asked.append(path)
+        return Usage(0, 0, 7 << 30 if path == str(tmp_path) else 1)
+
+    assert free_disk_bytes(str(below), disk_usage=usage) == 7 << 30 and asked == [str(tmp_path)]
+    assert free_disk_bytes(str(tmp_path / "file"), disk_usage=usage) == 7 << 30
     free = free_disk_bytes(str(below))
     assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < (64 << 20)
     in_use, capacity = measure_in_use_and_capacity(torch.device("cpu"), str(below))
     assert 0 < capacity["disk"] <= free and in_use["host"] > 0
     assert measure_in_use_and_capacity(torch.device("cpu"))[1]["disk"] is None
+    # where another file system is mounted (tmpfs), its own free space is what counts
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != Path("/").stat().st_dev:
+        assert abs(free_disk_bytes(str(shm / "janus-not-made")) - shutil.disk_usage(shm).free) < (64 << 20)
+
+
+def _fake_cgroup(root: Path, files: dict[str, str]) -> str:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return str(root)
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_host_capacity_is_the_container_limit_when_it_is_lower(tmp_path, version):
+    """Issue 39 item 9: a container's cgroup memory limit bounds the host capacity (/proc/meminfo shows the whole
+    machine). The limit less what the cgroup uses (inactive file pages excepted) is what is left."""
+    limit, usage, inactive = 1 << 30, 768 << 20, 256 << 20
+    if version == "v2":
+        files = {"memory.max": f"{limit}\n", "memory.current": f"{usage}\n",
+                 "memory.stat": f"anon 1\ninactive_file {inactive}\nactive_file 3\n"}
+    else:
+        files = {"memory/memory.limit_in_bytes": f"{limit}\n", "memory/memory.usage_in_bytes": f"{usage}\n",
+                 "memory/memory.stat": f"cache 1\ntotal_inactive_file {inactive}\n"}
+    root = _fake_cgroup(tmp_path / version, files)
+    assert container_available_memory(root) == limit - usage + inactive
+    in_use, capacity = measure_in_use_and_capacity(torch.device("cpu"), cgroup_root=root)
+    assert capacity["host"] == in_use["host"] + int(HOST_FILL * (limit - usage + inactive))
+    unlimited = _fake_cgroup(tmp_path / "max", {"memory.max": "max\n", "memory.current": f"{usage}\n"})
+    assert container_available_memory(unlimited) is None
+    assert container_available_memory(str(tmp_path / "absent")) is None
+    v1_unlimited = _fake_cgroup(tmp_path / "v1max", {"memory/memory.limit_in_bytes": "9223372036854771712\n"})
+    assert container_available_memory(v1_unlimited) is None
+    _, roomy = measure_in_use_and_capacity(torch.device("cpu"), cgroup_root=unlimited)
+    assert roomy["host"] > capacity["host"]
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_a_cache_that_cannot_be_a_directory_is_refused_before_the_run(tmp_path, tuned_llama, where):
+    """Issue 39 item 9: a cache path that is a file, or lies under one, is refused with its path and the fix before
+    anything runs (it was a raw NotADirectoryError after the plan said the run fits)."""
+    model, reference = tuned_llama
+    before = copy.deepcopy(model.state_dict())
+    blocker = tmp_path / "factors.bin"
+    blocker.write_text("not a directory")
+    cache = blocker if where == "file" else blocker / "janus"
+    with pytest.raises(JanusError, match=r"cache=.*factors\.bin.*(is a file|which is a file).*point cache at a "
+                                         r"directory"):
+        Rectifier(model, reference, random_replay(4), JanusConfig(rank=4, cache=str(cache)), progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_7b_without_a_cache_directory_is_refused_naming_the_knobs():

@@ -265,6 +265,15 @@ def test_an_undefined_cosine_fails_both_tests(tuned_llama):
     assert not acceptance_score(config, 0.5, 0.5, lower.loss, base.loss, rise=1.0) >= 0.5  # c̄ < τ
 
 
+@pytest.mark.parametrize("acceptance", ["loss", "both"])
+def test_an_undefined_replay_loss_fails_the_loss_tests(acceptance):
+    """Issue 39 item 9: a NaN replay loss fails acceptance='both' even where c̄ passes (it scored 0.9 before)."""
+    config = JanusConfig(tau=0.95, acceptance=acceptance)
+    for trial, current, rise in ((math.nan, 2.0, 1.0), (1.0, math.nan, 1.0), (1.0, 2.0, math.nan)):
+        assert not acceptance_score(config, 0.999, 0.5, trial, current, rise) >= 0.5, (trial, current, rise)
+    assert acceptance_score(config, 0.999, 0.5, 1.0, 2.0, 1.0) >= 0.5  # the same trial with a defined loss passes
+
+
 def test_cosine_acceptance_is_the_paper_test(tuned_llama):
     """The default acceptance ignores the loss allowance: the same trajectory whatever loss_tolerance says."""
     model, reference = tuned_llama

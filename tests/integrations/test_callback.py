@@ -197,3 +197,90 @@ def test_gradient_checkpointing_run(tmp_path):
     rectify(twin, theta0, replay_data(), FAST, progress=False)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, twin.state_dict()[key], rtol=0, atol=1e-6)
+
+
+def _tensor_bytes_reachable(root, model) -> int:
+    """Bytes of the distinct tensor storages reachable from ``root`` through Python references, leaving out the
+    model's own parameters and buffers (the user's model, not a copy) and not walking into modules."""
+    import gc
+    import types
+
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    # functions lead to their module's globals, i.e. everywhere: what a run keeps is held through data, not code
+    skipped = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+               torch.nn.Module)
+    seen_objects, seen_storages, total = set(), set(), 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen_objects or isinstance(obj, skipped):
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            key = storage.data_ptr()
+            if obj.is_floating_point() and key not in own and key not in seen_storages:
+                seen_storages.add(key)
+                total += storage.nbytes()
+            continue
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def test_the_rectifier_is_released_when_the_callback_is_done(tmp_path):
+    """Issue 39 item 8: after train(), callback.rectifier holds no copy of the target layers (θ0, θ̂'s backup, θ_t,
+    the factors); the report stays. Measured as the bytes of floating-point tensors reachable from the callback, and
+    for a rectifier run directly, before and after Rectifier.release() (weak references to its θ0, θ̂ and θ_t die)."""
+    import gc
+    import weakref
+
+    from hf_janus.engine.rectifier import Rectifier
+
+    model = build_tiny("llama", vocab=VOCAB)
+    theta0 = copy.deepcopy(model.state_dict())
+    janus = JanusCallback(replay_data(), FAST)
+    trainer = make_trainer(tmp_path, model, [janus])
+    trainer.train()
+    target_bytes = sum(layer.shape[0] * layer.shape[1] * 4 for layer in janus.report.layers)
+    assert janus.report is not None and janus.rectifier.result.report is janus.report
+    gc.collect()
+    # the callback's own θ0 snapshot (callback.theta0()) is one copy, by design; the rectifier adds none
+    snapshot = _tensor_bytes_reachable(janus.snapshot, model)
+    assert _tensor_bytes_reachable(janus.rectifier, model) < target_bytes / 4
+    assert _tensor_bytes_reachable(janus, model) - snapshot < target_bytes / 4
+
+    rectifier = Rectifier(model, theta0, replay_data(), FAST, progress=False)
+    rectifier.run()
+    layer = rectifier.layers[0]
+    refs = [weakref.ref(t) for t in (layer.current, layer.finetuned_backup)]
+    before = _tensor_bytes_reachable(rectifier, model)
+    assert before >= 2 * target_bytes  # θ_t in float32 and θ̂'s backup of every target layer, at least
+    report = rectifier.result.report
+    del layer
+    rectifier.release()
+    gc.collect()
+    assert _tensor_bytes_reachable(rectifier, model) < target_bytes / 4
+    assert all(ref() is None for ref in refs)
+    assert rectifier.result.report is report and rectifier.result.layers == {}
+
+
+def test_adapter_write_back_residuals_are_measured_against_the_float32_jacobian(tmp_path):
+    """Issue 39 item 5, adapter write-back: with bf16 factors the written layers' residual_rect is measured against
+    θ0's float32 capture, as the report's statistics are (it was measured against the rounded J0 the projection
+    removed, near zero). One step at α=1 (τ=0): the float32 run's residual is rounding noise, the bf16 run's is not."""
+    from peft import get_peft_model
+    from trainer_fixtures import lora_config
+
+    written = {}
+    for dtype in ("float32", "bfloat16"):
+        model = get_peft_model(build_tiny("llama", vocab=VOCAB), lora_config())
+        config = JanusConfig(rank=8, replay_batch_size=8, tau=0.0, factor_dtype=dtype)
+        janus = JanusCallback(replay_data(), config, adapter_rank=64)  # rank 64: the update is written exactly
+        make_trainer(tmp_path / dtype, model, [janus]).train()
+        assert janus.report.alphas == [1.0]
+        stats = {s.name: s.residual for s in janus.report.layers}
+        written[dtype] = {w["name"]: w["residual_rect"] for w in janus.report.output["layers"]}
+        for name, residual in written[dtype].items():
+            assert residual == pytest.approx(stats[name], rel=1e-2, abs=1e-6), name
+    noise = max(written["float32"].values())
+    assert min(written["bfloat16"].values()) > 100 * noise, (written, noise)

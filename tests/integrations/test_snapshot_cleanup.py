@@ -123,6 +123,9 @@ def test_failed_rectification_keeps_the_snapshot_for_a_retry(tmp_path, monkeypat
         def run(self):
             raise RectificationError("rectification broke")
 
+        def release(self):  # the callback frees a failed run's tensors too
+            pass
+
     monkeypatch.setattr("hf_janus.integrations.trainer.Rectifier", FailingRectifier)
     janus = JanusCallback(replay_data(), FAST, snapshot="disk")
     trainer = make_trainer(tmp_path, build_tiny("llama", vocab=VOCAB), [janus], max_steps=2)

@@ -25,12 +25,13 @@ def _setup():
     return model, reference
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, n_samples: int) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, n_samples: int, overrides: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         model, reference = _setup()
-        rectifier = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False)
+        rectifier = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG, **overrides),
+                              progress=False)
         report = rectifier.run().report
         torch.save({"state": model.state_dict(), "local_batches": len(rectifier.local_batches),
                     "report": report.to_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -38,8 +39,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, n_samples: int)
         dist.destroy_process_group()
 
 
-def _run_two_ranks(tmp_path, n_samples):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), n_samples), nprocs=2, join=True)
+def _run_two_ranks(tmp_path, n_samples, **overrides):
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), n_samples, overrides), nprocs=2, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -60,6 +61,28 @@ def test_two_processes_match_one(tmp_path, n_samples):
     assert report["num_tokens"] == single.num_tokens
     assert [s["alpha"] for s in report["steps"]] == single.alphas
     assert report["replay_loss"]["reference"] == pytest.approx(single.replay_loss["reference"], rel=1e-6)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("captures", ["all", "two"])
+def test_a_rank_without_replay_batches_with_bfloat16_factors(tmp_path, captures):
+    """Issue 39 item 3: one replay batch for two ranks, factors in bfloat16. The rank without a batch sends empty
+    factors in bfloat16 too (float32 ones made gloo abort both processes, SIGABRT, with θ̂ never restored), and the
+    float32 θ0 capture the statistics take travels in float32 from both."""
+    ranks = _run_two_ranks(tmp_path, 2, factor_dtype="bfloat16", captures=captures)
+    assert [r["local_batches"] for r in ranks] == [1, 0]
+    for key, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
+    torch.set_num_threads(1)
+    model, reference = _setup()
+    single = Rectifier(model, reference, random_replay(2), JanusConfig(**CONFIG, factor_dtype="bfloat16",
+                                                                        captures=captures), progress=False).run().report
+    for report in (r["report"] for r in ranks):
+        assert report["memory_plan"]["factor_dtype"] == "bfloat16" and report["num_samples"] == 2
+        assert [s["alpha"] for s in report["steps"]] == single.alphas
+        assert [x["residual"] for x in report["layers"]] == pytest.approx([x.residual for x in single.layers],
+                                                                          rel=1e-4, abs=1e-9)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from hf_janus.adapters.saved.delta import LayerDelta, RectifiedDelta
 from hf_janus.adapters.saved.effective import EffectiveModel, load_effective_model
-from hf_janus.adapters.saved.loading import DTypeLike, describe_quantization
+from hf_janus.adapters.saved.loading import DTypeLike, describe_quantization, load_base_model
 from hf_janus.adapters.saved.merge_report import MergeReport
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.layers import rule_for, select_layers
@@ -45,6 +45,7 @@ from hf_janus.engine.result import RectificationResult
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import is_local
 from hf_janus.publish.provenance import ReplayInfo, describe_replay, resolve_repo
+from hf_janus.replay.self_replay import SelfReplay, require_tokenizer
 from hf_janus.replay.sources import ReplayOptions, open_replay, tokenize_replay
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ class JanusMerger:
         replay: past-task samples: a list of dicts / ``datasets.Dataset`` / ``DataLoader`` as
             :func:`hf_janus.rectify` takes, or a string: a Hub dataset id, a jsonl/json/parquet/csv file or
             a ``datasets`` directory, optionally ``SOURCE:SPLIT`` (tokenized with the base model's
-            tokenizer, see :mod:`hf_janus.replay.sources`).
+            tokenizer, see :mod:`hf_janus.replay.sources`), or a :class:`~hf_janus.SelfReplay`: the base model
+            (θ0, never the adapted model) answers its prompts, with the base model's tokenizer.
         config: :class:`JanusConfig`. Its ``target_modules``/``exclude_modules`` can only narrow the set
             of adapted layers (see the module docstring).
         revision: revision of the adapter repo (``base_revision`` for the base model).
@@ -170,12 +172,27 @@ class JanusMerger:
 
     def _load_replay(self, tokenizer: Any) -> tuple[Any, ReplayInfo]:
         """The replay samples and their description (id, split, fingerprint, size) for the published record."""
+        if isinstance(self.replay, SelfReplay):
+            samples = self._self_replay(tokenizer)
+            return samples, describe_replay(samples)
         if not isinstance(self.replay, (str, os.PathLike)):
             return self.replay, describe_replay(self.replay)
         source = os.fspath(self.replay)
         dataset, split = open_replay(source, self.replay_options, token=self.token)
         samples = tokenize_replay(dataset, tokenizer, self.replay_options, source=source)
         return samples, describe_replay(dataset, source=source, split=split, token=self.token)
+
+    def _self_replay(self, tokenizer: Any) -> list[dict[str, list[int]]]:
+        """θ0's answers, from the base model loaded on its own (the adapted model is θ̂); it is freed before the
+        adapter is merged, so the two never share memory."""
+        options = self.replay
+        tokenizer = require_tokenizer(options.tokenizer if options.tokenizer is not None else tokenizer)
+        base = load_base_model(self.base_model, self.base_revision, self.torch_dtype, self.device, self.token,
+                               self.quantization_config, allow_pickle=self.allow_pickle)
+        try:
+            return dataclasses.replace(options, progress=options.progress and self.progress).generate(base, tokenizer)
+        finally:
+            del base
 
     def run(self) -> RectifiedDelta:
         """Load, merge, rectify. The replay is read first, so that bad replay fails before the model loads."""
