@@ -174,11 +174,18 @@ class BaseLayerState:
         return cls(module=module, weight=base.weight.data, bias=bias,
                    merged=list(getattr(module, "merged_adapters", [])))
 
+    def offload(self) -> None:
+        """Keep the captured tensors on the host once the layer holds its new ones: on an accelerator the merged write
+        then needs one more layer's room, not a second copy of every adapted layer."""
+        self.weight = self.weight.to("cpu")
+        if self.bias is not None:
+            self.bias = self.bias.to("cpu")
+
     def restore(self) -> None:
         base = self.module.get_base_layer()
-        base.weight.data = self.weight
+        base.weight.data = self.weight.to(base.weight.device)
         if self.bias is not None:
-            base.bias.data = self.bias
+            base.bias.data = self.bias.to(base.bias.device)
         if hasattr(self.module, "merged_adapters"):
             self.module.merged_adapters[:] = self.merged
 

@@ -195,11 +195,13 @@ def _merge(model: nn.Module, layers: dict[str, nn.Module], result: Rectification
                 bias = None if term is None else module.get_base_layer().bias.detach().float() + term.float()
                 originals.append(BaseLayerState.capture(module))
                 set_base_params(module, result.layers[name].rectified.detach().float(), bias)
+                originals[-1].offload()
             # Adapted layers JANUS did not rectify (narrowed targets, embeddings) keep their fine-tuned value.
             for name, module in inner_model(model).named_modules():
                 if isinstance(module, BaseTunerLayer) and name not in layers and hasattr(module, "merge"):
                     originals.append(BaseLayerState.capture(module))
                     module.merge(safe_merge=True)  # into new tensors, so the captured ones stay intact
+                    originals[-1].offload()
     except BaseException:
         for state in reversed(originals):
             state.restore()
