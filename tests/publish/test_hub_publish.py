@@ -21,6 +21,7 @@ from merge_fixtures import IDS, fast_config, logits, save_base, text_rows, train
 
 from hf_janus import JanusError, JanusMerger, MergeReport, load_report, rectify
 from hf_janus.integrations.trainer_publish import install_trainer_hooks
+from hf_janus.engine.report import REFERENCE_JACOBIAN
 from hf_janus.publish.card import BLOCK_BEGIN, JANUS_TAGS
 from hf_janus.publish.files import write_publication_files
 from hf_janus.publish.hub import push_folder
@@ -276,6 +277,9 @@ def test_write_publication_files_merges_the_card_and_keeps_the_weights(delta, sa
     assert card.data.library_name == "transformers" and card.data.base_model == "me/tiny-base"
     assert "# My model" in card.text and "Hand-written notes." in card.text
     assert card.text.count(BLOCK_BEGIN) == 1 and "## JANUS-rectified tiny-lora" in card.text  # a section
+    # the residual says which J0 it was measured against (bf16 factors once made it near zero by construction)
+    assert published.rectification.residual_jacobian == REFERENCE_JACOBIAN
+    assert f"(measured against {REFERENCE_JACOBIAN})" in card.text
     loaded = load_file(weights)
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
     assert read_safetensors_metadata(weights)["janus.base_model"] == "me/tiny-base"
