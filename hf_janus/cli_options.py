@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 from typing import Any, Optional
 
+from hf_janus.replay.self_replay import DEFAULT_MAX_NEW_TOKENS, GENERIC, SelfReplay
+
 REPLAY_PREFIX, CONFIG_PREFIX = "replay.", "janus."
 
 ALLOW_PICKLE_HELP = ("read weights stored only as a pickle (adapter_model.bin, pytorch_model.bin), which are refused "
@@ -95,10 +97,11 @@ def add_self_replay_options(group: Any) -> None:
     of ``--replay``."""
     group.add_argument("--replay-prompts", metavar="FILE[:SPLIT]",
                        help="self-replay: θ0 (the base or reference model, never the fine-tuned one) answers these "
-                            "prompts (greedy, up to 64 new tokens) and its answers are the replay; a local file, "
-                            "datasets directory or Hub dataset id, read from --prompt-field or the first of the "
-                            "columns prompt, question, instruction, text. The first --replay-self N (else "
-                            "--replay-samples) prompts are answered; answers are cached under $HF_JANUS_CACHE (default: $HF_HOME/hf_janus)")
+                            f"prompts (greedy, up to {DEFAULT_MAX_NEW_TOKENS} new tokens) and its answers are the "
+                            "replay; a local file, datasets directory or Hub dataset id, read from --prompt-field or "
+                            "the first of the columns prompt, question, instruction, text. The first --replay-self N "
+                            "(else --replay-samples) prompts are answered; answers are cached under $HF_JANUS_CACHE "
+                            "(default: $HF_HOME/hf_janus)")
     group.add_argument("--replay-self", type=int, metavar="N",
                        help="self-replay of N samples; without --replay-prompts θ0 answers the package's 50 generic "
                             "instruction prompts, for replay without any data of the past task (greedy up to N=50, "
@@ -108,8 +111,6 @@ def add_self_replay_options(group: Any) -> None:
 def replay_argument(args: argparse.Namespace, options: Any) -> Any:
     """The ``replay`` of a subcommand with :func:`add_self_replay_options`: ``--replay`` as given, or a
     ``SelfReplay`` (``options``: the ``ReplayOptions`` given, whose ``num_samples`` and ``prompt_field`` it takes)."""
-    from hf_janus.replay.self_replay import GENERIC, SelfReplay
-
     self_replay = args.replay_prompts is not None or args.replay_self is not None
     if args.replay is not None and self_replay:
         raise ValueError("give --replay (data of the past task) or --replay-prompts/--replay-self (θ0's own answers), "

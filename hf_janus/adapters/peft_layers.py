@@ -176,7 +176,7 @@ def _effective_params(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[
             weight = dequantized_weight(base)
             weight = weight.to(dtype) if dtype is not None else weight
             weight += module.get_delta_weight(active_adapter(module)).to(weight.dtype)
-        return weight, _effective_bias(module, dtype)
+        return weight, effective_bias(module, dtype)
     weight = base.weight.data
     bias = base.bias.data if isinstance(getattr(base, "bias", None), Tensor) else None
     merged_before = list(getattr(module, "merged_adapters", []))
@@ -197,9 +197,9 @@ def _effective_params(module: nn.Module, dtype: Optional[torch.dtype]) -> tuple[
     return eff_weight, eff_bias
 
 
-def _effective_bias(module: nn.Module, dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
-    """The bias of a tuner layer on a quantized base as PEFT's forward applies it: the base's, plus the LoRA
-    bias of an adapter trained with ``lora_bias=True``; in ``dtype`` (default: the base bias's own)."""
+def effective_bias(module: nn.Module, dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+    """The bias of a tuner layer as PEFT's forward applies it: the base's, plus the LoRA bias of an adapter trained
+    with ``lora_bias=True``; in ``dtype`` (default: the base bias's own). None where the base has no bias."""
     base = module.get_base_layer()
     bias = base.bias if isinstance(getattr(base, "bias", None), Tensor) else None
     if bias is None:
@@ -468,7 +468,7 @@ def dense_stand_in(module: nn.Module, weight: Optional[Tensor], home: Optional[t
     base = module.get_base_layer()
     if weight is None:
         weight = effective_params(module)[0]
-    bias = _effective_bias(module, torch.float32)  # the adapter's own bias too (lora_bias=True)
+    bias = effective_bias(module, torch.float32)  # the adapter's own bias too (lora_bias=True)
     dense = DenseStandIn(base.in_features, base.out_features, bias=bias is not None, device="meta")
     device, dtype = home or base.weight.device, compute_dtype(base)
     dense.weight = nn.Parameter(weight.to(device=device, dtype=dtype, copy=True), requires_grad=False)

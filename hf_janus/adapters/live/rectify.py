@@ -24,6 +24,7 @@ from hf_janus.adapters.peft_layers import (
     adapted_linear_layers,
     check_lora_bias,
     check_quantized_layers,
+    effective_bias,
     effective_weights,
     inner_model,
     is_mutating_init,
@@ -191,8 +192,7 @@ def _merge(model: nn.Module, layers: dict[str, nn.Module], result: Rectification
         with torch.no_grad():
             for name, module in layers.items():
                 # a lora_bias adapter's bias term is part of the fine-tuned model the rectification kept
-                term = lora_bias_term(module)
-                bias = None if term is None else module.get_base_layer().bias.detach().float() + term.float()
+                bias = effective_bias(module, torch.float32) if lora_bias_term(module) is not None else None
                 originals.append(BaseLayerState.capture(module))
                 set_base_params(module, result.layers[name].rectified.detach().float(), bias)
                 originals[-1].offload()
