@@ -42,7 +42,7 @@ from hf_janus.engine.memory_plan import (
     model_dimensions,
     plan_schedule,
 )
-from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport
+from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport, rounded_reference
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.statistics import layer_statistics
 from hf_janus.engine.step_loop import CosineOverride, StepLoop
@@ -279,17 +279,26 @@ class Rectifier:
         captures="two" dropped it after the first step: it is taken again. Factors stored below float32 (bf16) would
         measure ΔW_rect against the same rounded J0 its projection removed, a residual near zero whatever the
         rectification left along the true J0: θ0 is captured again in float32 (one more pass, in the memory of the
-        captures dropped first) and J0 ΔW is measured on it too."""
+        captures dropped first) and J0 ΔW is measured on it too. Where the dropped captures' page-locked memory
+        cannot be given back (an older torch), a float32 capture would be pinned beside it: the residuals are then
+        measured against J0 in the factors' dtype, and the report says so."""
         dtype = self.store.factor_dtype
         rounded = dtype is not None and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+        exact = rounded and self.store.host_cache_releasable()
         report.residual_jacobian = REFERENCE_JACOBIAN
-        if self.store.has("c0") and not rounded:
+        if rounded and not exact:
+            report.residual_jacobian = rounded_reference(dtype)
+            logger.warning("JANUS: this torch cannot give pinned host memory back (torch.accelerator."
+                           "empty_host_cache), so θ0 is not captured again in float32 for the statistics: the "
+                           "residuals are measured against %s", report.residual_jacobian)
+        if self.store.has("c0") and not exact:
             return
-        loop.phase = "capturing θ0 again for the statistics" + (" in float32" if rounded else "")
-        if rounded:
+        loop.phase = "capturing θ0 again for the statistics" + (" in float32" if exact else "")
+        if exact:
             loop.release_current()
             for tag in sorted(self.store.captures):
                 self.store.drop(tag)
+            self.store.release_cached_host_memory()
             self.store.keep_exact("c0")
             for layer in self.layers:
                 layer.jvp0 = None  # measured on the rounded J0: the statistics measure it again on the float32 one

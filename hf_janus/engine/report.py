@@ -13,8 +13,14 @@ from hf_janus.serialization import known_fields
 SCHEMA_VERSION = 1
 
 #: ``RectificationReport.residual_jacobian`` of this version: whatever ``factor_dtype`` the run stored its factors
-#: in, the residuals are measured against θ0's capture kept in float32 (at the run's compression rank).
+#: in, the residuals are measured against θ0's capture kept in float32 (at the run's compression rank), except where
+#: pinned host memory cannot be given back (:func:`rounded_reference`).
 REFERENCE_JACOBIAN = "J0 captured in float32 at θ0"
+
+
+def rounded_reference(dtype: Any) -> str:
+    """``RectificationReport.residual_jacobian`` where θ0 could not be captured again in float32: J0 as stored."""
+    return f"J0 captured in {str(dtype).replace('torch.', '')} at θ0 (rounded as the factors were stored)"
 
 
 @dataclass

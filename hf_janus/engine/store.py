@@ -8,7 +8,7 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
-from typing import NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -103,6 +103,7 @@ class FactorStore:
         self.spilled_bytes = 0  # bytes written to disk in all
         #: the most captures (tags) whose factors were stored at once: what the memory plan's captures_alive bounds
         self.peak_captures = 0
+        self.pinned = False  # whether any piece was ever put in page-locked memory (see release_cached_host_memory)
         self._pieces: dict[tuple[str, str], list] = defaultdict(list)
         self._root: Optional[str] = None
         self.memory_budget_bytes = 0
@@ -141,6 +142,7 @@ class FactorStore:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
         except RuntimeError:
             host = torch.empty(t.shape, dtype=t.dtype)
+        self.pinned = self.pinned or host.is_pinned()
         # Into pinned memory the copy is asynchronous: the capture does not wait for it (nothing reads it on the host;
         # it goes back to the device on the same stream, after the copy)
         host.copy_(t, non_blocking=host.is_pinned())
@@ -226,12 +228,37 @@ class FactorStore:
         if self._root is not None:
             shutil.rmtree(os.path.join(self._root, tag), ignore_errors=True)
 
+    def host_cache_releasable(self) -> bool:
+        """Whether :meth:`release_cached_host_memory` can give the page-locked blocks of dropped pieces back: always
+        when none was pinned, else where this torch has ``torch.accelerator.empty_host_cache``."""
+        return not self.pinned or _empty_host_cache() is not None
+
+    def release_cached_host_memory(self) -> bool:
+        """Give the page-locked blocks of dropped pieces back to the system; False where they stay cached.
+
+        torch's caching host allocator keeps a freed pinned block for a later allocation of the same size class. The
+        next capture in the same dtype reuses them; a capture in another dtype (θ0 again in float32 after bfloat16
+        captures) cannot, and would be pinned beside them: twice the host memory the store's budget allows, enough
+        to have a 7B run killed at its very end (benchmarks/perf/RESULTS.md)."""
+        if not self.pinned:
+            return True
+        empty = _empty_host_cache()
+        if empty is None:
+            return False
+        empty()
+        return True
+
     def close(self) -> None:
         self._pieces.clear()
         self.held_bytes = 0
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
+
+
+def _empty_host_cache() -> Optional[Callable[[], None]]:
+    """torch's call that empties the caching host allocator, or None where this torch has none (older versions)."""
+    return getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
 
 
 def _safe(name: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_janus.engine.store import FactorStore, host_footprint
@@ -57,3 +58,46 @@ def test_factor_dtype_and_memory_store():
     assert got_x.dtype == got_a.dtype == torch.bfloat16
     torch.testing.assert_close(got_x, x.bfloat16(), rtol=0, atol=0)
     assert store.has("t0", "layer") and not store.has("t1", "layer")
+
+
+def pinned_reserved() -> int:
+    """Bytes torch's caching host allocator holds, in use or cached."""
+    return int(torch.cuda.host_memory_stats()["reserved_bytes.current"])
+
+
+def releasable_pinned_memory() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    probe = FactorStore("memory")
+    probe.pinned = True
+    torch.empty(1, pin_memory=True)
+    return probe.host_cache_releasable() and "reserved_bytes.current" in torch.cuda.host_memory_stats()
+
+
+@pytest.mark.skipif(not releasable_pinned_memory(),
+                    reason="needs CUDA and a torch that empties its host cache and counts it")
+def test_a_float32_capture_after_bfloat16_ones_is_not_pinned_beside_their_cached_blocks(tmp_path):
+    """The end of a bf16-factor run: its captures dropped, θ0 captured again in float32. Without giving the dropped
+    blocks back, the float32 pieces (another size class) are pinned beside them."""
+    store = FactorStore(str(tmp_path), torch.device("cuda"), factor_dtype=torch.bfloat16,
+                        memory_budget_bytes=1 << 40)
+    x, a = (t.cuda() for t in piece(64, 32, 0))
+    x, a = x.repeat(1, 1, 1 << 12), a.repeat(1, 1, 1 << 12)  # 64 MiB pieces in float32
+    for tag in ("c0", "t1"):
+        for layer in range(4):
+            store.append(tag, str(layer), x, a)
+    torch.cuda.synchronize()
+    assert store.pinned
+    held = store.held_bytes
+    for tag in ("c0", "t1"):
+        store.drop(tag)
+    cached = pinned_reserved()
+    assert cached >= held  # freed, yet cached: the mechanism the store must undo
+    assert store.release_cached_host_memory()
+    assert pinned_reserved() < cached - held // 2
+    store.keep_exact("c0")
+    for layer in range(4):
+        store.append("c0", str(layer), x, a)
+    torch.cuda.synchronize()
+    assert pinned_reserved() <= store.held_bytes + (1 << 20)
+    store.close()
