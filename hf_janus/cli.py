@@ -283,6 +283,11 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
                                                DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
                                                DEFAULT_TAUS, DEFAULT_WISE_GRID)
 
+    def kinds_shown() -> list[str]:
+        from hf_janus.evaluation.candidates import kinds
+
+        return [kind.name for kind in kinds()]
+
     def shown(grid: Sequence[float]) -> str:
         return ",".join(f"{v:g}" for v in grid)
 
@@ -292,9 +297,11 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
         description="Build the stability-plasticity frontier between θ0 (--reference) and θ̂ (--finetuned): WiSE-FT "
                     "interpolations, JANUS at each τ, damped JANUS at each damping, JANUS followed by interpolation "
                     "toward θ0 or θ̂, and interpolation followed by JANUS; for a LoRA adapter also PEFT's "
-                    "intruder-dimension reduction and intruder reduction followed by JANUS. Each is scored with lm-evaluation-harness "
-                    "(AP1 on --past-task, AP2 on --new-task); the point meeting the criterion is chosen and can be "
-                    "saved or pushed with its record. Needs the [eval] extra: pip install 'hf-janus[eval]'.",
+                    "intruder-dimension reduction and intruder reduction followed by JANUS; or the candidates "
+                    "--candidates names, the post-hoc peers among them (replay fine-tuning, the input-covariance "
+                    "null space, RegMean, Fisher interpolation, LiNeS, DG-Hard). Each is scored with "
+                    "lm-evaluation-harness (AP1 on --past-task, AP2 on --new-task); the point meeting the criterion "
+                    "is chosen and can be saved or pushed with its record. Needs the [eval] extra: pip install 'hf-janus[eval]'.",
         epilog=_FRONTIER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("models and tasks")
@@ -306,6 +313,11 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
     add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
 
     grid = p.add_argument_group("candidates")
+    grid.add_argument("--candidates", metavar="SPEC",
+                      help="the candidates to score instead of the grids below, e.g. 'wise:0.25,0.5,0.7 "
+                           "janus:tau=0.95 replay-sft:passes=4,8:loss=kl input-null fisher lines dg-hard': "
+                           "space-separated NAME[:KEY=V,V...]...; kinds: " + ", ".join(kinds_shown()) + " (see "
+                           "the evaluate-and-frontier guide)")
     grid.add_argument("--wise-grid", type=_floats, default=list(DEFAULT_WISE_GRID), metavar="A,A,...",
                       help=f"WiSE-FT coefficients a in (0, 1) (default: {shown(DEFAULT_WISE_GRID)})")
     grid.add_argument("--taus", type=_floats, default=list(DEFAULT_TAUS), metavar="T,T,...",
@@ -362,7 +374,7 @@ def _run_frontier(args: argparse.Namespace) -> int:
                       new_tasks=args.new_task, config=merge_config(args), wise_grid=args.wise_grid, taus=args.taus,
                       dampings=args.dampings, hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid,
                       pre_janus_grid=args.pre_janus_grid, intruder_lambdas=args.intruder_lambdas,
-                      pre_janus_intruder_lambdas=args.pre_janus_intruder_lambdas,
+                      pre_janus_intruder_lambdas=args.pre_janus_intruder_lambdas, candidates=args.candidates,
                       min_ap2=args.min_ap2, min_ap1=args.min_ap1,
                       replay_options=options, progress=not args.no_progress,
                       **evaluation_settings(args))

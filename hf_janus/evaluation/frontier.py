@@ -10,14 +10,20 @@ Each candidate is a model between θ0 (before fine-tuning) and θ̂ (after):
 * **interpolation, then JANUS** on the interpolated update (a rectification of ``θ0 + a(θ̂ − θ0)``);
 * for a **LoRA adapter**, PEFT's own post-hoc mitigation, **intruder-dimension reduction** at each
   ``mitigation_lambda`` (no replay; :mod:`hf_janus.evaluation.intruder_reduction`), and intruder reduction followed
-  by JANUS.
+  by JANUS;
+* asked for by a spec (``candidates=``), the **post-hoc peers**: replay fine-tuning at JANUS's budget, the
+  input-covariance null space and one-sided RegMean, diagonal-Fisher interpolation, LiNeS and DG-Hard.
+
+Each kind is one object (:mod:`hf_janus.evaluation.candidates`): it builds its own weights, reports its cost and
+says which peer curve it belongs to; every point off a curve gets its AP1 margin over it.
 
 A saved adapter is merged by PEFT in float32 (:func:`hf_janus.adapters.saved.effective.load_effective_model`), so on
 a bf16 base every candidate is built from the adapter's exact update, not from its bf16 rounding.
 
-Every candidate is scored with lm-evaluation-harness on past tasks (AP1, relative to θ0) and new tasks (AP2,
-relative to θ̂). The result is a table, a PNG of AP1 against AP2, and the point that meets a criterion (e.g. the
-largest AP1 with AP2 ≥ 95%), which can be saved or pushed with its record like any rectification.
+Every candidate is scored (by lm-evaluation-harness unless a ``scorer`` is given) on past tasks (AP1, relative to
+θ0) and new tasks (AP2, relative to θ̂). The result is a table, a PNG of AP1 against AP2, and the point that meets
+a criterion (e.g. the largest AP1 with AP2 ≥ 95%), which can be saved or pushed with its record like any
+rectification.
 """
 
 from __future__ import annotations
@@ -27,19 +33,25 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
+from torch import nn
 
 from hf_janus.engine.config import JanusConfig
+from hf_janus.engine.layers import resolve_target_modules
 from hf_janus.engine.rectifier import rectify
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.candidate_weights import WeightBuilder, differing_parameters, run_janus
+from hf_janus.evaluation.candidate_weights import WeightBuilder, differing_parameters
 from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
                                             DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS,
-                                            DEFAULT_WISE_GRID, Candidate, candidates)
+                                            DEFAULT_WISE_GRID, FINETUNED, INTRUDER_CURVE_SPEC, REFERENCE,
+                                            WISE_CURVE_SPEC, BuildContext, Candidate, Cost, Curve, SpecContext, kinds,
+                                            parse_candidates)
+from hf_janus.evaluation.candidates import candidates as keyword_candidates
+from hf_janus.evaluation.candidates.registry import SpecLike
 from hf_janus.evaluation.intruder_reduction import IntruderReduction
 from hf_janus.evaluation.harness import (ModelLike, Scorer, TaskLike, TaskResult, is_adapter, load_model,
                                          load_tokenizer, resolve_tasks)
@@ -50,52 +62,102 @@ from hf_janus.replay.self_replay import SelfReplay
 logger = logging.getLogger(__name__)
 
 
+#: The legacy columns of a point's JSON: every point has them (None where its kind has no such option), so that
+#: readers of earlier results (benchmarks/forgetting/real_model.py's summary, the model card) keep working.
+LEGACY_OPTIONS = ("a", "tau", "b", "damping", "mitigation_lambda")
+
+
 @dataclass
 class FrontierPoint:
-    """A scored candidate."""
+    """A scored candidate: the candidate itself (its options, label and kind), its scores, AP figures, margins
+    over the peer curves and what building it cost."""
 
-    label: str
-    kind: str
-    a: Optional[float]
-    tau: Optional[float]
-    b: Optional[float]
+    candidate: Candidate
     scores: dict[str, float]
     ap1: Optional[float] = None
     ap2: Optional[float] = None
     ap: Optional[float] = None
-    # AP1 above (+) or below (-) the WiSE-FT curve at this point's AP2 (linear between grid points), in points
-    above_wise: Optional[float] = None
-    jacobian_evaluations: int = 0
-    seconds: float = 0.0
-    damping: Optional[float] = None
-    mitigation_lambda: Optional[float] = None
-    # AP1 above (+) or below (-) the intruder-reduction curve (θ̂ and its λ points) at this point's AP2
-    above_intruder: Optional[float] = None
+    #: AP1 above (+) or below (-) each peer curve at this point's AP2 (linear between its points), in points;
+    #: ``"wise"`` (the WiSE-FT curve), ``"intruder"``, ``"replay-sft"``, ... for the curves scored
+    above: dict[str, Optional[float]] = field(default_factory=dict)
+    cost: Cost = field(default_factory=Cost)
+    seconds: float = 0.0  # building and scoring it
+
+    @property
+    def label(self) -> str:
+        return self.candidate.label
+
+    @property
+    def kind(self) -> str:
+        return self.candidate.kind
+
+    @property
+    def jacobian_evaluations(self) -> int:
+        return self.cost.jacobian_evaluations
+
+    @property
+    def above_wise(self) -> Optional[float]:
+        return self.above.get(WISE_CURVE)
+
+    @property
+    def above_intruder(self) -> Optional[float]:
+        return self.above.get(INTRUDER_CURVE)
+
+    def option(self, name: str) -> Any:
+        """One of the candidate's options (``tau``, ``a``, ...), ``None`` when its kind has no such option."""
+        return getattr(self.candidate, name, None)
+
+    def __getattr__(self, name: str) -> Any:
+        # the option columns points had as fields before candidates were objects (point.tau, point.damping, ...)
+        if name in LEGACY_OPTIONS:
+            return self.option(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The point as JSON: label, kind, the legacy option columns, the candidate's own options, scores, AP
+        figures, margins (``above_wise``, ``above_intruder`` and ``above``) and costs."""
+        record = self.candidate.record()
+        return {"label": self.label, "kind": self.kind, **{k: record.get(k) for k in LEGACY_OPTIONS},
+                "options": record, "scores": dict(self.scores), "ap1": self.ap1, "ap2": self.ap2, "ap": self.ap,
+                "above_wise": self.above_wise, "above_intruder": self.above_intruder, "above": dict(self.above),
+                "jacobian_evaluations": self.cost.jacobian_evaluations,
+                "forward_passes": self.cost.forward_passes, "backward_passes": self.cost.backward_passes,
+                "build_seconds": self.cost.seconds, "peak_memory_bytes": self.cost.peak_memory_bytes,
+                "seconds": self.seconds, "description": self.candidate.describe()}
 
 
-#: The points each peer curve is drawn through: WiSE-FT (from θ0 to θ̂) and PEFT's intruder reduction (from θ̂).
-WISE_CURVE = ("anchor", "wise")
-INTRUDER_CURVE = ("finetuned", "intruder")
+#: The curves every frontier can hold: WiSE-FT (from θ0 to θ̂) and PEFT's intruder reduction (from θ̂); the other
+#: peers' curves are named by their kinds (Candidate.curve).
+WISE_CURVE = WISE_CURVE_SPEC.name
+INTRUDER_CURVE = INTRUDER_CURVE_SPEC.name
 
 
-def _on_curve(p: FrontierPoint, kinds: Sequence[str]) -> bool:
-    if p.ap1 is None or p.ap2 is None:
-        return False
-    return p.kind in kinds or ("finetuned" in kinds and p.kind == "anchor" and p.a == 1.0)
+def _on_curve(p: FrontierPoint, curve: str) -> bool:
+    return p.ap1 is not None and p.ap2 is not None and p.candidate.on_curve(curve)
 
 
 def wise_margin(points: Sequence[FrontierPoint], ap1: Optional[float], ap2: Optional[float],
-                kinds: Sequence[str] = WISE_CURVE) -> Optional[float]:
-    """``ap1`` minus the peer curve's AP1 at ``ap2`` (linear between its points sorted by AP2): the WiSE-FT curve,
-    anchors included, or with ``kinds=INTRUDER_CURVE`` the intruder-reduction curve; ``None`` outside the
-    curve's AP2 range (or when it has fewer than two points)."""
+                curve: str = WISE_CURVE) -> Optional[float]:
+    """``ap1`` minus a peer curve's AP1 at ``ap2`` (linear between its points sorted by AP2): the WiSE-FT curve,
+    anchors included, or another peer's (``curve=INTRUDER_CURVE``, ``"replay-sft"``, ...: θ̂ and its points);
+    ``None`` outside the curve's AP2 range (or when it has fewer than two points)."""
     if ap1 is None or ap2 is None:
         return None
-    curve = sorted((p.ap2, p.ap1) for p in points if _on_curve(p, kinds))
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+    line = sorted((p.ap2, p.ap1) for p in points if _on_curve(p, curve))
+    for (x0, y0), (x1, y1) in zip(line, line[1:]):
         if x0 <= ap2 <= x1:
             return ap1 - (y0 if x1 == x0 else y0 + (y1 - y0) * (ap2 - x0) / (x1 - x0))
     return None
+
+
+def peer_curves(points: Sequence[FrontierPoint]) -> list[Curve]:
+    """The curves of this frontier: WiSE-FT always (the anchors are on it), each other peer's when scored."""
+    out = [WISE_CURVE_SPEC]
+    for p in points:
+        curve = p.candidate.curve
+        if curve is not None and not p.candidate.is_anchor and curve not in out:
+            out.append(curve)
+    return out
 
 
 @dataclass
@@ -148,7 +210,7 @@ class FrontierResult:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
-        data["points"] = [asdict(p) for p in self.points]
+        data["points"] = [p.to_dict() for p in self.points]
         return data
 
     def save(self, path: Union[str, os.PathLike]) -> None:
@@ -161,24 +223,27 @@ class FrontierResult:
         def fmt(v: Optional[float], spec: str) -> str:
             return "" if v is None else format(v, spec)
 
-        intruders = any(p.kind == "intruder" for p in self.points)
-        head = ["", "candidate"] + tasks + ["AP1 (%)", "AP2 (%)", "AP (%)", "AP1 vs WiSE-FT"]
-        head += ["AP1 vs intruder"] if intruders else []
-        head += ["Jacobian evals", "s"]
+        curves = peer_curves(self.points)
+        head = ["", "candidate"] + tasks + ["AP1 (%)", "AP2 (%)", "AP (%)"]
+        head += [f"AP1 vs {c.title}" for c in curves]
+        head += ["Jacobian evals", "replay passes (fwd/bwd)", "s"]
         lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
         for i, p in enumerate(self.points):
             mark = "**→**" if i == self.chosen else ""
             cells = [mark, p.label] + [fmt(p.scores.get(t), ".4f") for t in tasks]
-            cells += [fmt(p.ap1, ".1f"), fmt(p.ap2, ".1f"), fmt(p.ap, ".1f"), fmt(p.above_wise, "+.1f")]
-            cells += [fmt(p.above_intruder, "+.1f")] if intruders else []
-            cells += [str(p.jacobian_evaluations or ""), f"{p.seconds:.0f}"]
+            cells += [fmt(p.ap1, ".1f"), fmt(p.ap2, ".1f"), fmt(p.ap, ".1f")]
+            cells += [fmt(p.above.get(c.name), "+.1f") for c in curves]
+            passes = (f"{p.cost.forward_passes:g}/{p.cost.backward_passes:g}"
+                      if p.cost.forward_passes or p.cost.backward_passes else "")
+            cells += [str(p.jacobian_evaluations or ""), passes, f"{p.seconds:.0f}"]
             lines.append("| " + " | ".join(cells) + " |")
         if self.best is not None:
             lines.append(f"\nChosen ({self.criterion}): **{self.best.label}**.")
         return "\n".join(lines)
 
     def plot(self, path: Union[str, os.PathLike], title: Optional[str] = None) -> None:
-        """A PNG of AP1 against AP2: the WiSE-FT curve, JANUS points, hybrids, and the chosen point."""
+        """A PNG of AP1 against AP2: each peer curve (WiSE-FT, intruder reduction, the replay peers), the other
+        points in their kinds' styles, and the chosen point."""
         try:
             import matplotlib
 
@@ -187,25 +252,20 @@ class FrontierResult:
         except ImportError as err:
             raise JanusError('the frontier plot needs matplotlib: pip install "hf-janus[eval]"') from err
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
-        curve = sorted((p.ap2, p.ap1) for p in self.points if p.kind in ("anchor", "wise") and p.ap1 is not None
-                       and p.ap2 is not None)
-        if curve:
-            ax.plot([c[0] for c in curve], [c[1] for c in curve], "-o", color="0.5", ms=4, label="WiSE-FT")
-        peer = sorted((p.ap2, p.ap1) for p in self.points if p.kind == "intruder" and _on_curve(p, INTRUDER_CURVE))
-        if peer:
-            top = [(p.ap2, p.ap1) for p in self.points if p.kind == "anchor" and p.a == 1.0 and p.ap1 is not None]
-            line = sorted(peer + top)
-            ax.plot([c[0] for c in line], [c[1] for c in line], "--D", color="C5", ms=4,
-                    label="intruder reduction (PEFT)")
-        styles = {"janus": ("s", "C0", "JANUS"), "damped_janus": ("P", "C4", "damped JANUS"),
-                  "janus_to_reference": ("v", "C1", "JANUS → θ0"),
-                  "janus_to_finetuned": ("^", "C2", "JANUS → θ̂"), "wise_then_janus": ("D", "C3", "WiSE-FT → JANUS"),
-                  "intruder_then_janus": ("X", "C6", "intruder reduction → JANUS")}
-        for kind, (marker, color, name) in styles.items():
-            pts = [p for p in self.points if p.kind == kind and p.ap1 is not None and p.ap2 is not None]
+        for curve in peer_curves(self.points):
+            line = sorted((p.ap2, p.ap1) for p in self.points if _on_curve(p, curve.name))
+            own = [p for p in self.points if not p.candidate.is_anchor and _on_curve(p, curve.name)]
+            if line and (own or curve.name == WISE_CURVE):
+                style = curve.style
+                ax.plot([c[0] for c in line], [c[1] for c in line], style.line + style.marker, color=style.color,
+                        ms=4, label=style.legend)
+        for kind in kinds():
+            if kind.curve is not None:
+                continue
+            pts = [p for p in self.points if type(p.candidate) is kind and p.ap1 is not None and p.ap2 is not None]
             if pts:
-                ax.scatter([p.ap2 for p in pts], [p.ap1 for p in pts], marker=marker, color=color, label=name,
-                           zorder=3)
+                ax.scatter([p.ap2 for p in pts], [p.ap1 for p in pts], marker=kind.style.marker,
+                           color=kind.style.color, label=kind.style.legend, zorder=3)
         if self.best is not None and self.best.ap1 is not None:
             ax.scatter([self.best.ap2], [self.best.ap1], s=220, facecolors="none", edgecolors="k", linewidths=1.5,
                        zorder=4, label=f"chosen: {self.best.label}")
@@ -231,9 +291,9 @@ class FrontierResult:
     def publication_record(self) -> dict[str, Any]:
         """The ``frontier`` field of the chosen model's ``janus_rectification.json``."""
         best = self.best
-        return {"chosen": asdict(best) if best else None, "criterion": self.criterion,
+        return {"chosen": best.to_dict() if best else None, "criterion": self.criterion,
                 "past_tasks": self.past_tasks, "new_tasks": self.new_tasks, "metrics": self.metrics,
-                "points": [{k: v for k, v in asdict(p).items() if k != "scores"} for p in self.points]}
+                "points": [{k: v for k, v in p.to_dict().items() if k != "scores"} for p in self.points]}
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], *, overwrite: bool = False,
                         tokenizer: Any = None) -> str:
@@ -281,8 +341,10 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
              limit: Optional[Union[int, float]] = None, include_path: Optional[str] = None,
              replay_options: Any = None, device: Any = None, torch_dtype: Any = None, token: Any = None,
              progress: bool = True, allow_pickle: bool = False,
-             rectify_fn: Callable[..., RectificationReport] = rectify) -> FrontierResult:
-    """Score WiSE-FT, JANUS and hybrids on the user's tasks and choose a point.
+             rectify_fn: Callable[..., RectificationReport] = rectify,
+             candidates: Optional[Union[SpecLike, Sequence[SpecLike]]] = None,
+             scorer: Optional[Callable[[nn.Module], Mapping[str, TaskResult]]] = None) -> FrontierResult:
+    """Score WiSE-FT, JANUS, hybrids and the post-hoc peers on the user's tasks and choose a point.
 
     Args:
         reference: θ0 (model object, directory or Hub repo id).
@@ -303,6 +365,15 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         intruder_lambdas: when ``finetuned`` is a saved LoRA adapter given by path or repo id (and ``reference`` by
             path or repo id too), PEFT's intruder-dimension reduction at each of these ``mitigation_lambda`` values
             (PEFT's default top_k=10 and threshold_epsilon=0.5); ``()`` for none. Ignored for other models.
+        candidates: the candidates to score, instead of the keyword grids above (which it replaces: they are then
+            not used): spec strings such as ``"wise:0.25,0.5 janus:tau=0.95 replay-sft:passes=4,8"`` and
+            :class:`~hf_janus.evaluation.candidates.Candidate` objects, in the order given, after θ0 and θ̂ (see
+            :mod:`hf_janus.evaluation.candidates.registry` for the syntax and the kinds). JANUS kinds that leave
+            ``tau`` out take ``config.tau``. A kind that is not defined for this fine-tuning (intruder reduction on
+            full weights, DG-Hard on an adapter) is refused, where the keyword grids leave it out.
+        scorer: scores a model on the tasks, ``model -> {task name: TaskResult}`` with the names of
+            ``past_tasks`` and ``new_tasks`` (default: lm-evaluation-harness, :class:`~hf_janus.evaluation.
+            harness.Scorer`, with ``batch_size``, ``limit`` and ``include_path``).
         min_ap2 / min_ap1: the choice (see :meth:`FrontierResult.select`); default the largest AP.
         tokenizer, batch_size, limit, include_path: evaluation options (see :func:`hf_janus.evaluate`).
         progress: a progress bar over the candidates (its time estimate grows with each JANUS run).
@@ -313,28 +384,36 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         A :class:`FrontierResult`; ``result.best`` is the chosen point.
     """
     config = config if config is not None else JanusConfig()
-    # the grids are checked before any model is loaded
-    candidates(wise_grid, taus, hybrid_tau=config.tau, hybrid_grid=hybrid_grid, pre_janus_grid=pre_janus_grid,
-               dampings=dampings, intruder_lambdas=intruder_lambdas,
-               pre_janus_intruder_lambdas=pre_janus_intruder_lambdas)
+    # the candidates are checked before any model is loaded
+    if candidates is None:
+        cands = keyword_candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None,
+                                   hybrid_grid=hybrid_grid, pre_janus_grid=pre_janus_grid, dampings=dampings,
+                                   damped_tau=config.tau, intruder_lambdas=intruder_lambdas,
+                                   pre_janus_intruder_lambdas=pre_janus_intruder_lambdas)
+    else:
+        chosen = parse_candidates(candidates, SpecContext(tau=config.tau))
+        cands = [REFERENCE, FINETUNED] + [c for c in chosen if not c.is_anchor]
     past, new = resolve_tasks(past_tasks), resolve_tasks(new_tasks)
     if not past or not new:
         raise JanusError("the frontier needs past_tasks (for AP1) and new_tasks (for AP2)")
     tok = load_tokenizer(tokenizer, [reference, finetuned], token=token)
     builder = _working_model(reference, finetuned, replay, tok, replay_options, device=device,
                              torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle,
-                             intruders=bool(intruder_lambdas or (hybrids and pre_janus_intruder_lambdas)))
-    lora = builder.intruders is not None
-    cands = candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None, hybrid_grid=hybrid_grid,
-                       pre_janus_grid=pre_janus_grid, dampings=dampings, damped_tau=config.tau,
-                       intruder_lambdas=intruder_lambdas if lora else (),
-                       pre_janus_intruder_lambdas=pre_janus_intruder_lambdas if lora else ())
-    scorer = Scorer(past + new, tok, batch_size=batch_size, limit=limit, include_path=include_path)
+                             intruders=any(c.lora_only for c in cands))
+    if candidates is None:  # the keyword grids offer intruder reduction where it is defined (LoRA adapters)
+        cands = [c for c in cands if not c.lora_only or builder.intruders is not None]
+    if any(c.uses_target_layers for c in cands):
+        builder.target_layers = frozenset(resolve_target_modules(builder.model, config.target_modules,
+                                                                 config.exclude_modules))
+    for c in cands:
+        c.check(builder)
+    if scorer is None:
+        scorer = Scorer(past + new, tok, batch_size=batch_size, limit=limit, include_path=include_path)
     past_names, new_names = [t.name for t in past], [t.name for t in new]
 
     start = time.perf_counter()
-    points, metrics, higher = _score_candidates(cands, builder, scorer, config, rectify_fn, progress, past_names,
-                                                new_names)
+    context = BuildContext(config=config, rectify_fn=rectify_fn, progress=progress)
+    points, metrics, higher = _score_candidates(cands, builder, scorer, context, past_names, new_names)
     _add_ap_figures(points, past_names, new_names, higher)
     result = FrontierResult(points=points, past_tasks=past_names, new_tasks=new_names, metrics=metrics,
                             higher_is_better=higher, reports={k: r.to_dict() for k, r in builder.reports.items()},
@@ -372,20 +451,20 @@ def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok:
     differing = differing_parameters(model, dict(base.named_parameters()), allow_identical=exact is not None)
     del base
     theta0, tuned = {k: v[0] for k, v in differing.items()}, {k: v[1] for k, v in differing.items()}
-    reduction = None
+    reduction, ranks = None, None
     if exact is not None:
         keys = [name + ".weight" for name in exact.linear_layers]
+        ranks = {name + ".weight": exact.layers[name].rank for name in exact.linear_layers}
         theta0.update({k: exact.reference[k].float() for k in keys})
         tuned.update({name + ".weight": exact.finetuned_weight(name) for name in exact.linear_layers})
         if intruders and _plain_lora(exact.adapter.config):
-            ranks = {name + ".weight": exact.layers[name].rank for name in exact.linear_layers}
             base = {name + ".weight": exact.adapter_base(name) for name in exact.linear_layers}
             reduction = IntruderReduction({k: theta0[k] for k in keys}, {k: tuned[k] for k in keys}, ranks, base=base)
             logger.info("intruder reduction: %d of %d adapted layers have intruder dimensions",
                         reduction.layers_with_intruders, len(keys))
     if all(torch.equal(theta0[k].float(), tuned[k].float()) for k in theta0):
         raise JanusError("θ0 and θ̂ are identical: there is no fine-tuning to trade off")
-    return WeightBuilder(model, theta0, tuned, tok, base_name, replay, intruders=reduction)
+    return WeightBuilder(model, theta0, tuned, tok, base_name, replay, intruders=reduction, adapter_ranks=ranks)
 
 
 def _exact_adapter(base_name: str, adapter: ModelLike, **load: Any) -> Any:
@@ -405,20 +484,21 @@ def _plain_lora(config: Any) -> bool:
     return str(kind) == "LORA" and not getattr(config, "use_dora", False)
 
 
-def _score_candidates(cands: Sequence[Candidate], builder: WeightBuilder, scorer: Scorer, config: JanusConfig,
-                      rectify_fn: Callable[..., RectificationReport], progress: bool, past_names: list[str],
-                      new_names: list[str]) -> tuple[list[FrontierPoint], dict[str, str], dict[str, bool]]:
+def _score_candidates(cands: Sequence[Candidate], builder: WeightBuilder,
+                      scorer: Callable[[nn.Module], Mapping[str, TaskResult]], context: BuildContext,
+                      past_names: list[str], new_names: list[str]
+                      ) -> tuple[list[FrontierPoint], dict[str, str], dict[str, bool]]:
     """Every candidate scored in turn, and each task's metric and direction; the model holds θ̂ again after."""
     from tqdm.auto import tqdm
 
     points: list[FrontierPoint] = []
     higher: dict[str, bool] = {}
     metrics: dict[str, str] = {}
-    bar = tqdm(cands, desc="frontier", unit="point", disable=not progress)
+    bar = tqdm(cands, desc="frontier", unit="point", disable=not context.progress)
     try:
         for c in bar:
             bar.set_postfix_str(c.label)
-            point, results = _score_candidate(c, builder, scorer, config, rectify_fn, progress)
+            point, results = _score_candidate(c, builder, scorer, context)
             metrics = {n: r.metric for n, r in results.items()}
             higher = {n: r.higher_is_better for n, r in results.items()}
             points.append(point)
@@ -431,31 +511,28 @@ def _score_candidates(cands: Sequence[Candidate], builder: WeightBuilder, scorer
     return points, metrics, higher
 
 
-def _score_candidate(c: Candidate, builder: WeightBuilder, scorer: Scorer, config: JanusConfig,
-                     rectify_fn: Callable[..., RectificationReport],
-                     progress: bool) -> tuple[FrontierPoint, dict[str, TaskResult]]:
-    """One candidate's point (its JANUS run first, unless an earlier candidate made it) and its task results."""
+def _score_candidate(c: Candidate, builder: WeightBuilder, scorer: Callable[[nn.Module], Mapping[str, TaskResult]],
+                     context: BuildContext) -> tuple[FrontierPoint, Mapping[str, TaskResult]]:
+    """One candidate's point (what it builds first, unless an earlier candidate built it) and its task results."""
     t0 = time.perf_counter()
-    evals = 0
-    key = builder.run_key(c)
-    if key is not None and key not in builder.janus:
-        evals = run_janus(builder, c, config, builder.replay, rectify_fn, progress).num_jacobian_evals
+    cost = c.prepare(builder, context)
     with builder.applied(c) as working, torch.no_grad():
         results = scorer(working)
-    point = FrontierPoint(c.label, c.kind, c.a, c.tau, c.b, {n: r.score for n, r in results.items()},
-                          jacobian_evaluations=evals, seconds=time.perf_counter() - t0, damping=c.damping,
-                          mitigation_lambda=c.mitigation_lambda)
+    point = FrontierPoint(c, {n: r.score for n, r in results.items()}, cost=cost, seconds=time.perf_counter() - t0)
     return point, results
 
 
 def _add_ap_figures(points: list[FrontierPoint], past_names: list[str], new_names: list[str],
                     higher: dict[str, bool]) -> None:
-    """Fill in each point's AP1/AP2/AP (against the anchors, the first two points) and its margin over WiSE-FT."""
+    """Fill in each point's AP1/AP2/AP (against the anchors, the first two points) and its margin over each peer
+    curve it is not on (WiSE-FT points get none: they are the baseline every curve is compared with)."""
     for p in points:
         ap = ap_metrics(p.scores, points[0].scores, points[1].scores, past_names, new_names, higher)
         p.ap1, p.ap2, p.ap = ap["ap1"], ap["ap2"], ap["ap"]
+    curves = peer_curves(points)
     for p in points:
-        if p.kind not in WISE_CURVE:
-            p.above_wise = wise_margin(points, p.ap1, p.ap2)
-        if p.kind not in WISE_CURVE + INTRUDER_CURVE and any(q.kind == "intruder" for q in points):
-            p.above_intruder = wise_margin(points, p.ap1, p.ap2, INTRUDER_CURVE)
+        if p.candidate.is_anchor or p.candidate.on_curve(WISE_CURVE):
+            continue
+        for curve in curves:
+            if not p.candidate.on_curve(curve.name):
+                p.above[curve.name] = wise_margin(points, p.ap1, p.ap2, curve.name)

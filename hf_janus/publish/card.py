@@ -140,14 +140,33 @@ def _frontier_line(published: "PublishedReport") -> Optional[str]:
 
     points = info.get("points")
     line = (f"Chosen by `hf-janus frontier` ({_plain(info.get('criterion', ''))}) among "
-            f"{len(points) if isinstance(points, list) else 'several'} candidates (WiSE-FT interpolations, JANUS and "
-            f"their hybrids): **{_plain(chosen.get('label', '?'))}**, AP1 {share('ap1')}% (past tasks: "
+            f"{len(points) if isinstance(points, list) else 'several'} candidates ({_candidate_titles(points)}): "
+            f"**{_plain(chosen.get('label', '?'))}**, AP1 {share('ap1')}% (past tasks: "
             f"{names('past_tasks')}), AP2 {share('ap2')}% (new tasks: {names('new_tasks')}).")
-    if chosen.get("tau") is None:
+    description = chosen.get("description")
+    if isinstance(description, str):  # the candidate's own words (records from hf-janus ≥ issue 40)
+        line += " " + _plain(description)
+        if chosen.get("tau") is None:
+            line += " The rectification record below is therefore empty."
+    elif chosen.get("tau") is None:
         line += " This point involves no JANUS step, so the rectification record below is empty."
     elif chosen.get("kind") not in ("janus", "damped_janus"):  # those two are the run below itself
         line += " The JANUS run below is the rectification this point was built from."
     return line
+
+
+def _candidate_titles(points: Any) -> str:
+    """What kinds of candidate were scored, by the names the frontier gives them; the record may come from
+    elsewhere, so only kinds this version knows are named."""
+    from hf_janus.evaluation.candidates import kinds
+
+    titles = {kind.kind: kind.title for kind in kinds()}
+    seen: list[str] = []
+    for p in points if isinstance(points, list) else []:
+        title = titles.get(p.get("kind")) if isinstance(p, dict) and isinstance(p.get("kind"), str) else None
+        if title and title not in seen:
+            seen.append(title)
+    return _plain(", ".join(seen)) if seen else "WiSE-FT interpolations, JANUS and their hybrids"
 
 
 def template_variables(published: "PublishedReport", *, load_id: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from testing_utils import build_tiny
 from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
 from hf_janus import JanusConfig, load_report, rectify
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.candidates import candidates
+from hf_janus.evaluation.candidates import FINETUNED, REFERENCE, Cost, Janus, Wise, candidates
 from hf_janus.evaluation.frontier import FrontierPoint, FrontierResult, frontier, wise_margin
 from hf_janus.evaluation.harness import Scorer, resolve_tasks
 
@@ -24,9 +24,8 @@ PAST = [f"the cat sat on mat {i}" for i in range(12)]
 NEW = [f"{i} plus {i} is {2 * i}" for i in range(12)]
 
 
-def point(label, kind, ap1, ap2, evals=0):
-    return FrontierPoint(label, kind, None, None, None, {}, ap1=ap1, ap2=ap2, ap=(ap1 + ap2) / 2,
-                         jacobian_evaluations=evals)
+def point(candidate, ap1, ap2, evals=0):
+    return FrontierPoint(candidate, {}, ap1=ap1, ap2=ap2, ap=(ap1 + ap2) / 2, cost=Cost(jacobian_evaluations=evals))
 
 
 def test_candidates_order_and_validation():
@@ -40,7 +39,7 @@ def test_candidates_order_and_validation():
     with pytest.raises(JanusError, match="taus"):
         candidates((0.5,), (1.0,))
     damped = candidates((0.5,), (0.9,), dampings=(0.01, 0.1), damped_tau=0.95)
-    assert [(c.kind, c.tau, c.damping) for c in damped[3:]] == [("janus", 0.9, None), ("damped_janus", 0.95, 0.01),
+    assert [(c.kind, c.tau, c.record().get("damping")) for c in damped[3:]] == [("janus", 0.9, None), ("damped_janus", 0.95, 0.01),
                                                                 ("damped_janus", 0.95, 0.1)]
     for bad in ((0.0,), (-0.1,), (float("inf"),)):
         with pytest.raises(JanusError, match="dampings"):
@@ -48,16 +47,16 @@ def test_candidates_order_and_validation():
 
 
 def test_wise_margin_and_selection():
-    pts = [point("θ0", "anchor", 100, 0), point("θ̂", "anchor", 0, 100), point("w", "wise", 60, 60),
-           point("J", "janus", 70, 80, evals=12), point("J2", "janus", 90, 50, evals=20)]
+    pts = [point(REFERENCE, 100, 0), point(FINETUNED, 0, 100), point(Wise(0.6), 60, 60),
+           point(Janus(0.9), 70, 80, evals=12), point(Janus(0.95), 90, 50, evals=20)]
     # the curve at AP2=80 runs from (60, 60) to (100, 0): 60 - 60·(20/40) = 30
     assert wise_margin(pts, 70, 80) == pytest.approx(40.0)
     assert wise_margin(pts, 90, 50) == pytest.approx(90 - (100 - 40 * 50 / 60))
     assert wise_margin(pts, 50, 120) is None
     result = FrontierResult(points=pts, past_tasks=["p"], new_tasks=["n"], metrics={}, higher_is_better={})
-    assert result.select(min_ap2=75).label == "J"
-    assert result.select(min_ap1=85).label == "J2"
-    assert result.select().label == "J" and result.criterion == "max AP"
+    assert result.select(min_ap2=75).label == "JANUS τ=0.9"
+    assert result.select(min_ap1=85).label == "JANUS τ=0.95"
+    assert result.select().label == "JANUS τ=0.9" and result.criterion == "max AP"
     with pytest.raises(JanusError, match="no point keeps AP2 ≥ 101"):
         result.select(min_ap2=101)
     with pytest.raises(JanusError, match="holds no weights"):

@@ -1,0 +1,204 @@
+"""Replay fine-tuning from θ̂, post hoc, at JANUS's budget: the repair the unsloth and LlamaFactory maintainers
+recommend against forgetting ("mix general data"), done after the fact.
+
+Starting at θ̂, the parameters fine-tuning changed take one optimizer step per replay batch, for ``passes`` passes
+over the replay in its fixed order (the model in eval mode: no dropout, so the run is deterministic). ``budget=n``
+sets ``passes`` to n times the Jacobian evaluations of JANUS at ``janus_tau`` (a JANUS evaluation and a replay pass
+both touch every replay sample once, forward and backward), running that JANUS if no candidate did. The loss is
+the replay's next-token cross-entropy (``loss="ce"``, mean over the tokens that carry loss), or the KL divergence
+``KL(p_θ0 ‖ p_θ)`` of the next-token distributions at the same tokens (``loss="kl"``; θ0's distributions are
+recomputed each step by holding θ0 for one forward pass, so a pass costs two forward passes). Plain Adam
+(``torch.optim.Adam`` defaults but ``lr``) or SGD, on float32 copies of the parameters, written back into the
+model's dtype after each step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hf_janus.errors import JanusError
+from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle, SpecContext,
+                                                 finite_positive, grid_product, measured, parse_float, parse_int,
+                                                 parse_str, require)
+from hf_janus.evaluation.candidates.janus import Janus
+from hf_janus.engine.capture import model_device
+from hf_janus.evaluation.candidates.replay_statistics import (evaluation_mode, holding, logits_of, on_device,
+                                                              replay_batches)
+from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
+
+if TYPE_CHECKING:
+    from hf_janus.evaluation.candidate_weights import WeightBuilder
+
+DEFAULT_BUDGETS = (1.0, 2.0, 4.0)
+LOSSES = ("ce", "kl")
+OPTIMIZERS = ("adam", "sgd")
+DEFAULT_LR = 1e-5
+
+REPLAY_SFT_CURVE = Curve("replay-sft", "replay SFT", PlotStyle("o", "C1", "replay fine-tuning", line="--"))
+
+
+def replay_loss(model: torch.nn.Module, batch: Mapping[str, Tensor], loss: str,
+                reference_logits: Optional[Tensor] = None) -> Tensor:
+    """Mean over the tokens that carry loss of the next-token cross-entropy, or of ``KL(p_θ0 ‖ p_θ)`` given θ0's
+    logits on the same batch."""
+    logits = logits_of(model, batch)[:, :-1].float()
+    targets = loss_targets(batch).to(logits.device)
+    counted = targets != IGNORE_INDEX
+    if not counted.any():
+        raise JanusError("a replay batch has no token that carries loss; give its samples labels or drop them")
+    if loss == "ce":
+        return F.cross_entropy(logits[counted], targets[counted])
+    log_p = F.log_softmax(logits[counted], dim=-1)
+    log_p0 = F.log_softmax(reference_logits[:, :-1].float()[counted], dim=-1)
+    return (log_p0.exp() * (log_p0 - log_p)).sum(-1).mean()
+
+
+def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimizer: str, lr: float,
+                    batch_size: int) -> dict[str, Tensor]:
+    """The changed parameters after ``passes`` passes of replay training from θ̂ (float32, on the host)."""
+    names = list(builder.theta0)
+    params = [builder.params[k] for k in names]
+    master = [builder.finetuned[k].detach().float().to(p.device).clone().requires_grad_(True)
+              for k, p in zip(names, params)]
+    opt = (torch.optim.Adam(master, lr=lr) if optimizer == "adam" else torch.optim.SGD(master, lr=lr))
+    flags = [p.requires_grad for p in params]
+    device = model_device(builder.model)
+    batches = replay_batches(builder, batch_size)
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        with holding(builder, builder.finetuned) as model, evaluation_mode(model):
+            for batch in itertools.chain.from_iterable(itertools.repeat(batches, passes)):
+                batch = on_device(batch, device)
+                reference = None
+                if loss == "kl":
+                    with holding(builder, builder.theta0), torch.no_grad():
+                        reference = logits_of(model, batch)
+                    builder.write({k: m.detach() for k, m in zip(names, master)})
+                value = replay_loss(model, batch, loss, reference)
+                grads = torch.autograd.grad(value, params)
+                for m, g in zip(master, grads):
+                    m.grad = g.detach().float()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                builder.write({k: m.detach() for k, m in zip(names, master)})
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+    return {k: m.detach().cpu().clone() for k, m in zip(names, master)}
+
+
+@dataclass(frozen=True)
+class ReplaySft(Candidate):
+    """θ̂ trained further on the replay for ``passes`` passes (or ``budget`` × JANUS's Jacobian evaluations)."""
+
+    passes: Optional[int] = None
+    budget: Optional[float] = None
+    loss: str = "ce"
+    optimizer: str = "adam"
+    lr: float = DEFAULT_LR
+    batch_size: Optional[int] = None  # None: the JanusConfig's replay_batch_size
+    #: τ of the JANUS run whose evaluations ``budget`` counts (None: the JanusConfig's); not ``tau``, which the
+    #: frontier's JSON reserves for points built from a JANUS run
+    janus_tau: Optional[float] = None
+
+    name: ClassVar[str] = "replay-sft"
+    kind: ClassVar[str] = "replay_sft"
+    title: ClassVar[str] = "replay fine-tuning"
+    options: ClassVar[tuple[Option, ...]] = (
+        Option("budget", parse_float, DEFAULT_BUDGETS,
+               "passes as a multiple (> 0) of the Jacobian evaluations of JANUS at tau (default grid 1, 2, 4)"),
+        Option("passes", parse_int, None, "passes over the replay (≥ 1), instead of budget"),
+        Option("loss", parse_str, ("ce",), "'ce' (the replay's cross-entropy) or 'kl' (KL to θ0's next-token "
+                                           "distributions)"),
+        Option("optimizer", parse_str, ("adam",), "'adam' or 'sgd'"),
+        Option("lr", parse_float, (DEFAULT_LR,), "learning rate (> 0)"),
+        Option("batch_size", parse_int, None, "replay samples per step (default: the JanusConfig's "
+                                              "replay_batch_size)"),
+        Option("janus_tau", parse_float, None,
+               "the τ of the JANUS run whose evaluations budget counts (default: the JanusConfig's τ)"))
+    style: ClassVar[PlotStyle] = REPLAY_SFT_CURVE.style
+    curve: ClassVar[Optional[Curve]] = REPLAY_SFT_CURVE
+
+    def __post_init__(self) -> None:
+        if (self.passes is None) == (self.budget is None):
+            raise JanusError("replay-sft takes passes= or budget= (a multiple of JANUS's Jacobian evaluations), "
+                             f"exactly one, got passes={self.passes!r}, budget={self.budget!r}")
+        if self.passes is not None:
+            require(int(self.passes) == self.passes and self.passes >= 1, self.name, "passes", self.passes,
+                    "a whole number ≥ 1")
+        if self.budget is not None:
+            require(finite_positive(self.budget), self.name, "budget", self.budget, "finite and > 0")
+            if self.janus_tau is not None:
+                require(0.0 <= float(self.janus_tau) < 1.0, self.name, "janus_tau", self.janus_tau, "in [0, 1)")
+        require(self.loss in LOSSES, self.name, "loss", self.loss, f"one of {LOSSES}")
+        require(self.optimizer in OPTIMIZERS, self.name, "optimizer", self.optimizer, f"one of {OPTIMIZERS}")
+        require(finite_positive(self.lr), self.name, "lr", self.lr, "finite and > 0")
+        if self.batch_size is not None:
+            require(int(self.batch_size) == self.batch_size and self.batch_size >= 1, self.name, "batch_size",
+                    self.batch_size, "a whole number ≥ 1")
+
+    @classmethod
+    def expand(cls, values: Mapping[str, Sequence[Any]], context: SpecContext) -> list[Candidate]:
+        """The spec's grid; ``budget``'s default grid only when ``passes`` is not given, and ``tau`` (the JANUS
+        run the budget counts) only with a budget."""
+        values = dict(values)
+        if "passes" in values:
+            if "budget" in values:
+                raise JanusError("replay-sft takes passes= or budget=, not both: passes counts replay passes, budget "
+                                 "multiples of JANUS's Jacobian evaluations")
+            if "janus_tau" in values:
+                raise JanusError("replay-sft: janus_tau names the JANUS run a budget= counts; with passes= it is "
+                                 "unused")
+        else:
+            values.setdefault("budget", DEFAULT_BUDGETS)
+            values.setdefault("janus_tau", (context.tau,))
+        return [cls(**combo) for combo in grid_product(values)]
+
+    @property
+    def label(self) -> str:
+        tau = "" if self.janus_tau is None else f" τ={self.janus_tau:g}"
+        steps = f"{self.passes} passes" if self.passes is not None else f"×{self.budget:g} JANUS{tau} budget"
+        return f"replay SFT {steps} ({self.loss.upper()}, {self.optimizer} lr={self.lr:g})"
+
+    def describe(self) -> str:
+        target = ("the replay's next-token cross-entropy" if self.loss == "ce"
+                  else "the KL divergence to θ0's next-token distributions on the replay")
+        return (f"It is θ̂ trained further on the replay ({self.optimizer}, lr {self.lr:g}, "
+                + (f"{self.passes} passes" if self.passes is not None else
+                   f"{self.budget:g} × the Jacobian evaluations of JANUS"
+                   + ("" if self.janus_tau is None else f" at τ={self.janus_tau:g}") + " in passes")
+                + f") on {target} (no JANUS step).")
+
+    def artifact_key(self) -> str:
+        return "replay_sft:" + repr(self)
+
+    def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
+        key = self.artifact_key()
+        if key in builder.artifacts:
+            return Cost()
+
+        def work() -> Cost:
+            cost = Cost()
+            passes = self.passes
+            if passes is None:
+                janus = Janus(context.config.tau if self.janus_tau is None else self.janus_tau)
+                cost.jacobian_evaluations = janus.prepare(builder, context).jacobian_evaluations
+                passes = max(1, round(self.budget * builder.reports[janus.run_key()].num_jacobian_evals))
+            batch_size = self.batch_size or context.config.replay_batch_size
+            builder.artifacts[key] = train_on_replay(builder, passes, loss=self.loss, optimizer=self.optimizer,
+                                                     lr=self.lr, batch_size=batch_size)
+            cost.forward_passes = float(passes * (2 if self.loss == "kl" else 1))
+            cost.backward_passes = float(passes)
+            return cost
+
+        return measured(builder, work)
+
+    def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
+        return {**{k: v.float() for k, v in builder.finetuned.items()}, **builder.artifacts[self.artifact_key()]}

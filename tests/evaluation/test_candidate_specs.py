@@ -1,0 +1,215 @@
+"""Candidates as objects: the spec syntax and the registry, the keyword grids and the spec giving the same
+frontier, a frontier of the post-hoc peers on a tiny model (with an injected scorer instead of lm-eval), and
+``hf-janus frontier --candidates``."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
+from hf_janus import JanusConfig, load_report
+from hf_janus.errors import JanusError
+from hf_janus.evaluation.candidates import (DampedJanus, DgHard, Janus, JanusToReference, Lines, ReplaySft,
+                                            SpecContext, Wise, WiseThenJanus, candidates, kinds, parse_candidates)
+from hf_janus.evaluation.frontier import frontier, wise_margin
+from hf_janus.evaluation.harness import TaskResult
+from testing_utils import build_tiny
+
+PAST = [f"the cat sat on mat {i}" for i in range(12)]
+NEW = [f"{i} plus {i} is {2 * i}" for i in range(12)]
+
+
+def test_spec_grammar_builds_the_kinds():
+    got = parse_candidates("wise:0.25,0.5 janus:tau=0.9,0.95 damped-janus:damping=0.1 janus-to-reference:0.5",
+                           SpecContext(tau=0.8))
+    assert got == [Wise(0.25), Wise(0.5), Janus(0.9), Janus(0.95), DampedJanus(tau=0.8, damping=0.1),
+                   JanusToReference(b=0.5, tau=0.8)]
+    assert parse_candidates("janus", SpecContext(tau=0.7)) == [Janus(0.7)]  # τ left out: the config's
+    # a grid over two options is every combination, the first varying slowest; repeats are dropped
+    grid = parse_candidates(["wise-then-janus:a=0.5,0.75:tau=0.9,0.95", WiseThenJanus(a=0.5, tau=0.9)])
+    assert [(c.a, c.tau) for c in grid] == [(0.5, 0.9), (0.5, 0.95), (0.75, 0.9), (0.75, 0.95)]
+    assert parse_candidates("replay-sft:passes=4,8:loss=kl") == [ReplaySft(passes=4, loss="kl"),
+                                                                 ReplaySft(passes=8, loss="kl")]
+    budgets = parse_candidates("replay-sft", SpecContext(tau=0.9))
+    assert [(c.budget, c.janus_tau, c.run_key()) for c in budgets] == [(1.0, 0.9, None), (2.0, 0.9, None),
+                                                                      (4.0, 0.9, None)]
+    assert parse_candidates("input-null fisher:1 lines dg-hard")[-2:] == [Lines(0.0, 1.0), DgHard()]
+    assert [c.energy for c in parse_candidates("input_null")] == [0.9, 0.99, 0.999]  # the JSON kind works too
+    assert [k.name for k in kinds()][:3] == ["wise", "intruder", "janus"]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("wsie:0.5", "unknown candidate kind 'wsie'; the kinds are wise, "),
+    ("wise:a=0.5:a=0.7", "given twice"),
+    ("wise:b=0.5", "wise has no option 'b' \\(its options: a\\)"),
+    ("wise:x", "wise: a='x' is not a valid value"),
+    ("wise:1.0", "wise: a must be strictly between 0 and 1"),
+    ("janus:tau=1", "janus: tau must be in \\[0, 1\\)"),
+    ("damped-janus:0", "damping must be finite and > 0"),
+    ("replay-sft:passes=2:budget=1", "passes= or budget=, not both"),
+    ("replay-sft:passes=0", "passes must be a whole number ≥ 1"),
+    ("replay-sft:passes=2:loss=mse", "loss must be one of \\('ce', 'kl'\\)"),
+    ("input-null:1", "energy must be strictly between 0 and 1"),
+    ("input-null:0.9:tokens=some", "tokens must be one of"),
+    ("regmean:0", "lam must be finite and > 0"),
+    ("fisher:-1", "strength must be finite and > 0"),
+    ("lines:alpha=0:beta=0", "other than a constant"),
+    ("dg-hard:1", "dg-hard takes no options"),
+    ("anchor", "always scored"),
+    ("", "names no candidate"),
+])
+def test_bad_specs_say_what_is_wrong(spec, message):
+    with pytest.raises(JanusError, match=message):
+        parse_candidates(spec)
+
+
+def test_keyword_grids_keep_their_order_labels_and_messages():
+    cands = candidates((0.5,), (0.9,), hybrid_tau=0.95, hybrid_grid=(0.5,), pre_janus_grid=(0.7,), dampings=(0.1,),
+                       damped_tau=0.95, intruder_lambdas=(0.5,), pre_janus_intruder_lambdas=(0.25,))
+    assert [c.label for c in cands] == [
+        "θ0 (reference)", "θ̂ (fine-tuned)", "WiSE-FT a=0.5", "intruder reduction λ=0.5", "JANUS τ=0.9",
+        "JANUS τ=0.95, damping 0.1", "JANUS τ=0.95 → θ0 b=0.5", "JANUS τ=0.95 → θ̂ b=0.5",
+        "WiSE-FT a=0.7 → JANUS τ=0.95", "intruder reduction λ=0.25 → JANUS τ=0.95"]
+    assert [c.run_key() for c in cands] == [None, None, None, None, "tau=0.9", "tau=0.95,damping=0.1", "tau=0.95",
+                                            "tau=0.95", "tau=0.95,a=0.7", "tau=0.95,intruder=0.25"]
+    with pytest.raises(JanusError, match="hybrid_grid values must lie strictly between 0 and 1"):
+        candidates((0.5,), (0.9,), hybrid_grid=(1.0,))
+
+
+# ---- frontiers on a tiny model, scored by an injected scorer ------------------------------------------------------
+@pytest.fixture(scope="module")
+def setting():
+    tok = char_tokenizer()
+    base = build_tiny("llama", seed=0, vocab=len(tok))
+    train_on_texts(base, PAST, tok, steps=40, lr=1e-2)
+    tuned = copy.deepcopy(base)
+    train_on_texts(tuned, NEW, tok, steps=25, lr=1e-2, seed=1)
+    replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]
+    return tok, base, tuned, replay
+
+
+def nll_scorer(tok):
+    """Each side's mean next-token loss on its texts (a loss: lower is better), so no lm-eval run is needed."""
+    sides = {"past": tok(PAST[:6], padding=True, return_tensors="pt"),
+             "new": tok(NEW[:6], padding=True, return_tensors="pt")}
+    calls = []
+
+    def score(model):
+        calls.append(1)
+        out = {}
+        for name, batch in sides.items():
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            with torch.no_grad():
+                out[name] = TaskResult(float(model(**batch, labels=labels).loss), "nll", False)
+        return out
+
+    score.calls = calls
+    return score
+
+
+def run(setting, **kwargs):
+    tok, base, tuned, replay = setting
+    return frontier(base, copy.deepcopy(tuned), replay, past_tasks=["past"], new_tasks=["new"],
+                    config=JanusConfig(tau=0.9, max_steps=3), tokenizer=tok, progress=False,
+                    scorer=nll_scorer(tok), **kwargs)
+
+
+def comparable(point) -> dict:
+    return {k: v for k, v in point.to_dict().items() if k not in ("seconds", "build_seconds")}
+
+
+def test_keywords_and_spec_give_the_same_frontier(setting):
+    by_keywords = run(setting, wise_grid=(0.3, 0.6), taus=(0.9,), dampings=(0.1,), hybrid_grid=(0.5,),
+                      pre_janus_grid=(0.5,))
+    by_spec = run(setting, candidates="wise:0.3,0.6 janus:tau=0.9 damped-janus:damping=0.1 "
+                                      "janus-to-reference:b=0.5 janus-to-finetuned:b=0.5 wise-then-janus:a=0.5")
+    assert len(by_keywords.points) == len(by_spec.points) == 9
+    for old, new in zip(by_keywords.points, by_spec.points):
+        assert comparable(old) == comparable(new)
+        assert all(torch.equal(w, by_spec._builder.weights(new)[k]) for k, w in by_keywords._builder.weights(
+            old).items())
+    assert by_keywords.best.label == by_spec.best.label
+    assert by_keywords.reports.keys() == by_spec.reports.keys() == {"tau=0.9", "tau=0.9,damping=0.1",
+                                                                    "tau=0.9,a=0.5"}
+
+
+def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
+    tok, base, tuned, replay = setting
+    spec = ("wise:0.5 janus:0.9 replay-sft:passes=2:lr=1e-3 input-null:0.9,0.99 regmean:0.01 fisher:1 lines "
+            "dg-hard")
+    result = run(setting, candidates=spec, min_ap2=0.0)
+    kinds_seen = [p.kind for p in result.points]
+    assert kinds_seen == ["anchor", "anchor", "wise", "janus", "replay_sft", "input_null", "input_null", "regmean",
+                          "fisher", "lines", "dg_hard"]
+    builder, scorer = result._builder, nll_scorer(tok)
+    for p in result.points:  # each point's scores are its weights' scores
+        with builder.applied(p) as model:
+            assert {n: r.score for n, r in scorer(model).items()} == pytest.approx(p.scores, rel=1e-6)
+    by = {p.kind: p for p in result.points}
+    costs = {k: (p.cost.jacobian_evaluations, p.cost.forward_passes, p.cost.backward_passes) for k, p in by.items()}
+    assert costs["replay_sft"] == (0, 2.0, 2.0) and costs["regmean"] == (0, 0.0, 0.0)  # the Grams were shared
+    assert costs["fisher"] == (0, 1.0, 1.0) and costs["janus"][0] > 0 and costs["lines"] == (0, 0.0, 0.0)
+    assert [p.cost.forward_passes for p in result.points if p.kind == "input_null"] == [1.0, 0.0]
+    # the layer-by-layer peers touch the layers JANUS rectifies: the output head keeps θ̂, as under JANUS
+    assert "lm_head.weight" in builder.theta0 and "lm_head" not in builder.target_layers
+    for kind in ("input_null", "regmean", "dg_hard", "janus"):
+        assert torch.equal(builder.weights(by[kind])["lm_head.weight"], builder.finetuned["lm_head.weight"].float())
+    # LiNeS (α=0, β=1) returns the embeddings, before the first block, to θ0 and keeps the head's update
+    lines = builder.weights(by["lines"])
+    assert torch.equal(lines["model.embed_tokens.weight"], builder.theta0["model.embed_tokens.weight"].float())
+    assert torch.equal(lines["lm_head.weight"], builder.finetuned["lm_head.weight"].float())
+    # every point off a curve gets its margin over it; WiSE-FT points are the baseline and get none
+    curves = {"wise", "replay-sft", "input-null", "regmean", "fisher", "lines"}
+    assert set(by["janus"].above) == curves and set(by["dg_hard"].above) == curves
+    assert set(by["fisher"].above) == curves - {"fisher"} and by["wise"].above == {}
+    for name in curves:
+        assert by["janus"].above[name] == wise_margin(result.points, by["janus"].ap1, by["janus"].ap2, name)
+    table = result.to_markdown()
+    assert "AP1 vs replay SFT" in table and "AP1 vs input null space" in table and "| 2/2 |" in table
+    result.plot(tmp_path / "peers.png")
+    assert open(tmp_path / "peers.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+    # the JSON keeps the keys earlier readers use, and the chosen peer's record and card say what it is
+    result.save(tmp_path / "frontier.json")
+    point = json.load(open(tmp_path / "frontier.json"))["points"][4]
+    assert {"kind", "tau", "a", "b", "damping", "mitigation_lambda", "ap1", "ap2", "label", "above_wise",
+            "above_intruder", "jacobian_evaluations", "options", "forward_passes", "description"} <= set(point)
+    assert point["options"]["passes"] == 2 and point["tau"] is None
+    result.chosen = kinds_seen.index("fisher")
+    out = result.save_pretrained(tmp_path / "chosen")
+    assert load_report(out).frontier["chosen"]["kind"] == "fisher"
+    card = open(tmp_path / "chosen" / "README.md").read()
+    assert "diagonal-Fisher-weighted interpolation" in card and "rectification record below is therefore empty" in card
+
+
+def test_kinds_not_defined_for_the_fine_tuning_are_refused(setting):
+    with pytest.raises(JanusError, match="intruder needs a saved LoRA adapter"):
+        run(setting, candidates="intruder:0.5")
+
+
+def test_cli_takes_a_candidate_spec(setting, tmp_path, capsys):
+    from hf_janus.cli import main
+
+    tok, base, tuned, _ = setting
+    dirs = {}
+    for label, model in (("base", base), ("tuned", tuned)):
+        dirs[label] = str(tmp_path / label)
+        model.save_pretrained(dirs[label])
+        tok.save_pretrained(dirs[label])
+    past = write_jsonl(str(tmp_path / "past.jsonl"), [{"prompt": t[:8], "completion": t[9:]} for t in PAST[:4]])
+    new = write_jsonl(str(tmp_path / "new.jsonl"), [{"prompt": t[:6], "completion": t[7:]} for t in NEW[:4]])
+    replay = write_jsonl(str(tmp_path / "data" / "replay.jsonl"), [{"text": t} for t in PAST[6:]])
+    out = str(tmp_path / "frontier")
+    argv = ["frontier", "--reference", dirs["base"], "--finetuned", dirs["tuned"], "--replay", replay,
+            "--text-field", "text", "--past-task", past, "--new-task", new, "--batch-size", "2", "--no-progress",
+            "--output", out]
+    assert main(argv + ["--candidates", "wise:0.5 lines:alpha=0.5:beta=0.5"]) == 0
+    data = json.load(open(f"{out}/frontier.json"))
+    assert [p["label"] for p in data["points"]] == ["θ0 (reference)", "θ̂ (fine-tuned)", "WiSE-FT a=0.5",
+                                                    "LiNeS α=0.5 β=0.5"]
+    assert main(argv + ["--candidates", "wise:2"]) == 2
+    assert "wise: a must be strictly between 0 and 1" in capsys.readouterr().err
