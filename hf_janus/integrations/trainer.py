@@ -17,6 +17,7 @@ import functools
 import inspect
 import logging
 import os
+import weakref
 from typing import Any, Optional
 
 from torch import Tensor, nn
@@ -57,11 +58,14 @@ def _wait_for_everyone() -> None:
     wait_for_everyone()
 
 
-def _trainer_being_built() -> Any:
-    """The ``Trainer`` whose ``__init__`` is running (it calls ``on_init_end`` a few frames up), or ``None``.
+def _calling_trainer(building: bool = False) -> Any:
+    """The ``Trainer`` whose method called the running callback event (a few frames up), or ``None``.
 
-    Trainer hands itself to no callback, and a failed ``train()`` calls none, so this is the one moment a callback
-    given as ``Trainer(callbacks=[...])`` can reach the trainer before ``train()`` is first called.
+    Trainer hands itself to no callback: the events' keyword arguments carry its model, tokenizer, optimizer and
+    data loaders, never the trainer, whose ``save_model``/``push_to_hub`` publish the record and whose ``train``
+    must be guarded. ``building``: only a Trainer whose ``__init__`` is running (``on_init_end``, the one moment a
+    callback given as ``Trainer(callbacks=[...])`` can reach it before ``train()`` is first called); otherwise
+    also the one whose ``train()`` runs (``on_train_begin`` of a callback added with ``add_callback``).
     """
     from transformers import Trainer
 
@@ -72,7 +76,7 @@ def _trainer_being_built() -> Any:
             if frame is None:
                 return None
             candidate = frame.f_locals.get("self")
-            if frame.f_code.co_name == "__init__" and isinstance(candidate, Trainer):
+            if isinstance(candidate, Trainer) and (not building or frame.f_code.co_name == "__init__"):
                 return candidate
         return None
     finally:
@@ -125,7 +129,10 @@ class JanusCallback(TrainerCallback):
             either way; ``"warn"`` logs the error and lets training finish normally.
         trainer: optional ``Trainer``; when given, the rectification steps are logged with ``trainer.log``
             so every reporting integration (wandb, tensorboard, ...) receives them. Required for
-            ``peft_output="merged"`` (the merged model replaces ``trainer.model``).
+            ``peft_output="merged"`` (the merged model replaces ``trainer.model``). Publishing does not need
+            it: the callback finds the Trainer that runs it (given in ``Trainer(callbacks=[...])`` or added with
+            ``add_callback``), and ``trainer.save_model()``/``push_to_hub()`` after a rectifying ``train()``
+            write the same record and card either way.
         peft_output: for a PEFT model, ``"adapter"`` (default) writes the rectified update back into the
             LoRA factors (truncated SVD per layer, see ``adapter_rank``) so ``trainer.save_model()`` saves an
             adapter; ``"merged"`` writes the rectified weights into the base layers and replaces
@@ -134,9 +141,11 @@ class JanusCallback(TrainerCallback):
             ``"auto"`` (smallest rank keeping ``adapter_energy`` of the layer's update) or a float energy.
         adapter_energy: energy threshold for ``adapter_rank="auto"``.
 
-    After training, ``callback.report`` is the :class:`RectificationReport`; it is also written to
-    ``args.output_dir/janus_rectification.json`` and its figures are appended to
-    ``trainer.state.log_history`` under ``janus/*`` keys.
+    After training, ``callback.report`` is the :class:`RectificationReport`; its publication record
+    (:class:`~hf_janus.publish.record_file.PublishedReport`, the document every ``janus_rectification.json`` holds)
+    is written to ``args.output_dir/janus_rectification.json``, its figures are appended to
+    ``trainer.state.log_history`` under ``janus/*`` keys, and ``trainer.save_model()``/``push_to_hub()`` add the
+    record, the model card and the safetensors metadata to what they save.
     """
 
     def __init__(self, replay: Any, config: Optional[JanusConfig] = None, snapshot: str = "cpu",
@@ -150,6 +159,9 @@ class JanusCallback(TrainerCallback):
         self.config = config if config is not None else JanusConfig()
         self.on_error = on_error
         self._trainer: Any = None
+        # The Trainer found running this callback (weakly: the trainer holds the callback, not the reverse), for
+        # publishing when none was given with trainer=.
+        self._found: Optional[weakref.ref] = None
         self._guarded = False  # a trainer's train() will call _after_failed_training if it raises
         self._train_ended = False  # on_train_end was reached in the current run
         self.trainer = trainer
@@ -224,13 +236,21 @@ class JanusCallback(TrainerCallback):
     # ---- Trainer events -----------------------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        # Only the failure guard is installed: the Trainer found this way does not become self.trainer, which
-        # would also route the logs and wrap save_model/push_to_hub, things a user asks for with trainer=.
+        # The failure guard, and the trainer to publish through: the Trainer found this way does not become
+        # self.trainer, which would also route the logs through trainer.log, a thing a user asks for with trainer=.
         if self._trainer is None:
-            trainer = _trainer_being_built()
+            trainer = _calling_trainer(building=True)
             if trainer is not None:
+                self._found = weakref.ref(trainer)
                 _guard_failed_training(trainer, self)
                 self._guarded = True
+
+    def _publishing_trainer(self) -> Any:
+        """The trainer whose ``save_model``/``push_to_hub`` publish the record: the one given, else the one found
+        running this callback (``None`` when neither is known)."""
+        if self._trainer is not None:
+            return self._trainer
+        return self._found() if self._found is not None else None
 
     def _after_failed_training(self, trainer: Any) -> None:
         """Called by a guarded ``trainer.train()`` that raised. Before train end that is a failed training: the
@@ -251,6 +271,9 @@ class JanusCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Optional[nn.Module] = None, processing_class: Any = None, **kwargs: Any) -> None:
         self._train_ended = False
+        if self._publishing_trainer() is None:  # added with add_callback after the Trainer was built
+            trainer = _calling_trainer()
+            self._found = weakref.ref(trainer) if trainer is not None else None
         # Everything that can be checked is checked here, before the first optimizer step: a refusal at train
         # end would cost the whole training run.
         check_sharding(model)  # before unwrapping: an FSDP1 wrapper would be peeled off like DDP's
@@ -329,16 +352,35 @@ class JanusCallback(TrainerCallback):
         self._discard_snapshot(args, state)
         self.report.output.setdefault("snapshot_mib", self.snapshot_bytes / 2**20)
         self._log(state)
-        if state.is_world_process_zero:
-            self.report.save(os.path.join(args.output_dir, REPORT_NAME))
-        if self.trainer is not None:
-            # trainer.save_model()/push_to_hub() then carry the record, the card and the safetensors metadata.
-            from hf_janus.integrations.trainer_publish import install_trainer_hooks
-
-            replay = self._tokenized if isinstance(self.replay, SelfReplay) else self.replay  # the rows replayed
-            install_trainer_hooks(self.trainer, lambda: self.report, replay=replay)
+        self._publish(args, state)
 
     # ---- helpers ------------------------------------------------------------------------------------
+    def _publish(self, args: TrainingArguments, state: TrainerState) -> None:
+        """Write the publication record into ``output_dir`` and make the trainer's ``save_model()`` and
+        ``push_to_hub()`` add it, the card and the weight metadata to what they save: one document under
+        ``janus_rectification.json`` whichever way the callback was constructed."""
+        from hf_janus.integrations.trainer_publish import install_trainer_hooks
+        from hf_janus.publish.provenance import describe_model, describe_replay
+        from hf_janus.publish.record_file import build_report
+
+        replay = self._tokenized if isinstance(self.replay, SelfReplay) else self.replay  # the rows replayed
+        kind = "adapter" if is_peft_model(self.model) else "full"
+        trainer = self._publishing_trainer()
+        if trainer is not None:
+            publication = install_trainer_hooks(trainer, lambda: self.report, replay=replay)
+            if state.is_world_process_zero:
+                publication.record(kind).save(os.path.join(args.output_dir, REPORT_NAME))
+            return
+        logger.warning(
+            "JANUS: the callback could not find the Trainer that ran it, so trainer.save_model() and push_to_hub() "
+            "will save the rectified weights without janus_rectification.json and the model card. Pass "
+            "JanusCallback(..., trainer=trainer) or set callback.trainer = trainer before train(); or publish a "
+            "saved folder with hf_janus.publish.files.write_publication_files(folder, callback.report)")
+        if state.is_world_process_zero:
+            record = build_report(self.report, kind=kind, base_model=describe_model(self.model),
+                                  replay_info=describe_replay(replay) if replay is not None else None)
+            record.save(os.path.join(args.output_dir, REPORT_NAME))
+
     def _check_replay(self, model: nn.Module, tokenizer: Any, resumed: bool = False, progress: bool = True) -> None:
         """Tokenize (if needed) and validate the replay now, as the rectification will read it; the tokenized
         replay is kept for train end. A :class:`SelfReplay` is generated here, while ``model`` still holds θ0."""

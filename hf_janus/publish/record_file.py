@@ -16,6 +16,12 @@ directory rectified by :class:`~hf_janus.JanusCallback`) carries three things:
   ``sha`` is the commit of a Hub repo (``None`` for a local directory); ``fingerprint`` is the ``datasets``
   fingerprint of the replay dataset (a sha256 of the token ids for in-memory samples). The rectification
   report sits at the top level, so readers of the callback's bare report (``data["output"]``, ...) keep working.
+  This is the only document written under that name: the Trainer callback writes it too, into ``output_dir`` at
+  train end (whether or not it was given the trainer), and ``trainer.save_model()`` writes it with the weights.
+
+  Legacy files, read but no longer written: a bare ``RectificationReport`` (what ``JanusCallback`` left in
+  ``output_dir`` before it wrote the publication record) and a ``MergeReport`` saved on its own; both lack
+  ``hf_janus_version`` and are read by :meth:`PublishedReport.from_dict` as ``hf_janus_version="unknown"``.
 * a short form of it in the ``__metadata__`` of every safetensors weight file (``janus.*`` string keys,
   :func:`hf_janus.publish.weights_meta.safetensors_metadata`), so a weight file on its own still says where it came from;
 * ``README.md``: a model card rendered from ``model_card_templates/`` through huggingface_hub's
@@ -210,8 +216,9 @@ class PublishedReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, kind: Optional[str] = None) -> "PublishedReport":
-        """Read a document of any schema up to :data:`SCHEMA_VERSION`; also a bare ``RectificationReport`` or
-        a ``MergeReport`` saved on its own (``kind`` then says what it describes, default ``"full"``)."""
+        """Read a document of any schema up to :data:`SCHEMA_VERSION`; also, for files written by earlier
+        versions (legacy, see the module docstring), a bare ``RectificationReport`` or a ``MergeReport`` saved on
+        its own (``kind`` then says what it describes, default ``"full"``)."""
         if not isinstance(data, dict):
             raise JanusError(f"janus_rectification.json must hold a JSON object, got {type(data).__name__}")
         if "hf_janus_version" not in data:
@@ -245,6 +252,8 @@ class PublishedReport:
 
     @classmethod
     def _from_legacy(cls, data: dict[str, Any], kind: Optional[str]) -> "PublishedReport":
+        """Legacy: a file without ``hf_janus_version``, which no current writer produces (kept so that outputs of
+        earlier versions still load)."""
         try:
             if isinstance(data.get("rectification"), dict):  # a MergeReport.to_dict()
                 merge = {k: v for k, v in data.items() if k not in ("rectification", "base_model", "adapter",
