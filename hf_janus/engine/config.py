@@ -1,6 +1,7 @@
 """The configuration of a JANUS rectification, beside the engine it configures, with the engine's choices.
 
-This module imports nothing from the engine: the engine's modules read their choice constants from here, and the
+This module imports nothing from the engine but the acceptance rules' registry (:mod:`hf_janus.engine.acceptance`,
+which imports nothing from the engine itself): the engine's modules read their choice constants from here, and the
 command line (``hf_janus.cli``) and the configuration reference (``docs/reference/configuration.md``, written by
 ``docs/generate_config_reference.py``) read each field's ``metadata["help"]``, its one description.
 """
@@ -16,14 +17,16 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from hf_janus.engine.acceptance import rule_named, rule_names
 from hf_janus.serialization import known_fields
 
 #: ``JanusConfig.step_control``: how each trial's step size is chosen (:mod:`hf_janus.engine.step_control`).
 STEP_CONTROLS = ("adaptive", "paper")
 #: ``JanusConfig.final_step``: what the unchecked final step at ``max_steps`` may do.
 FINAL_STEPS = ("guarded", "paper")
-#: ``JanusConfig.acceptance``: the test a trial step must pass.
-ACCEPTANCES = ("cosine", "loss", "both")
+#: ``JanusConfig.acceptance``: the test a trial step must pass, the rules registered when this module was imported
+#: (the built-ins; validation asks the registry itself, so a rule registered later is valid too).
+ACCEPTANCES = rule_names()
 #: ``JanusConfig.constraint``: the per-sample function whose Jacobian is kept (:mod:`hf_janus.engine.capture`).
 CONSTRAINTS = ("loss", "target_logit", "logit_projections")
 #: ``JanusConfig.captures``: how many Jacobian captures a run keeps alive (:mod:`hf_janus.engine.memory_plan`).
@@ -90,11 +93,11 @@ class JanusConfig:
         "help": "smallest step size α tried; a step that would shrink below it is taken at min_alpha and flagged "
                 "forced in the report"})
     step_control: str = field(default="adaptive", metadata={
-        "help": "how the step size α of each trial is chosen (the acceptance test, c̄ ≥ τ on the whole replay, is "
-                "the same): adaptive (the paper's grid point, the largest α on 1, β, β², ... that passes, found by "
-                "jumping to the point predicted from the trials so far and trying the point above only when it is "
-                "predicted to pass: most steps cost one or two trials) or paper (Algorithm 1: α=1 at every step, "
-                "shrunk by β until accepted)", "choices": STEP_CONTROLS})
+        "help": "how the step size α of each trial is chosen (the acceptance test, c̄ ≥ τ on the whole replay by "
+                "default, is the same): adaptive (the paper's grid point, the largest α on 1, β, β², ... that "
+                "passes, found by jumping to the point predicted from the trials so far and trying the point above "
+                "only when it is predicted to pass: most steps cost one or two trials) or paper (Algorithm 1: α=1 "
+                "at every step, shrunk by β until accepted)", "choices": STEP_CONTROLS})
     max_evaluations: Optional[int] = field(default=None, metadata={
         "help": "budget in Jacobian evaluations (θ0's capture counts as one): when the next trial would exceed "
                 "it, the loop stops at the last accepted point (θ0 if none), the report says stopped_early and a "
@@ -151,13 +154,13 @@ class JanusConfig:
     seed: int = field(default=0, metadata={
         "help": "seed for anything random (the replay order is never shuffled: samples are grouped by length)"})
     acceptance: str = field(default="cosine", metadata={
-        "help": "the test a trial step must pass: cosine (the paper's, c̄ ≥ τ), loss (the whole-replay loss, "
-                "which each trial's capture measures anyway, rose from the current point by at most "
-                "loss_tolerance · α times the fine-tune's rise) or both (an experiment of the well-fit-past-task "
-                "study, see the forgetting benchmark's README)", "choices": ACCEPTANCES})
+        "help": "the test a trial step must pass, a rule registered in hf_janus.engine.acceptance: "
+                + "; ".join(f"{name}: {rule_named(name).summary}" for name in ACCEPTANCES),
+        "choices": ACCEPTANCES})
     loss_tolerance: float = field(default=0.05, metadata={
-        "help": "with acceptance loss or both: the share of the fine-tune's replay-loss rise that a step of size "
-                "α may add, times α"})
+        "help": "with an acceptance rule that reads it ("
+                + ", ".join(name for name in ACCEPTANCES if "loss_tolerance" in rule_named(name).options)
+                + "): the share of the fine-tune's replay-loss rise the rule allows (see acceptance)"})
     constraint: str = field(default="loss", metadata={
         "help": "the per-sample function of the replay whose Jacobian JANUS keeps unchanged: loss (the paper's, "
                 "the summed next-token loss at constraint_temperature), target_logit (the summed logit of each "
@@ -196,8 +199,9 @@ class JanusConfig:
                " or ".join(repr(c) for c in CAPTURE_SCHEDULES))
         _check(self.factor_dtype in FACTOR_DTYPES, "factor_dtype", self.factor_dtype,
                " or ".join(repr(c) for c in FACTOR_DTYPES))
-        _check(self.acceptance in ACCEPTANCES, "acceptance", self.acceptance,
-               " or ".join(repr(c) for c in ACCEPTANCES))
+        _check(isinstance(self.acceptance, str) and self.acceptance in rule_names(), "acceptance", self.acceptance,
+               " or ".join(repr(c) for c in rule_names()) + " (or a rule registered with "
+               "hf_janus.engine.acceptance.register)")
         _check(_is_real(self.loss_tolerance) and self.loss_tolerance > 0, "loss_tolerance", self.loss_tolerance,
                "a float > 0")
         _check(self.constraint in CONSTRAINTS, "constraint", self.constraint, " or ".join(repr(c) for c in CONSTRAINTS))

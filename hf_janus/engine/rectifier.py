@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from hf_janus.engine.acceptance import Budget
+from hf_janus.engine.budget import Budget
 from hf_janus.engine.capture import (
     CaptureResult,
     capture_factors,
@@ -83,8 +83,9 @@ class Rectifier:
                 host memory before spilling to disk (default: what the memory plan leaves).
             cosine_override: called as ``cosine_override(step, alpha, measured)`` after each trial's comparison,
                 with the model holding the trial; what it returns replaces the measured mean cosine c̄ in the
-                acceptance test and the report. For tests and experiments that drive the loop through chosen c̄
-                landscapes; the comparison itself still runs (the next step projects with the trial's row space).
+                acceptance rule's measurements and the report. For tests and experiments that drive the loop
+                through chosen c̄ landscapes; the comparison itself still runs (the next step projects with the
+                trial's row space).
             clock: the time source of ``config.max_seconds`` (seconds, monotonic).
             finetuned: θ̂ of every target layer, keyed ``"<layer name>.weight"`` in the module's layout, when the
                 caller knows it more exactly than the model's weights hold it: an adapter's update on a bf16 base
@@ -226,8 +227,8 @@ class Rectifier:
             report.num_jacobian_evals = 1
             bar.update(1)
             report.num_samples, report.num_tokens = base.num_samples, int(base.sample_tokens.sum())
-            # the fine-tune's replay-loss rise, the loss tests' unit (the paper's test does not need it)
-            rise = finetuned_loss.loss - base.loss if self.config.acceptance != "cosine" else math.nan
+            # the fine-tune's replay-loss rise, the loss rules' unit (the paper's test does not need it)
+            rise = finetuned_loss.loss - base.loss if loop.rule.needs_rise else math.nan
             last = loop.run(base, rise)
             if self.world.active:
                 loop.phase = "synchronizing the rectified weights across ranks"

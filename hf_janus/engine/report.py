@@ -25,14 +25,36 @@ def rounded_reference(dtype: Any) -> str:
 
 @dataclass
 class TrialRecord:
-    """One trial point ``θ_t + α Δθ_proj`` and its JANUS orientation comparison."""
+    """One trial point ``θ_t + α Δθ_proj``: its JANUS orientation comparison, its replay loss, its score under the
+    run's acceptance rule, whether it passed, and whether the step moved there.
+
+    ``taken`` and ``passed`` differ: a step may take a failing trial (``StepRecord.forced``: the step floor or the
+    last step), and a passing trial may be left for a larger one that passes too. ``score`` and ``passed`` are
+    None in reports written before they were recorded; those reports called ``taken`` ``accepted``, which
+    :meth:`from_dict` still reads (and :attr:`accepted` still answers).
+    """
 
     step: int
     alpha: float
     mean_cosine: float
     layer_cosines: dict[str, Optional[float]]
-    accepted: bool
+    taken: bool
     replay_loss: float
+    score: Optional[float] = None  # compared with the rule's threshold (c̄ itself for the paper's rule)
+    passed: Optional[bool] = None
+
+    @property
+    def accepted(self) -> bool:
+        """The name ``taken`` had in reports before the acceptance rules became objects."""
+        return self.taken
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrialRecord":
+        """A trial of a report of any version (``accepted`` read as ``taken``)."""
+        data = dict(data)
+        if "taken" not in data and "accepted" in data:
+            data["taken"] = data.pop("accepted")
+        return cls(**known_fields(cls, data))
 
 
 @dataclass
@@ -42,13 +64,13 @@ class StepRecord:
     step: int
     alpha: float
     trials: list[TrialRecord] = field(default_factory=list)
-    forced: bool = False  # taken although mean cosine < tau (min_alpha or max_steps reached)
+    forced: bool = False  # taken although it failed the acceptance test (min_alpha or max_steps reached)
 
     @property
     def taken(self) -> Optional[TrialRecord]:
         """The trial the step moved to: not always the last one, since the adaptive controller may try a larger α
         after a passing trial and then take the passing one."""
-        return next((t for t in self.trials if t.accepted), self.trials[-1] if self.trials else None)
+        return next((t for t in self.trials if t.taken), self.trials[-1] if self.trials else None)
 
 
 @dataclass
@@ -116,7 +138,7 @@ class RectificationReport:
         steps = []
         for s in data.pop("steps", []):
             s = dict(s)
-            trials = [TrialRecord(**t) for t in s.pop("trials", [])]
+            trials = [TrialRecord.from_dict(t) for t in s.pop("trials", [])]
             steps.append(StepRecord(trials=trials, **s))
         layers = [LayerStats(**layer) for layer in data.pop("layers", [])]
         return cls(steps=steps, layers=layers, **data)

@@ -1,9 +1,12 @@
 """Step-size control of the multi-step loop: which step size α to try next, given the trials made so far.
 
-The acceptance test never changes: a trial passes when the mean principal-angle cosine c̄, measured on the whole
-replay, reaches τ (the loop takes a failing trial only when it has no choice left: the smallest step size, or the
-last step). Only the choice of the α to try differs, and with it the number of trials, each a Jacobian evaluation
-(a forward/backward over the replay).
+The controllers never judge a trial themselves: the run's acceptance rule (:mod:`hf_janus.engine.acceptance`,
+``JanusConfig.acceptance``) turns each trial's measurements into a *score*, and a trial passes when its score
+reaches the rule's *threshold*: for the paper's rule the score is the mean principal-angle cosine c̄ measured on the
+whole replay and the threshold τ; the loss rules map the share of their allowance a trial used onto a score with
+threshold 0.5. The loop takes a failing trial only when it has no choice left (the smallest step size, or the last
+step). Only the choice of the α to try differs between controllers, and with it the number of trials, each a
+Jacobian evaluation (a forward/backward over the replay). Below, c̄ and τ stand for the score and the threshold.
 
 - ``"paper"``: Algorithm 1 of the paper. Every step starts at α=1 and shrinks by β until c̄ ≥ τ: it takes the
   largest α on the grid ``1, β, β², ...`` that passes, and pays for every grid point above it.
@@ -60,8 +63,8 @@ class StepController(ABC):
     """Chooses the step sizes of one rectification: :meth:`start_step` once per step, :meth:`decide` after each
     trial."""
 
-    def __init__(self, tau: float, beta: float, min_alpha: float):
-        self.tau, self.beta, self.min_alpha = tau, beta, min_alpha
+    def __init__(self, threshold: float, beta: float, min_alpha: float):
+        self.threshold, self.beta, self.min_alpha = threshold, beta, min_alpha
         self.proj_norm = 0.0
         self._steps = 0
         self._trials = 0
@@ -82,11 +85,11 @@ class StepController(ABC):
     def _begin_step(self) -> None:
         """Forget what the trials of the previous step found (nothing to forget by default)."""
 
-    def decide(self, alpha: float, cbar: float, forced_ok: bool) -> Decision:
-        """The decision after a trial at ``alpha`` measured ``cbar``; ``forced_ok``: the loop may take this trial
+    def decide(self, alpha: float, score: float, forced_ok: bool) -> Decision:
+        """The decision after a trial at ``alpha`` measured ``score``; ``forced_ok``: the loop may take this trial
         even if it fails (the last allowed step)."""
         self._trials += 1
-        decision = self._decide(alpha, cbar, forced_ok or self.is_floor(alpha))
+        decision = self._decide(alpha, score, forced_ok or self.is_floor(alpha))
         if decision.action != "try":
             self._steps += 1
         return decision
@@ -99,7 +102,7 @@ class StepController(ABC):
     def _first_alpha(self) -> float: ...
 
     @abstractmethod
-    def _decide(self, alpha: float, cbar: float, forced_ok: bool) -> Decision: ...
+    def _decide(self, alpha: float, score: float, forced_ok: bool) -> Decision: ...
 
     def estimated_remaining_evaluations(self, alpha: float, steps_left: int) -> Optional[int]:
         """A rough count of the Jacobian evaluations still to come after a step taken at ``alpha``, for the
@@ -119,8 +122,8 @@ class PaperStepController(StepController):
     def _first_alpha(self) -> float:
         return 1.0
 
-    def _decide(self, alpha: float, cbar: float, forced_ok: bool) -> Decision:
-        if cbar >= self.tau or forced_ok:
+    def _decide(self, alpha: float, score: float, forced_ok: bool) -> Decision:
+        if score >= self.threshold or forced_ok:
             return Decision("accept")
         return Decision("try", alpha * self.beta)
 
@@ -129,8 +132,8 @@ class AdaptiveStepController(StepController):
     """Finds the paper's grid point (the largest α on ``1, β, β², ...`` that passes) with fewer trials, from a
     model ``1 − c̄ ≈ k s^p`` of the trials made so far (see the module docstring)."""
 
-    def __init__(self, tau: float, beta: float, min_alpha: float):
-        super().__init__(tau, beta, min_alpha)
+    def __init__(self, threshold: float, beta: float, min_alpha: float):
+        super().__init__(threshold, beta, min_alpha)
         self.p = 2.0
         self._reference: Optional[tuple[float, float]] = None  # (s, gap) of the last accepted trial
         self._passed: dict[int, float] = {}  # grid index -> gap, this step
@@ -145,7 +148,7 @@ class AdaptiveStepController(StepController):
         ``share · (1 − τ)``."""
         if gap <= 0.0 or length <= 0.0 or self.proj_norm <= 0.0:
             return 0
-        bound = share * (1.0 - self.tau)
+        bound = share * (1.0 - self.threshold)
         for j, alpha in enumerate(self.grid):
             if gap * (alpha * self.proj_norm / length) ** self.p <= bound:
                 return j
@@ -172,16 +175,16 @@ class AdaptiveStepController(StepController):
         self._reference = (self.grid[j] * self.proj_norm, gap)
         return Decision("accept_kept" if kept else "accept")
 
-    def _decide(self, alpha: float, cbar: float, forced_ok: bool) -> Decision:
-        j, gap = self._index(alpha), max(0.0, 1.0 - cbar)
+    def _decide(self, alpha: float, score: float, forced_ok: bool) -> Decision:
+        j, gap = self._index(alpha), max(0.0, 1.0 - score)
         self._fit_p(j, gap)
         length = alpha * self.proj_norm
-        if cbar >= self.tau:
+        if score >= self.threshold:
             self._passed[j] = gap
             if j == 0 or (j - 1) in self._failed:
                 return self._accept(j, gap)
             predicted_above = gap * (self.grid[j - 1] / alpha) ** self.p
-            if predicted_above > PROBE_SHARE * (1.0 - self.tau):
+            if predicted_above > PROBE_SHARE * (1.0 - self.threshold):
                 return self._accept(j, gap)
             self._kept = j
             return Decision("try", self.grid[j - 1], keep=True)
@@ -196,10 +199,10 @@ class AdaptiveStepController(StepController):
         return Decision("try", self.grid[min(target, len(self.grid) - 1)])
 
 
-def make_step_controller(kind: str, tau: float, beta: float, min_alpha: float) -> StepController:
+def make_step_controller(kind: str, threshold: float, beta: float, min_alpha: float) -> StepController:
     """The controller named by ``JanusConfig.step_control``."""
     if kind == "paper":
-        return PaperStepController(tau, beta, min_alpha)
+        return PaperStepController(threshold, beta, min_alpha)
     if kind == "adaptive":
-        return AdaptiveStepController(tau, beta, min_alpha)
+        return AdaptiveStepController(threshold, beta, min_alpha)
     raise ValueError(f"unknown step_control {kind!r}: expected one of {STEP_CONTROLS}")

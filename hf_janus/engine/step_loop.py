@@ -2,8 +2,9 @@
 point's Jacobian, try step sizes (chosen by :mod:`.step_control`) until one is taken, and move there.
 
 A trial is one Jacobian evaluation: its weights are written, captured, and compared with the current point's
-(the mean principal-angle cosine c̄ over layers); :mod:`.acceptance` turns that into the score the controller
-decides on. The adaptive controller may keep a passing trial while it probes a larger step, and fall back to it.
+(the mean principal-angle cosine c̄ over layers); the run's acceptance rule (:mod:`.acceptance`) turns that and
+the replay losses into the score the controller decides on. The adaptive controller may keep a passing trial while
+it probes a larger step, and fall back to it.
 
 With ``lean`` (``JanusConfig.captures="two"``) at most two captures are alive, the current point's and the trial's:
 θ0's capture is dropped once the loop leaves θ0, and a kept trial's factors are dropped while the larger step is
@@ -21,7 +22,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from hf_janus.engine.acceptance import Budget, acceptance_score, threshold, undoing_final_step
+from hf_janus.engine.acceptance import TrialMeasurement, make_acceptance
+from hf_janus.engine.budget import Budget
 from hf_janus.engine.capture import CaptureResult
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.ghost import GramEig, eig_psd, mean_cosine, principal_cosines, project_with_jvp
@@ -37,6 +39,16 @@ logger = logging.getLogger(__name__)
 #: ``cosine_override(step, alpha, measured c̄) -> c̄``: replaces each trial's measured mean cosine (tests and
 #: experiments that drive the loop through chosen c̄ landscapes)
 CosineOverride = Callable[[int, float, float], float]
+
+
+def undoing_final_step(alpha: float, cbar: float, trial_loss: float,
+                       kept_loss: float) -> Optional[dict[str, float]]:
+    """The record of an unchecked final step whose whole-replay loss is higher than at the last accepted point (NaN
+    counts as higher), or None when it may be kept. Every rank answers the same: captures carry every rank's
+    losses (:func:`~hf_janus.engine.capture.combine_ranks`)."""
+    if trial_loss <= kept_loss:
+        return None
+    return {"alpha": alpha, "mean_cosine": cbar, "replay_loss": trial_loss, "kept_replay_loss": kept_loss}
 
 
 class Taken(NamedTuple):
@@ -60,7 +72,7 @@ class KeptTrial:
         """Make this the accepted trial of the step: its row-space eigendecompositions become the layers'."""
         for layer in layers:
             layer.trial_eig = self.eigs[layer.name]
-        record.trials[self.index].accepted = True
+        record.trials[self.index].taken = True
         return self.taken
 
 
@@ -74,15 +86,21 @@ class StepLoop:
         self.layers, self.jacobians, self.capture, self.store, self.world = layers, jacobians, capture, store, world
         self.config, self.proj_home, self.report, self.budget, self.bar = config, proj_home, report, budget, bar
         self.cosine_override, self.lean = cosine_override, lean
-        self.threshold = threshold(config)
-        self.controller = make_step_controller(config.step_control, self.threshold, config.beta, config.min_alpha)
+        #: the run's acceptance rule (``config.acceptance``): scores trials, describes itself to logs and the bar
+        self.rule = make_acceptance(config)
+        self.controller = make_step_controller(config.step_control, self.rule.threshold, config.beta,
+                                               config.min_alpha)
+        self.reference_loss = math.nan  # θ0's whole-replay loss, set by run()
+        #: the newest trial's measurements (what the progress bar shows against the rule)
+        self.last_measurement: Optional[TrialMeasurement] = None
         self.phase = "starting the step loop"
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def run(self, base: CaptureResult, rise: float) -> CaptureResult:
         """Step from θ0 (captured as ``base``) until converged, ``max_steps`` or a budget; ``rise``: the fine-tune's
-        replay-loss rise (the loss tests' unit). Returns the capture of θ_t, which the model holds on return."""
+        replay-loss rise (the loss rules' unit). Returns the capture of θ_t, which the model holds on return."""
         cfg, report = self.config, self.report
+        self.reference_loss = base.loss
         current_tag, last = "c0", base
         for step in range(cfg.max_steps):
             if self.budget.exhausted(report.num_jacobian_evals):
@@ -98,7 +116,7 @@ class StepLoop:
                 # accepted point, is what the model keeps.
                 self._end_without_step()
                 break
-            record.alpha, record.forced = taken.alpha, not taken.score >= self.threshold  # NaN counts as forced
+            record.alpha, record.forced = taken.alpha, not self.rule.passes(taken.score)  # NaN counts as forced
             report.steps.append(record)
             self.release_current()
             self.layers.move_to(taken.tag, taken.alpha)
@@ -112,8 +130,9 @@ class StepLoop:
                 break
             if record.forced:
                 logger.warning("JANUS step %d: step size would fall below min_alpha=%g; took α=%.4g failing the "
-                               "acceptance test (%s; mean cosine %.4f, τ=%.3g)", step, cfg.min_alpha, taken.alpha,
-                               cfg.acceptance, record.taken.mean_cosine if record.taken else math.nan, cfg.tau)
+                               "acceptance test (%s; score %.4f against %.3g, mean cosine %.4f)", step,
+                               cfg.min_alpha, taken.alpha, self.rule.describe(), taken.score, self.rule.threshold,
+                               record.taken.mean_cosine if record.taken else math.nan)
         # Whatever ended the loop (convergence, a budget, a left-out final step), the model holds θ_t from here.
         self.layers.hold_current()
         self._note_budget_stop()
@@ -174,20 +193,25 @@ class StepLoop:
         if self.cosine_override is not None:
             cbar = float(self.cosine_override(step, alpha, cbar))
         cbar = self.world.from_rank0(cbar)  # every replica must take the same decision
-        score = acceptance_score(cfg, cbar, alpha, capture.loss, last.loss, rise)
+        measured = TrialMeasurement(alpha=alpha, mean_cosine=cbar, trial_loss=capture.loss, current_loss=last.loss,
+                                    reference_loss=self.reference_loss, rise=rise)
+        self.last_measurement = measured
+        score = self.rule.score(measured)
+        passed = self.rule.passes(score)
         decision = self.controller.decide(alpha, score, forced_ok=final)
-        accepted = decision.action == "accept"
-        if accepted and final and not score >= self.threshold and cfg.final_step == "guarded":
+        taken = decision.action == "accept"
+        if taken and final and not passed and cfg.final_step == "guarded":
             self.report.discarded_final_step = undoing_final_step(alpha, cbar, capture.loss, last.loss)
             if self.report.discarded_final_step is not None:
-                record.trials.append(TrialRecord(step, alpha, cbar, per_layer, False, capture.loss))
+                record.trials.append(TrialRecord(step, alpha, cbar, per_layer, False, capture.loss, score, passed))
                 self.store.drop(tag)
                 self._show_trial(record, 0)
                 return None, decision
-        record.trials.append(TrialRecord(step, alpha, cbar, per_layer, accepted, capture.loss))
-        logger.info("JANUS step %d trial α=%.4g: mean cosine %.5f (τ=%.3g) -> %s; replay loss %.5f", step, alpha,
-                    cbar, cfg.tau, decision.action if decision.action != "try"
-                    else ("keep, try larger" if decision.keep else "shrink"), capture.loss)
+        record.trials.append(TrialRecord(step, alpha, cbar, per_layer, taken, capture.loss, score, passed))
+        logger.info("JANUS step %d trial α=%.4g: %s %s (mean cosine %.5f) -> %s; replay loss %.5f", step, alpha,
+                    self.rule.name, self.rule.verdict(measured, score), cbar, decision.action
+                    if decision.action != "try" else ("keep, try larger" if decision.keep else "shrink"),
+                    capture.loss)
         return Taken(tag, capture, alpha, score), decision
 
     def _drop(self, kept: Optional[KeptTrial]) -> None:
@@ -300,10 +324,13 @@ class StepLoop:
     def _show_trial(self, record: StepRecord, remaining: Optional[int]) -> None:
         """The newest trial on the progress bar: what a user needs to estimate the wait. The bar counts Jacobian
         evaluations; its total (hence tqdm's remaining time) is re-estimated after every accepted step."""
-        trial, tau, bar = record.trials[-1], self.config.tau, self.bar
+        trial, bar, rule = record.trials[-1], self.bar, self.rule
         if remaining is not None:
             bar.total = self.report.num_jacobian_evals + remaining
         bar.update(1)
-        bar.set_postfix(step=record.step, trial=len(record.trials), alpha=f"{trial.alpha:.3g}",
-                        cos=f"{trial.mean_cosine:.4f}{'≥' if trial.mean_cosine >= tau else '<'}τ={tau:g}",
-                        loss=f"{trial.replay_loss:.4f}")
+        fields = {"step": record.step, "trial": len(record.trials), "alpha": f"{trial.alpha:.3g}"}
+        if rule.bar_key != "cos":  # c̄ is measured whatever the rule: shown beside a rule that does not judge it
+            fields["cos"] = f"{trial.mean_cosine:.4f}"
+        fields[rule.bar_key] = rule.verdict(self.last_measurement, trial.score)
+        fields["loss"] = f"{trial.replay_loss:.4f}"
+        bar.set_postfix(fields)

@@ -428,7 +428,8 @@ class JanusCallback(TrainerCallback):
         for step in report.steps:
             for trial in step.trials:
                 entries.append({"janus/step": step.step, "janus/alpha": trial.alpha,
-                                "janus/mean_cosine": trial.mean_cosine, "janus/accepted": int(trial.accepted),
+                                "janus/mean_cosine": trial.mean_cosine, "janus/score": trial.score,
+                                "janus/passed": int(bool(trial.passed)), "janus/taken": int(trial.taken),
                                 "janus/replay_loss": trial.replay_loss})
         entries.append({
             "janus/replay_loss_reference": report.replay_loss["reference"],

@@ -27,6 +27,7 @@ from hf_janus.errors import JanusError
 if TYPE_CHECKING:  # pragma: no cover
     from huggingface_hub import ModelCard, ModelCardData
 
+    from hf_janus.engine.acceptance import AcceptanceRule
     from hf_janus.publish.provenance import RepoRef
     from hf_janus.publish.record_file import PublishedReport
 
@@ -72,13 +73,28 @@ _METHOD_SETTINGS = ("constraint", "constraint_projections", "constraint_temperat
                     "damping", "final_step", "step_control")
 
 
+def _acceptance_rule(cfg: dict[str, Any]) -> Optional["AcceptanceRule"]:
+    """The record's acceptance rule with its options, or None for a rule this version does not know (a record from
+    a newer hf-janus or a user's own rule) or options it cannot read."""
+    from hf_janus.engine.acceptance import make_acceptance
+
+    try:
+        return make_acceptance({"acceptance": "cosine", **cfg})
+    except (JanusError, TypeError, ValueError):
+        return None
+
+
 def _settings_line(cfg: dict[str, Any]) -> Optional[str]:
+    from hf_janus.engine.acceptance import rule_named, rule_names
     from hf_janus.engine.config import JanusConfig
 
     defaults = JanusConfig()
     # a knob of a constraint or test that the run did not use changed nothing: it is not named
-    unused = {"constraint_projections": cfg.get("constraint") != "logit_projections",
-              "loss_tolerance": cfg.get("acceptance") not in ("loss", "both")}
+    rule = _acceptance_rule(cfg)
+    used = set(rule.options) if rule is not None else set()
+    unused = {"constraint_projections": cfg.get("constraint") != "logit_projections"}
+    for option in {o for name in rule_names() for o in rule_named(name).options} - {"tau"}:
+        unused[option] = option not in used
     changed = [f"{name}={cfg[name]}" for name in _METHOD_SETTINGS
                if name in cfg and cfg[name] != getattr(defaults, name) and not unused.get(name, False)]
     return _plain(", ".join(changed)) if changed else None
@@ -169,6 +185,18 @@ def _candidate_titles(points: Any) -> str:
     return _plain(", ".join(seen)) if seen else "WiSE-FT interpolations, JANUS and their hybrids"
 
 
+def _acceptance_variables(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What the card says about the run's acceptance test: its row (only for a rule other than the paper's, whose
+    test the τ row states) and the step-trajectory sentence, both from the rule itself."""
+    rule = _acceptance_rule(cfg)
+    if rule is None:
+        return {"acceptance_line": f"{_plain(cfg.get('acceptance'))} (a rule this hf-janus does not know)",
+                "trajectory_sentence": "Each step tries step sizes α and takes one that passes the run's acceptance "
+                                       "test.", "tau_used": True}
+    return {"acceptance_line": None if rule.name == "cosine" else _plain(f"{rule.name}: {rule.describe()}"),
+            "trajectory_sentence": _plain(rule.card_sentence()), "tau_used": "tau" in rule.options}
+
+
 def template_variables(published: "PublishedReport", *, load_id: str) -> dict[str, Any]:
     """Everything the template shows, formatted."""
     rect = published.rectification
@@ -177,8 +205,8 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
     for s in rect.steps:
         cbar = s.taken.mean_cosine if s.taken else None
         steps.append({"step": s.step, "alpha": _fmt(s.alpha, ".4g"), "cbar": _fmt(cbar, ".4f"),
-                      "trials": len(s.trials), "note": "taken with c̄ < τ (step floor or step limit)" if s.forced
-                      else "accepted"})
+                      "trials": len(s.trials), "note": "taken failing the acceptance test (step floor or step "
+                      "limit)" if s.forced else "accepted"})
     total = rect.timings.get("total")
     if rect.converged:
         result = f"converged after {len(rect.steps)} step(s)"
@@ -214,6 +242,7 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
         "adapter_line": _ref_line(published.adapter),
         "replay_line": replay_line,
         "tau": _fmt(cfg.get("tau"), "g"),
+        **_acceptance_variables(cfg),
         "beta": _fmt(cfg.get("beta"), "g"),
         "rank": "none (every token kept, exact)" if cfg.get("rank") is None else str(cfg["rank"]),
         "settings_line": _settings_line(cfg),

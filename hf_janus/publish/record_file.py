@@ -98,7 +98,10 @@ def _str_keyed(values: Any) -> Any:
 
 _TRIAL = {"step": (_count, "a count"), "alpha": (_number, "a number"), "mean_cosine": (_opt(_number), "a number"),
           "layer_cosines": (_str_keyed(_opt(_number)), "an object of numbers"),
-          "accepted": (_is_bool, "true or false"), "replay_loss": (_opt(_number), "a number")}
+          "taken": (_is_bool, "true or false"), "score": (_opt(_number), "a number"),
+          "passed": (_opt(_is_bool), "true or false"),
+          "accepted": (_is_bool, "true or false"),  # what "taken" was called in records before it (legacy)
+          "replay_loss": (_opt(_number), "a number")}
 _STEP = {"step": (_count, "a count"), "alpha": (_number, "a number"), "forced": (_is_bool, "true or false"),
          "trials": (lambda v: isinstance(v, list), "a list")}
 _LAYER = {"name": (_is_str, "a string"), "path": (_is_str, "a string"), "delta_norm": (_number, "a number"),
