@@ -6,10 +6,12 @@ callback's constructions (given in ``Trainer(callbacks=[...])``, added with ``ad
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import pytest
+import torch
 from testing_utils import build_tiny
 from trainer_fixtures import FAST, collate, make_trainer, pretrained_llama, replay_data
 from transformers import TrainingArguments
@@ -85,3 +87,24 @@ def test_every_construction_publishes_the_same_documents(tmp_path, construction)
     trainer.save_model(str(tmp_path / "saved"))
     record = check_published(tmp_path / "saved", janus.report)
     assert record == at_train_end
+
+
+def test_a_callback_that_cannot_find_its_trainer_says_so_and_still_writes_the_record(tmp_path, caplog):
+    """Driven by hand (no Trainer up the stack, none given), the callback cannot wrap save_model: it says so at
+    train end with the fix, and output_dir still gets the publication record, not the bare engine report."""
+    model = pretrained_llama()
+    trainer = make_trainer(tmp_path, model, [])
+    janus = JanusCallback(replay_data(), FAST)
+    args, state, control = trainer.args, trainer.state, trainer.control
+    janus.on_train_begin(args, state, control, model=model)
+    with torch.no_grad():  # a "fine-tune": θ̂ moves away from the snapshotted θ0
+        for name, param in model.named_parameters():
+            if name.endswith("q_proj.weight"):
+                param.add_(0.05 * torch.randn_like(param))
+    with caplog.at_level(logging.WARNING, logger="hf_janus"):
+        janus.on_train_end(args, state, control, model=model)
+    assert "could not find the Trainer" in caplog.text and "trainer=trainer" in caplog.text
+    assert "write_publication_files" in caplog.text
+    record = json.loads((tmp_path / "out" / REPORT_NAME).read_text(encoding="utf-8"))
+    assert record["hf_janus_version"] == __version__ and record["kind"] == "full"
+    assert record["num_jacobian_evals"] == janus.report.num_jacobian_evals
