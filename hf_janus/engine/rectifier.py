@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NoReturn, Optional, Union
 
 import torch
@@ -45,7 +45,8 @@ from hf_janus.engine.memory_plan import (
 from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport, rounded_reference
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.statistics import layer_statistics
-from hf_janus.engine.step_loop import CosineOverride, StepLoop
+from hf_janus.engine.observer import RunObserver
+from hf_janus.engine.step_loop import StepLoop
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.target_layers import RebuiltWeights, Reference, TargetLayers, build_target_layer, storage_of
 from hf_janus.engine.timing import PhaseTimer
@@ -68,8 +69,7 @@ class Rectifier:
     def __init__(self, model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None,
                  progress: bool = True, keep_reference_factors: bool = False,
                  factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
-                 cosine_override: Optional[CosineOverride] = None, clock: Callable[[], float] = time.perf_counter,
-                 finetuned: Optional[Mapping[str, Tensor]] = None,
+                 observer: Optional[RunObserver] = None, finetuned: Optional[Mapping[str, Tensor]] = None,
                  rebuilt: Optional[Mapping[str, RebuiltWeights]] = None):
         """See :func:`rectify` for the first four arguments.
 
@@ -81,12 +81,9 @@ class Rectifier:
                 precision.
             memory_budget_bytes: with ``config.cache`` a directory, how many bytes of factors to keep in
                 host memory before spilling to disk (default: what the memory plan leaves).
-            cosine_override: called as ``cosine_override(step, alpha, measured)`` after each trial's comparison,
-                with the model holding the trial; what it returns replaces the measured mean cosine c̄ in the
-                acceptance rule's measurements and the report. For tests and experiments that drive the loop
-                through chosen c̄ landscapes; the comparison itself still runs (the next step projects with the
-                trial's row space).
-            clock: the time source of ``config.max_seconds`` (seconds, monotonic).
+            observer: the run's hooks (:class:`~hf_janus.engine.observer.RunObserver`): the clock of
+                ``config.max_seconds``, each capture, each trial's comparison and c̄. For tests and experiments that
+                drive the loop through chosen landscapes; the default changes nothing.
             finetuned: θ̂ of every target layer, keyed ``"<layer name>.weight"`` in the module's layout, when the
                 caller knows it more exactly than the model's weights hold it: an adapter's update on a bf16 base
                 (the model holds round(W + ΔW), and round(W + ΔW) − W is rounding noise where ΔW is small). ΔW is
@@ -97,7 +94,7 @@ class Rectifier:
                 base plus the initial or trained adapter); as with ``finetuned``, the caller keeps θ_rect.
         """
         self.model, self.progress, self.keep_reference_factors = model, progress, keep_reference_factors
-        self.cosine_override, self.clock = cosine_override, clock
+        self.observer = observer if observer is not None else RunObserver()
         #: Set by :meth:`run` (which also returns it): the report and, per layer, θ0, θ̂, θ_rect (and J0).
         self.result: Optional[RectificationResult] = None
         self.config = config if config is not None else JanusConfig()
@@ -186,6 +183,7 @@ class Rectifier:
     def capture(self, tag: str) -> CaptureResult:
         """One Jacobian evaluation at the point the model holds: every target layer's compressed factors, stored as
         ``tag`` (every rank's samples, in rank order), and the per-sample replay losses."""
+        self.observer.capturing(tag)
         self.workspace.clear()  # held gradient buffers would add to the forward/backward's peak
         targets = {layer.name: (layer.module, layer.d_in, layer.d_out) for layer in self.layers}
         cfg = self.config
@@ -197,17 +195,18 @@ class Rectifier:
             capture_factors(self.model, targets, self.idle_batches, self.store, "_idle", cfg.rank, self.timer, **kinds)
             self.store.drop("_idle")
         shapes = {layer.name: (layer.d_in, layer.d_out) for layer in self.layers}
-        return combine_ranks(self.world, self.store, result, shapes, self.device, self.timer)
+        return self.observer.captured(tag, combine_ranks(self.world, self.store, result, shapes, self.device,
+                                                         self.timer))
 
     def make_loop(self, report: Optional[RectificationReport] = None, budget: Optional[Budget] = None,
                   bar: Any = None) -> StepLoop:
         """The step loop over this rectifier's layers, captures and store (what :meth:`run` runs). Given alone, for
         callers that drive its phases themselves (benchmarks, tests): a fresh report, no budget, no progress bar."""
         report = report if report is not None else RectificationReport(config=self.config.to_dict())
-        budget = budget if budget is not None else Budget(None, None, self.clock)
+        budget = budget if budget is not None else Budget(None, None, self.observer.clock)
         bar = bar if bar is not None else tqdm(disable=True)
         return StepLoop(self.layers, self.jacobians, self.capture, self.store, self.world, self.config,
-                        self._home("proj"), report, budget, bar, self.cosine_override,
+                        self._home("proj"), report, budget, bar, self.observer,
                         lean=self.memory_plan.captures == "two")
 
     def run(self) -> RectificationResult:
@@ -215,7 +214,7 @@ class Rectifier:
         Returns the :class:`RectificationResult` (also kept as :attr:`result`); its ``report`` says what was done."""
         start = time.perf_counter()
         report = RectificationReport(config=self.config.to_dict())
-        budget = Budget(self.config.max_evaluations, self.config.max_seconds, self.clock)
+        budget = Budget(self.config.max_evaluations, self.config.max_seconds, self.observer.clock)
         bar = tqdm(desc="JANUS rectification", unit="eval", disable=not self.progress, leave=False)
         loop = self.make_loop(report, budget, bar)
         loop.phase = "measuring the fine-tuned replay loss"

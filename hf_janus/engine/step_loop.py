@@ -28,6 +28,7 @@ from hf_janus.engine.capture import CaptureResult
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.ghost import GramEig, eig_psd, mean_cosine, principal_cosines, project_with_jvp
 from hf_janus.engine.jacobians import JacobianSource
+from hf_janus.engine.observer import RunObserver
 from hf_janus.engine.report import RectificationReport, StepRecord, TrialRecord
 from hf_janus.engine.step_control import Decision, make_step_controller
 from hf_janus.engine.store import FactorStore
@@ -35,11 +36,6 @@ from hf_janus.engine.target_layers import CURRENT, TargetLayers
 from hf_janus.parallel.distributed import World
 
 logger = logging.getLogger(__name__)
-
-#: ``cosine_override(step, alpha, measured c̄) -> c̄``: replaces each trial's measured mean cosine (tests and
-#: experiments that drive the loop through chosen c̄ landscapes)
-CosineOverride = Callable[[int, float, float], float]
-
 
 def undoing_final_step(alpha: float, cbar: float, trial_loss: float,
                        kept_loss: float) -> Optional[dict[str, float]]:
@@ -82,10 +78,11 @@ class StepLoop:
     def __init__(self, layers: TargetLayers, jacobians: JacobianSource, capture: Callable[[str], CaptureResult],
                  store: FactorStore, world: World, config: JanusConfig, proj_home: torch.device,
                  report: RectificationReport, budget: Budget, bar: Any,
-                 cosine_override: Optional[CosineOverride] = None, lean: bool = False):
+                 observer: Optional[RunObserver] = None, lean: bool = False):
         self.layers, self.jacobians, self.capture, self.store, self.world = layers, jacobians, capture, store, world
         self.config, self.proj_home, self.report, self.budget, self.bar = config, proj_home, report, budget, bar
-        self.cosine_override, self.lean = cosine_override, lean
+        #: the run's hooks (:mod:`.observer`): what tests use to script a trial's comparison or c̄
+        self.observer, self.lean = observer if observer is not None else RunObserver(), lean
         #: the run's acceptance rule (``config.acceptance``): scores trials, describes itself to logs and the bar
         self.rule = make_acceptance(config)
         self.controller = make_step_controller(config.step_control, self.rule.threshold, config.beta,
@@ -189,9 +186,8 @@ class StepLoop:
         self.layers.write_trial(alpha, tag)
         capture = self.capture(tag)
         self.report.num_jacobian_evals += 1
-        cbar, per_layer = self.compare_all(current_tag, tag)
-        if self.cosine_override is not None:
-            cbar = float(self.cosine_override(step, alpha, cbar))
+        cbar, per_layer = self.observer.compare(self, current_tag, tag)
+        cbar = float(self.observer.trial_cosine(step, alpha, cbar))
         cbar = self.world.from_rank0(cbar)  # every replica must take the same decision
         measured = TrialMeasurement(alpha=alpha, mean_cosine=cbar, trial_loss=capture.loss, current_loss=last.loss,
                                     reference_loss=self.reference_loss, rise=rise)

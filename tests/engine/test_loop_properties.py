@@ -2,7 +2,7 @@
 the point the report says was taken, and the report's losses and stop message are those of that model.
 
 The real loop runs (captures, projections, writes, budgets, both step controllers, every acceptance test) on a
-micro language model; only the mean cosine c̄ of each trial is replaced through ``Rectifier(cosine_override=...)``
+micro language model; only the mean cosine c̄ of each trial is replaced, through a ``RunObserver`` (``Landscape``),
 by a table per (step, grid point), monotone in α or not. ``max_seconds`` runs on a fake clock that advances one
 second per Jacobian evaluation, so time budgets are as reproducible as evaluation budgets.
 """
@@ -21,6 +21,7 @@ from torch import nn
 
 from hf_janus import JanusConfig
 from hf_janus.engine.capture import replay_losses
+from hf_janus.engine.observer import RunObserver
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.replay.prepare import prepare_replay
 
@@ -69,12 +70,18 @@ MODEL, REFERENCE, FINETUNED, REPLAY = _build()
 TARGETS = ("up", "down")
 
 
-class FakeClock:
+class Landscape(RunObserver):
+    """The run's hooks: a fake clock the test advances (``now``) and a c̄ table in place of each measured c̄."""
+
     def __init__(self) -> None:
         self.now = 0.0
+        self.cosine = None  # ``cosine(step, alpha, measured) -> c̄``
 
-    def __call__(self) -> float:
+    def clock(self) -> float:
         return self.now
+
+    def trial_cosine(self, step: int, alpha: float, measured: float) -> float:
+        return self.cosine(step, alpha, measured)
 
 
 @st.composite
@@ -111,7 +118,7 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def _run(case, captures: str = "all"):
     config, table = dataclasses.replace(case["config"], captures=captures), case["table"]
     MODEL.load_state_dict(FINETUNED)
-    clock, seen = FakeClock(), []
+    clock, seen = Landscape(), []
 
     def cosine(step: int, alpha: float, measured: float) -> float:
         clock.now += 1.0
@@ -120,7 +127,8 @@ def _run(case, captures: str = "all"):
         j = round(math.log(alpha) / math.log(config.beta)) if alpha > 0 else len(row) - 1
         return row[min(max(j, 0), len(row) - 1)]
 
-    rectifier = Rectifier(MODEL, REFERENCE, REPLAY, config, progress=False, cosine_override=cosine, clock=clock)
+    clock.cosine = cosine
+    rectifier = Rectifier(MODEL, REFERENCE, REPLAY, config, progress=False, observer=clock)
     report = rectifier.run().report
     assert rectifier.memory_plan.captures == captures
     return rectifier, report, seen
@@ -265,7 +273,7 @@ def test_two_captures_spend_the_same_time_budget_as_all(max_seconds):
     for captures in ("all", "two"):
         config = dataclasses.replace(case["config"], captures=captures)
         MODEL.load_state_dict(FINETUNED)
-        clock, table = FakeClock(), case["table"]
+        clock, table = Landscape(), case["table"]
 
         def tick(module, args, output, clock=clock):
             clock.now += 1.0
@@ -276,8 +284,8 @@ def test_two_captures_spend_the_same_time_budget_as_all(max_seconds):
 
         handle = MODEL.register_forward_hook(tick)
         try:
-            rectifier = Rectifier(MODEL, REFERENCE, REPLAY, config, progress=False, cosine_override=cosine,
-                                  clock=clock)
+            clock.cosine = cosine
+            rectifier = Rectifier(MODEL, REFERENCE, REPLAY, config, progress=False, observer=clock)
             report = rectifier.run().report
         finally:
             handle.remove()

@@ -16,7 +16,7 @@ from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.capture import CaptureResult
 from hf_janus.engine.layers import resolve_target_modules, rule_for
 from hf_janus.engine.rectifier import Rectifier
-from hf_janus.engine.step_loop import StepLoop
+from hf_janus.engine.observer import RunObserver
 
 FAMILIES = ["llama", "gpt2", "mistral", "qwen2"]
 
@@ -320,43 +320,64 @@ def test_target_modules_list_and_regex(tuned_llama):
 
 # ---- the multi-step loop's accept / shrink logic --------------------------------------------------------
 
-def scripted(monkeypatch, cosines):
-    """Replace the orientation comparison by a script of mean cosines, one per trial."""
-    queue = list(cosines)
+@dataclasses.dataclass
+class ScriptedLoss(CaptureResult):
+    """A capture whose replay loss is the script's, not the one its per-sample losses give."""
 
-    def fake_compare(self, current_tag, trial_tag):
-        for layer in self.layers:
+    scripted: float = math.nan
+
+    @property
+    def loss(self) -> float:
+        return self.scripted
+
+
+class Scripted(RunObserver):
+    """The run's hooks: the orientation comparison replaced by a script of mean cosines (``queue``, one per trial),
+    and the replay loss of the captures tagged in ``losses`` (what the final-step guard compares) by a script."""
+
+    def __init__(self, cosines, losses=None):
+        self.queue, self.losses = list(cosines), dict(losses or {})
+
+    def compare(self, loop, current_tag, trial_tag):
+        for layer in loop.layers:
             layer.trial_eig = layer.eig
-        c = queue.pop(0)
-        return c, {layer.name: c for layer in self.layers}
+        c = self.queue.pop(0)
+        return c, {layer.name: c for layer in loop.layers}
 
-    monkeypatch.setattr(StepLoop, "compare_all", fake_compare)
-    return queue
+    def captured(self, tag, capture):
+        if tag not in self.losses:
+            return capture
+        return ScriptedLoss(capture.tag, capture.sample_loss, capture.sample_tokens, scripted=self.losses[tag])
 
 
-def test_loop_shrinks_until_accepted_then_takes_full_step(monkeypatch, tuned_llama):
+def scripted_rectify(script: Scripted, model, reference, replay, config) -> RectificationReport:
+    """``rectify(model, reference, replay, config, progress=False)`` through the script's hooks."""
+    return Rectifier(model, reference, replay, config, progress=False, observer=script).run().report
+
+
+def test_loop_shrinks_until_accepted_then_takes_full_step(tuned_llama):
     model, reference = tuned_llama
-    queue = scripted(monkeypatch, [0.5, 0.9, 0.96, 0.99])
-    report = rectify(model, reference, random_replay(4), JanusConfig(tau=0.95, beta=0.5, rank=4, step_control="paper"), progress=False)
+    script = Scripted([0.5, 0.9, 0.96, 0.99])
+    queue = script.queue
+    report = scripted_rectify(script, model, reference, random_replay(4), JanusConfig(tau=0.95, beta=0.5, rank=4, step_control="paper"))
     assert report.alphas == [0.25, 1.0]
     assert [t.accepted for t in report.steps[0].trials] == [False, False, True]
     assert [t.alpha for t in report.steps[0].trials] == [1.0, 0.5, 0.25]
     assert report.num_jacobian_evals == 5 and report.converged and not queue
 
 
-def test_loop_geometry_matches_accepted_steps(monkeypatch, tuned_llama):
+def test_loop_geometry_matches_accepted_steps(tuned_llama):
     """After steps α1, α2=1 the weights are θ0 + α1 P1 + P2: the final full step ends at the projection."""
     model, reference = tuned_llama
-    scripted(monkeypatch, [0.0, 1.0, 1.0])
-    rectify(model, reference, random_replay(4), JanusConfig(tau=0.5, beta=0.7, rank=4, step_control="paper"), progress=False)
+    scripted_rectify(Scripted([0.0, 1.0, 1.0]), model, reference, random_replay(4),
+                     JanusConfig(tau=0.5, beta=0.7, rank=4, step_control="paper"))
     ref = reference["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, ref)
 
 
-def test_tau_zero_is_single_step(monkeypatch, tuned_llama):
+def test_tau_zero_is_single_step(tuned_llama):
     model, reference = tuned_llama
-    scripted(monkeypatch, [0.0])
-    report = rectify(model, reference, random_replay(4), JanusConfig(tau=0.0, rank=4), progress=False)
+    report = scripted_rectify(Scripted([0.0]), model, reference, random_replay(4), JanusConfig(tau=0.0, rank=4))
     assert report.alphas == [1.0] and report.num_jacobian_evals == 2 and report.converged
 
 
@@ -390,42 +411,34 @@ def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_
     assert n_rebuilt - n_kept == layers * len(cos_kept)  # J_t is built once per step, not again for each trial
 
 
-def test_min_alpha_forces_step_and_says_so(monkeypatch, tuned_llama):
+def test_min_alpha_forces_step_and_says_so(tuned_llama):
     model, reference = tuned_llama
-    scripted(monkeypatch, [0.1, 0.1, 0.99])
-    report = rectify(model, reference, random_replay(4),
-                     JanusConfig(tau=0.95, beta=0.5, min_alpha=0.3, rank=4, step_control="paper"), progress=False)
+    report = scripted_rectify(Scripted([0.1, 0.1, 0.99]), model, reference, random_replay(4),
+                              JanusConfig(tau=0.95, beta=0.5, min_alpha=0.3, rank=4, step_control="paper"))
     # 1 -> 0.5 tried; 0.25 would be below min_alpha, so α=0.5 is taken although c̄ < τ.
     assert report.alphas == [0.5, 1.0]
     assert report.steps[0].forced and not report.steps[1].forced and report.converged
 
 
-def test_max_steps_takes_final_unchecked_step(monkeypatch, tuned_llama):
+def test_max_steps_takes_final_unchecked_step(tuned_llama):
     model, reference = tuned_llama
-    scripted(monkeypatch, [0.1, 0.99, 0.1])
-    report = rectify(model, reference, random_replay(4), JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4,
-                     step_control="paper", final_step="paper"), progress=False)
+    report = scripted_rectify(Scripted([0.1, 0.99, 0.1]), model, reference, random_replay(4),
+                              JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4, step_control="paper",
+                                          final_step="paper"))
     assert report.alphas == [0.5, 1.0]
     assert report.steps[-1].forced and not report.converged and "max_steps" in report.stop_reason
     assert report.discarded_final_step is None
 
 
-def scripted_losses(monkeypatch, losses):
-    """Replace the replay loss of the captures tagged in ``losses`` (what the final-step guard compares) by a script."""
-    measured = CaptureResult.loss.fget
-    monkeypatch.setattr(CaptureResult, "loss", property(lambda r: losses[r.tag] if r.tag in losses else measured(r)))
-
-
 @pytest.mark.parametrize("worse", [True, False])
-def test_guarded_final_step_never_undoes_the_work(monkeypatch, tuned_llama, worse):
+def test_guarded_final_step_never_undoes_the_work(tuned_llama, worse):
     """final_step='guarded' (the default): the unchecked step at max_steps is kept only if the replay loss does
     not rise above the last accepted point's; otherwise that point is returned and the report says so."""
     model, reference = tuned_llama
     finetuned = copy.deepcopy(model.state_dict())
     cfg = JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4, step_control="paper")
-    scripted(monkeypatch, [0.1, 0.99, 0.1])
-    scripted_losses(monkeypatch, {"s0t1": 0.5, "s1t0": 0.7 if worse else 0.4})
-    report = rectify(model, reference, random_replay(4), cfg, progress=False)
+    losses = {"s0t1": 0.5, "s1t0": 0.7 if worse else 0.4}
+    report = scripted_rectify(Scripted([0.1, 0.99, 0.1], losses), model, reference, random_replay(4), cfg)
     if not worse:
         assert report.alphas == [0.5, 1.0] and report.steps[-1].forced and report.discarded_final_step is None
         return
@@ -437,9 +450,8 @@ def test_guarded_final_step_never_undoes_the_work(monkeypatch, tuned_llama, wors
     # the weights are those of the last accepted point: what a budget ending the loop there leaves
     guarded = copy.deepcopy(model.state_dict())
     model.load_state_dict(finetuned)
-    scripted(monkeypatch, [0.1, 0.99])
-    stopped = rectify(model, reference, random_replay(4), dataclasses.replace(cfg, max_evaluations=3),
-                      progress=False)
+    stopped = scripted_rectify(Scripted([0.1, 0.99], losses), model, reference, random_replay(4),
+                               dataclasses.replace(cfg, max_evaluations=3))
     assert stopped.alphas == [0.5] and stopped.stopped_early
     assert stopped.replay_loss["rectified"] == report.replay_loss["rectified"]
     for key, value in model.state_dict().items():

@@ -15,7 +15,7 @@ from hf_janus.engine.capture import CaptureResult, replay_losses
 from hf_janus.engine.ghost import eig_psd
 from hf_janus.engine.acceptance import acceptance_score
 from hf_janus.engine.rectifier import Rectifier
-from hf_janus.engine.step_loop import StepLoop
+from hf_janus.engine.observer import RunObserver
 from hf_janus.engine.step_control import (
     AdaptiveStepController,
     PaperStepController,
@@ -97,26 +97,29 @@ def test_config_validates_the_new_fields():
 
 # ---- the loop, on a tiny model -------------------------------------------------------------------------
 
-def distance_cosines(monkeypatch, scale):
-    """Replace the orientation comparison by c̄ = 1 − scale · ‖θ_trial − θ_t‖² (monotone in α at every step)."""
-    def fake_compare(self, current_tag, trial_tag):
+class DistanceCosines(RunObserver):
+    """The run's hooks: the orientation comparison replaced by c̄ = 1 − scale · ‖θ_trial − θ_t‖² (monotone in α at
+    every step)."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def compare(self, loop, current_tag, trial_tag):
         moved = 0.0
-        for layer in self.layers:
-            trial = self.jacobians.jacobian(layer.name, trial_tag)  # the next step projects with it
-            layer.trial_eig = eig_psd(trial.gram(), self.config.gram_rcond)
+        for layer in loop.layers:
+            trial = loop.jacobians.jacobian(layer.name, trial_tag)  # the next step projects with it
+            layer.trial_eig = eig_psd(trial.gram(), loop.config.gram_rcond)
             trial.release()
             written = layer.rule.to_matrix(layer.rule.weight(layer.module).detach()).to(torch.float32)
             moved += float((written - layer.current).square().sum())
-        c = max(0.0, 1.0 - scale * moved)
-        return c, {layer.name: c for layer in self.layers}
-
-    monkeypatch.setattr(StepLoop, "compare_all", fake_compare)
+        c = max(0.0, 1.0 - self.scale * moved)
+        return c, {layer.name: c for layer in loop.layers}
 
 
-def run(model, reference, replay, **overrides):
+def run(model, reference, replay, observer=None, **overrides):
     m = copy.deepcopy(model)
     config = JanusConfig(**{"tau": TAU, "rank": 4, **overrides})
-    rectifier = Rectifier(m, reference, replay, config, progress=False)
+    rectifier = Rectifier(m, reference, replay, config, progress=False, observer=observer)
     report = rectifier.run().report
     return m, report, rectifier
 
@@ -128,12 +131,12 @@ def scale_for(model, reference):
     return 0.5 / delta
 
 
-def test_adaptive_loop_reproduces_the_papers_weights_with_fewer_evaluations(monkeypatch, tuned_llama):
+def test_adaptive_loop_reproduces_the_papers_weights_with_fewer_evaluations(tuned_llama):
     model, reference = tuned_llama
-    distance_cosines(monkeypatch, scale_for(model, reference))
+    distance = DistanceCosines(scale_for(model, reference))
     replay = random_replay(6)
-    paper_model, paper, _ = run(model, reference, replay, step_control="paper")
-    adaptive_model, adaptive, _ = run(model, reference, replay, step_control="adaptive")
+    paper_model, paper, _ = run(model, reference, replay, distance, step_control="paper")
+    adaptive_model, adaptive, _ = run(model, reference, replay, distance, step_control="adaptive")
     assert paper.converged and adaptive.converged and len(paper.steps) >= 3
     assert adaptive.alphas == paper.alphas
     assert adaptive.num_jacobian_evals < paper.num_jacobian_evals
@@ -174,15 +177,15 @@ def consistent(model, rectifier, report, replay):
 
 
 @pytest.mark.parametrize("step_control", ["adaptive", "paper"])
-def test_evaluation_budget_stops_at_the_last_accepted_point(monkeypatch, tuned_llama, caplog, step_control):
+def test_evaluation_budget_stops_at_the_last_accepted_point(tuned_llama, caplog, step_control):
     model, reference = tuned_llama
-    distance_cosines(monkeypatch, scale_for(model, reference))
+    distance = DistanceCosines(scale_for(model, reference))
     replay = random_replay(6)
-    _, full, _ = run(model, reference, replay, step_control=step_control)
+    _, full, _ = run(model, reference, replay, distance, step_control=step_control)
     for budget in range(2, full.num_jacobian_evals):
         with caplog.at_level(logging.WARNING, logger="hf_janus.engine.rectifier"):
             caplog.clear()
-            m, report, rectifier = run(model, reference, replay, step_control=step_control,
+            m, report, rectifier = run(model, reference, replay, distance, step_control=step_control,
                                        max_evaluations=budget)
         assert report.num_jacobian_evals == budget
         assert report.stopped_early and not report.converged and "max_evaluations" in report.stop_reason
@@ -190,7 +193,8 @@ def test_evaluation_budget_stops_at_the_last_accepted_point(monkeypatch, tuned_l
         # the steps taken are the unbudgeted run's first ones
         assert report.alphas == full.alphas[:len(report.steps)]
         consistent(m, rectifier, report, replay)
-    m, report, _ = run(model, reference, replay, step_control=step_control, max_evaluations=full.num_jacobian_evals)
+    m, report, _ = run(model, reference, replay, distance, step_control=step_control,
+                       max_evaluations=full.num_jacobian_evals)
     assert not report.stopped_early and report.converged
 
 
