@@ -198,15 +198,15 @@ def test_config_file_that_is_not_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("exc,kind", [(SystemExit(3), SystemExit), (RuntimeError("CPU out of memory"), "hint")])
-def test_exit_passes_through_and_oom_gets_the_hint(monkeypatch, tuned_llama, exc, kind):
+def test_exit_passes_through_and_oom_gets_the_hint(tuned_llama, exc, kind):
     from hf_janus import RectificationError
 
     model, reference = tuned_llama
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fail_capture(monkeypatch, 2, exc)
+    failing = fail_capture(2, exc)
     expected = SystemExit if kind is SystemExit else RectificationError
     with pytest.raises(expected) as info:
-        Rectifier(model, reference, random_replay(4), JanusConfig(rank=4), progress=False).run()
+        Rectifier(model, reference, random_replay(4), JanusConfig(rank=4), progress=False, observer=failing).run()
     if kind is SystemExit:
         assert info.value is exc
     else:
@@ -437,13 +437,14 @@ def test_bad_rectify_inputs_are_refused_and_the_model_kept(tuned_llama, change, 
 
 
 @pytest.mark.parametrize("exc", [FloatingPointError("injected NaN"), KeyboardInterrupt()], ids=["nan", "interrupt"])
-def test_interrupted_rectification_restores_the_finetuned_weights(monkeypatch, tuned_llama, exc):
+def test_interrupted_rectification_restores_the_finetuned_weights(tuned_llama, exc):
     model, reference = tuned_llama
     finetuned = {k: v.clone() for k, v in model.state_dict().items()}
-    fail_capture(monkeypatch, 3, exc)
+    failing = fail_capture(3, exc)
     expected = KeyboardInterrupt if isinstance(exc, KeyboardInterrupt) else RectificationError
     with pytest.raises(expected) as info:
-        rectify(model, reference, random_replay(4), JanusConfig(tau=0.999, rank=4), progress=False)
+        Rectifier(model, reference, random_replay(4), JanusConfig(tau=0.999, rank=4), progress=False,
+                  observer=failing).run()
     if expected is RectificationError:
         assert "injected NaN" in str(info.value) and "restored" in str(info.value)
     for key, value in model.state_dict().items():

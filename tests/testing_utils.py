@@ -61,17 +61,17 @@ def fine_tune(model: torch.nn.Module, steps: int = 15, lr: float = 5e-3, seed: i
     return reference
 
 
-def fail_capture(monkeypatch, at: int, exc: BaseException) -> None:
-    """Make the rectifier's ``at``-th Jacobian capture raise ``exc`` (a failure in the middle of a run)."""
-    from hf_janus.engine.rectifier import Rectifier
+def fail_capture(at: int, exc: BaseException):
+    """Hooks for ``Rectifier(..., observer=)`` that make the run's ``at``-th Jacobian capture raise ``exc`` (a
+    failure in the middle of a run)."""
+    from hf_janus.engine.observer import RunObserver
 
-    calls = {"n": 0}
-    real = Rectifier.capture
+    class FailingCapture(RunObserver):
+        calls = 0
 
-    def failing(self, tag):
-        calls["n"] += 1
-        if calls["n"] == at:
-            raise exc
-        return real(self, tag)
+        def capturing(self, tag):
+            self.calls += 1
+            if self.calls == at:
+                raise exc
 
-    monkeypatch.setattr(Rectifier, "capture", failing)
+    return FailingCapture()

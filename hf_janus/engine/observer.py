@@ -6,6 +6,7 @@ its :class:`~hf_janus.engine.step_loop.StepLoop`. Every default does what the en
 ``RunObserver()`` is the run without it. Subclass it and override what a test needs:
 
 - :meth:`clock`: the time source of ``config.max_seconds`` (a fake clock makes time budgets reproducible);
+- :meth:`measure_memory`: the memory in use and the capacity the memory plan starts from (a smaller machine);
 - :meth:`capturing` / :meth:`captured`: before and after each Jacobian evaluation (``"c0"`` at θ0, ``"s<step>t<n>"``
   for trials, recaptures under their own tag): inject a failure, or replace what a capture measured (a scripted
   replay-loss landscape);
@@ -20,6 +21,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
+from hf_janus.engine.memory_plan import measure_in_use_and_capacity
+
 if TYPE_CHECKING:  # only for annotations: the step loop imports this module
     from hf_janus.engine.capture import CaptureResult
     from hf_janus.engine.step_loop import StepLoop
@@ -33,6 +38,11 @@ class RunObserver:
     def clock(self) -> float:
         """Seconds on a monotonic clock: what ``config.max_seconds`` is measured with."""
         return time.perf_counter()
+
+    def measure_memory(self, device: torch.device, cache: str) -> tuple[dict[str, int], dict[str, Optional[int]]]:
+        """``(in use, capacity)`` in bytes, each ``{"device": ..., "host": ...}``, that the memory plan starts from
+        (:func:`~hf_janus.engine.memory_plan.measure_in_use_and_capacity`)."""
+        return measure_in_use_and_capacity(device, cache)
 
     def capturing(self, tag: str) -> None:
         """Called before each Jacobian evaluation (the model holds the point to capture); raising here is a failure

@@ -38,7 +38,6 @@ from hf_janus.engine.memory_plan import (
     MemoryPlan,
     Workload,
     check_cache_directory,
-    measure_in_use_and_capacity,
     model_dimensions,
     plan_schedule,
 )
@@ -158,7 +157,7 @@ class Rectifier:
             theta0_borrowed=theta0_borrowed, backup_kept=backup_kept, theta0_held=theta0_held,
             **model_dimensions(self.model, shapes))
         check_cache_directory(cfg.cache)
-        in_use, capacity = measure_in_use_and_capacity(self.device, cfg.cache)
+        in_use, capacity = self.observer.measure_memory(self.device, cfg.cache)
         plan = plan_schedule(work, self.device, cfg.cache, in_use, capacity, cfg.captures, cfg.step_control,
                              factor_dtype)
         logger.info(plan.summary())

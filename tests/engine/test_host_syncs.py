@@ -90,9 +90,13 @@ def count_capture(monkeypatch, layers: int, method: str, batches: int = 3) -> Co
         targets[name] = (module, d_in, d_out)
     replay = prepare_replay(random_replay(4 * batches, min_len=3, max_len=12), 4)  # rank 5: short and long samples
     waits = Counter()
-    monkeypatch.setattr(PhaseTimer, "synchronize", lambda self: waits.update(["PhaseTimer.synchronize"]))
+
+    class CountingTimer(PhaseTimer):
+        def synchronize(self) -> None:
+            waits.update(["PhaseTimer.synchronize"])
+
     with HostReads(monkeypatch) as reads:
-        capture_factors(model, targets, replay, FactorStore(), "c0", 5, PhaseTimer(torch.device("cpu")), method)
+        capture_factors(model, targets, replay, FactorStore(), "c0", 5, CountingTimer(torch.device("cpu")), method)
     return reads.calls + waits
 
 

@@ -17,7 +17,7 @@ import torch
 from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
-from hf_janus.engine import rectifier
+from hf_janus.engine.observer import RunObserver
 from hf_janus.engine.memory_plan import (HOST_FILL, LayerShape, Workload, container_available_memory,
                                          free_disk_bytes, measure_in_use_and_capacity, plan_memory, plan_schedule,
                                          plan_with_captures)
@@ -303,14 +303,19 @@ def test_on_the_cpu_everything_counts_against_the_host():
     assert not tight.fits and "host memory" in tight.notes[0]
 
 
-def test_a_run_that_cannot_fit_is_refused_before_any_work(monkeypatch, tuned_llama):
+class SmallMachine(RunObserver):
+    """The run's hooks: a machine with 1 GiB in use and 4 KiB more host memory, no accelerator."""
+
+    def measure_memory(self, device, cache="memory"):
+        return {"device": 0, "host": 1 << 30}, {"device": None, "host": (1 << 30) + 4096}
+
+
+def test_a_run_that_cannot_fit_is_refused_before_any_work(tuned_llama):
     model, reference = tuned_llama
     before = copy.deepcopy(model.state_dict())
-    monkeypatch.setattr(rectifier, "measure_in_use_and_capacity",
-                        lambda device, cache="memory": ({"device": 0, "host": 1 << 30},
-                                                        {"device": None, "host": (1 << 30) + 4096}))
     with pytest.raises(JanusError, match="would run out of memory.*lower one of.*replay_batch_size"):
-        rectify(model, reference, random_replay(8), JanusConfig(rank=4), progress=False)
+        Rectifier(model, reference, random_replay(8), JanusConfig(rank=4), progress=False,
+                  observer=SmallMachine()).run()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
