@@ -47,7 +47,7 @@ from hf_janus.engine.statistics import layer_statistics
 from hf_janus.engine.observer import RunObserver
 from hf_janus.engine.step_loop import StepLoop
 from hf_janus.engine.store import FactorStore
-from hf_janus.engine.target_layers import RebuiltWeights, Reference, TargetLayers, build_target_layer, storage_of
+from hf_janus.engine.target_layers import Reference, TargetLayers, WeightSource, build_target_layer, storage_of
 from hf_janus.engine.timing import PhaseTimer
 from hf_janus.engine.workspace import Workspace
 from hf_janus.errors import JanusError, RectificationError
@@ -58,21 +58,23 @@ from hf_janus.replay.self_replay import SelfReplay
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Rectifier", "Reference", "rectify"]
+__all__ = ["Rectifier", "Reference", "WeightSource", "rectify"]
 
 
 class Rectifier:
     """Runs Algorithm 1 on one model: ``Rectifier(...).run()`` returns the :class:`RectificationResult`. Use
     :func:`rectify` unless you need the pieces."""
 
-    def __init__(self, model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None,
-                 progress: bool = True, keep_reference_factors: bool = False,
+    def __init__(self, model: nn.Module, reference: Union[WeightSource, Reference], replay: Any,
+                 config: Optional[JanusConfig] = None, progress: bool = True, keep_reference_factors: bool = False,
                  factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
-                 observer: Optional[RunObserver] = None, finetuned: Optional[Mapping[str, Tensor]] = None,
-                 rebuilt: Optional[Mapping[str, RebuiltWeights]] = None):
+                 observer: Optional[RunObserver] = None):
         """See :func:`rectify` for the first four arguments.
 
         Args:
+            reference: θ0, as in :func:`rectify`, or a :class:`~hf_janus.engine.target_layers.WeightSource`: θ0
+                with an exact float32 θ̂ (``finetuned``) or layers whose θ0 and θ̂ are rebuilt when needed
+                (``rebuilt``), which adapters use.
             keep_reference_factors: keep each layer's θ0 Jacobian in the result (``LayerResult.jacobian``), for
                 callers that post-process ΔW_rect (adapter re-factorization) and measure ``||J0 ΔW||``.
             factor_dtype: storage dtype of the compressed factors, over ``config.factor_dtype`` (which the
@@ -83,14 +85,6 @@ class Rectifier:
             observer: the run's hooks (:class:`~hf_janus.engine.observer.RunObserver`): the clock of
                 ``config.max_seconds``, each capture, each trial's comparison and c̄. For tests and experiments that
                 drive the loop through chosen landscapes; the default changes nothing.
-            finetuned: θ̂ of every target layer, keyed ``"<layer name>.weight"`` in the module's layout, when the
-                caller knows it more exactly than the model's weights hold it: an adapter's update on a bf16 base
-                (the model holds round(W + ΔW), and round(W + ΔW) − W is rounding noise where ΔW is small). ΔW is
-                then ``finetuned − reference`` in float32, the model still runs the captures in its own dtype, and
-                the caller keeps the float32 θ_rect (``result.layers[name].rectified``); the statistics measure it.
-            rebuilt: ``{layer name: RebuiltWeights}`` for layers whose θ0 and θ̂ are computed when needed instead of
-                read from ``reference`` and ``finetuned`` and held (an adapter on a quantized base: the dequantized
-                base plus the initial or trained adapter); as with ``finetuned``, the caller keeps θ_rect.
         """
         self.model, self.progress, self.keep_reference_factors = model, progress, keep_reference_factors
         self.observer = observer if observer is not None else RunObserver()
@@ -111,13 +105,13 @@ class Rectifier:
         # an explicit dtype wins over config.factor_dtype (the memory plan resolves "auto")
         factor_dtype = (self.config.factor_dtype if factor_dtype is None
                         else str(factor_dtype).replace("torch.", ""))
-        self.rebuilt = dict(rebuilt or {})
+        weights = WeightSource.of(reference)  # not kept: the layers hold what they need of it
         #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
-        self.memory_plan = self._plan_memory(modules, factor_dtype, theta0_borrowed=isinstance(reference, Mapping),
-                                             backup_kept=finetuned is None and not self.rebuilt,
-                                             theta0_held=set(modules) - set(self.rebuilt) != set())
+        self.memory_plan = self._plan_memory(modules, factor_dtype, theta0_borrowed=weights.reference_borrowed,
+                                             backup_kept=weights.finetuned is None and not weights.rebuilt,
+                                             theta0_held=weights.held(set(modules)) != set())
         #: The target layers (θ0, θ̂, θ_t of each) and which point the model holds.
-        self.layers = self._build_layers(modules, reference, finetuned)
+        self.layers = self._build_layers(modules, weights)
         self.timer = PhaseTimer(self.device)
         self.workspace = Workspace()
         chosen = self.memory_plan.factor_dtype
@@ -169,13 +163,11 @@ class Rectifier:
         """Where the memory plan keeps ``piece`` between uses."""
         return self.device if self.memory_plan.placements[piece] == "device" else torch.device("cpu")
 
-    def _build_layers(self, modules: dict[str, nn.Module], reference: Reference,
-                      finetuned: Optional[Mapping[str, Tensor]]) -> TargetLayers:
+    def _build_layers(self, modules: dict[str, nn.Module], weights: WeightSource) -> TargetLayers:
         reshard(self.model)
         storages = {storage_of(p) for p in self.model.parameters()} - {None}
         # Under FSDP and ZeRO-3 each read is a collective: every rank walks the same layers in the same order.
-        layers = [build_target_layer(name, module, reference, finetuned, storages, self._home("theta0"),
-                                     self._home("current"), rebuilt=self.rebuilt.get(name))
+        layers = [build_target_layer(name, module, weights, storages, self._home("theta0"), self._home("current"))
                   for name, module in modules.items()]
         return TargetLayers(self.model, layers, self.device)
 
@@ -268,7 +260,6 @@ class Rectifier:
             self.result = RectificationResult(self.result.report)
         self.layers.release_current_jacobians()
         self.layers = TargetLayers(self.model, [], self.device)
-        self.rebuilt = {}
         self.store.close()
         self.workspace.clear()
 
@@ -366,4 +357,5 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
     """
     if isinstance(replay, SelfReplay) and isinstance(reference, nn.Module):
         replay = replay.generate(reference)
-    return Rectifier(model, reference, replay, config, progress=progress, finetuned=finetuned).run().report
+    weights = WeightSource(reference, finetuned=finetuned)
+    return Rectifier(model, weights, replay, config, progress=progress).run().report

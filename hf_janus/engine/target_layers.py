@@ -7,7 +7,7 @@ Weights are kept as ``(d_out, d_in)`` matrices whatever the module stores (:mod:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Union, runtime_checkable
 
 import torch
@@ -31,6 +31,41 @@ class RebuiltWeights(Protocol):
     def reference(self, device: torch.device) -> Tensor: ...
 
     def finetuned(self, device: torch.device) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a rectification reads θ0 (the *reference*: the weights before fine-tuning) and θ̂ of its target layers.
+
+    - ``reference``: θ0 as a model with the same architecture, or a state dict holding ``"<layer name>.weight"``
+      (native layout) for every target layer not in ``rebuilt``;
+    - ``finetuned``: θ̂ of every such layer, same keys, when the caller knows it more exactly than the model's weights
+      hold it (an adapter's update on a bf16 base: the model holds round(W + ΔW), and round(W + ΔW) − W is rounding
+      noise where ΔW is small). ΔW is then ``finetuned − reference`` in float32, and the caller keeps the float32
+      θ_rect (``result.layers[name].rectified``). None: θ̂ is the model's weights;
+    - ``rebuilt``: ``{layer name: RebuiltWeights}`` for layers whose θ0 and θ̂ are computed when needed instead of
+      read and held (an adapter on a quantized base); as with ``finetuned``, the caller keeps θ_rect.
+
+    ``Rectifier(model, reference, ...)`` takes one, or a bare model or state dict (``WeightSource(reference)``).
+    """
+
+    reference: Reference = field(default_factory=dict)
+    finetuned: Optional[Mapping[str, Tensor]] = None
+    rebuilt: Mapping[str, RebuiltWeights] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, weights: Union[WeightSource, Reference]) -> WeightSource:
+        """``weights`` itself, or a bare reference (model or state dict) as a source of θ0 alone."""
+        return weights if isinstance(weights, WeightSource) else cls(weights)
+
+    @property
+    def reference_borrowed(self) -> bool:
+        """θ0 is the caller's tensors (a state dict), not copied out of a model."""
+        return isinstance(self.reference, Mapping)
+
+    def held(self, names: set[str]) -> set[str]:
+        """Which of the layers ``names`` read θ0 and θ̂ and hold them (every one not rebuilt when needed)."""
+        return set(names) - set(self.rebuilt)
 
 
 @dataclass
@@ -187,12 +222,12 @@ def _given_finetuned(finetuned: Mapping[str, Tensor], name: str, stored: Tensor)
     return weight
 
 
-def build_target_layer(name: str, module: nn.Module, reference: Reference, finetuned: Optional[Mapping[str, Tensor]],
-                       model_storages: set, theta0_home: torch.device, current_home: torch.device,
-                       rebuilt: Optional[RebuiltWeights] = None) -> TargetLayer:
-    """Read one layer's θ̂ and θ0 (a collective under FSDP and ZeRO-3: every rank builds the same layers in the same
-    order). ``model_storages``: the storages of the model's parameters, which a borrowed tensor must not share.
-    ``rebuilt``: θ0 and θ̂ computed when needed, instead of read from ``reference`` and ``finetuned`` and held."""
+def build_target_layer(name: str, module: nn.Module, weights: WeightSource, model_storages: set,
+                       theta0_home: torch.device, current_home: torch.device) -> TargetLayer:
+    """Read one layer's θ̂ and θ0 from ``weights`` (a collective under FSDP and ZeRO-3: every rank builds the same
+    layers in the same order). ``model_storages``: the storages of the model's parameters, which a borrowed tensor
+    must not share. A layer in ``weights.rebuilt`` has θ0 and θ̂ computed when needed, instead of read and held."""
+    reference, finetuned, rebuilt = weights.reference, weights.finetuned, weights.rebuilt.get(name)
     rule = rule_for(module)
     if rebuilt is not None and not rule.quantized:
         return _rebuilt_target_layer(name, module, rule, rebuilt, current_home)

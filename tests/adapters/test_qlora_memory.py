@@ -35,7 +35,7 @@ from hf_janus.adapters.peft_layers import (
     stand_in_home,
     theta0_weights,
 )
-from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.rectifier import Rectifier, WeightSource
 
 pytest.importorskip("bitsandbytes")
 
@@ -154,11 +154,12 @@ def test_rebuilt_weights_rectify_exactly_as_held_ones(base_dir, quant):  # noqa:
     config = dataclasses.replace(EXACT, target_modules=list(layers))
     theta0, finetuned = theta0_weights(layers, initial), effective_weights(layers)
     with plain_view(model, finetuned) as plain:
-        held = Rectifier(plain, theta0, samples(6, seed=2), config, progress=False, finetuned=finetuned).run()
+        held = Rectifier(plain, WeightSource(theta0, finetuned=finetuned), samples(6, seed=2), config,
+                         progress=False).run()
     lean = rebuilt_on_quantized_bases(layers, initial)
     assert set(lean) == set(layers)
     with plain_view(model, {}, lean) as plain:
-        rebuilt = Rectifier(plain, {}, samples(6, seed=2), config, progress=False, rebuilt=lean).run()
+        rebuilt = Rectifier(plain, WeightSource(rebuilt=lean), samples(6, seed=2), config, progress=False).run()
     assert held.report.num_jacobian_evals >= 1
     for name, layer in held.layers.items():
         other = rebuilt.layers[name]

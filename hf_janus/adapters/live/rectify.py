@@ -35,7 +35,7 @@ from hf_janus.adapters.peft_layers import (
     theta0_weights,
 )
 from hf_janus.engine.config import JanusConfig
-from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.rectifier import Rectifier, WeightSource
 from hf_janus.engine.report import RectificationReport
 from hf_janus.engine.result import RectificationResult
 from hf_janus.errors import JanusError
@@ -145,8 +145,9 @@ def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initi
     # Only the adapted layers moved during training: they are the targets, whatever "all-linear" says.
     config = dataclasses.replace(config, target_modules=list(layers), exclude_modules=None)
     with plain_view(model, finetuned, rebuilt) as plain:
-        rectifier = Rectifier(plain, theta0, replay, config, progress=progress,
-                              keep_reference_factors=keep_reference_factors, finetuned=finetuned, rebuilt=rebuilt)
+        weights = WeightSource(theta0, finetuned=finetuned, rebuilt=rebuilt)
+        rectifier = Rectifier(plain, weights, replay, config, progress=progress,
+                              keep_reference_factors=keep_reference_factors)
         rectifier.run()
     return rectifier
 

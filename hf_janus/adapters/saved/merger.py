@@ -40,7 +40,7 @@ from hf_janus.adapters.saved.loading import DTypeLike, describe_quantization, lo
 from hf_janus.adapters.saved.merge_report import MergeReport
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.layers import rule_for, select_layers
-from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.rectifier import Rectifier, WeightSource
 from hf_janus.engine.result import RectificationResult
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import is_local
@@ -214,8 +214,8 @@ class JanusMerger:
         reference = {k: v for k, v in effective.reference.items() if k[: -len(".weight")] in targets}
         # ΔW in float32 from PEFT's float32 merge, not from the model's weights (rounded on a bf16 base)
         finetuned = {k: v for k, v in effective.finetuned.items() if k[: -len(".weight")] in targets}
-        rectifier = Rectifier(effective.model, reference, replay, config, progress=self.progress,
-                              keep_reference_factors=True, finetuned=finetuned)
+        rectifier = Rectifier(effective.model, WeightSource(reference, finetuned=finetuned), replay, config,
+                              progress=self.progress, keep_reference_factors=True)
         del reference, finetuned
         result = rectifier.run()
         rect_report = result.report
