@@ -196,9 +196,7 @@ class Rectifier:
         report = report if report is not None else RectificationReport(config=self.config.to_dict())
         budget = budget if budget is not None else Budget(None, None, self.observer.clock)
         bar = bar if bar is not None else tqdm(disable=True)
-        return StepLoop(self.layers, self.jacobians, self.capture, self.store, self.world, self.config,
-                        self._home("proj"), report, budget, bar, self.observer,
-                        lean=self.memory_plan.captures == "two")
+        return StepLoop(self, report, budget, bar)
 
     def run(self) -> RectificationResult:
         """Rectify: the model's target layers end at θ_rect (on failure, at θ̂ exactly, and an error says why).

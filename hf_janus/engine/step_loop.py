@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -28,6 +27,7 @@ from hf_janus.engine.capture import CaptureResult
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.ghost import GramEig, eig_psd, mean_cosine, principal_cosines, project_with_jvp
 from hf_janus.engine.jacobians import JacobianSource
+from hf_janus.engine.memory_plan import MemoryPlan
 from hf_janus.engine.observer import RunObserver
 from hf_janus.engine.report import RectificationReport, StepRecord, TrialRecord
 from hf_janus.engine.step_control import Decision, make_step_controller
@@ -72,21 +72,40 @@ class KeptTrial:
         return self.taken
 
 
+class LoopHost(Protocol):
+    """What a step loop runs on (a :class:`~hf_janus.engine.rectifier.Rectifier`): the target layers, their
+    Jacobians, the factor store, the ranks, the settings, the memory plan and the run's hooks, and its capture."""
+
+    layers: TargetLayers
+    jacobians: JacobianSource
+    store: FactorStore
+    world: World
+    config: JanusConfig
+    memory_plan: MemoryPlan
+    observer: RunObserver
+
+    def capture(self, tag: str) -> CaptureResult: ...
+
+
 class StepLoop:
     """Runs the steps of one rectification on its target layers; ``phase`` says what it is doing (for errors)."""
 
-    def __init__(self, layers: TargetLayers, jacobians: JacobianSource, capture: Callable[[str], CaptureResult],
-                 store: FactorStore, world: World, config: JanusConfig, proj_home: torch.device,
-                 report: RectificationReport, budget: Budget, bar: Any,
-                 observer: Optional[RunObserver] = None, lean: bool = False):
-        self.layers, self.jacobians, self.capture, self.store, self.world = layers, jacobians, capture, store, world
-        self.config, self.proj_home, self.report, self.budget, self.bar = config, proj_home, report, budget, bar
+    def __init__(self, host: LoopHost, report: RectificationReport, budget: Budget, bar: Any):
+        """``host``: the rectification's pieces; ``report``: filled as the loop goes; ``budget``: the evaluation
+        and time budgets; ``bar``: the progress bar (tqdm)."""
+        self.layers, self.jacobians, self.capture, self.store = host.layers, host.jacobians, host.capture, host.store
+        self.world, self.config, self.report, self.budget, self.bar = host.world, host.config, report, budget, bar
+        plan = host.memory_plan
+        #: where the projections live between uses (the memory plan's choice)
+        self.proj_home = self.jacobians.device if plan.placements["proj"] == "device" else torch.device("cpu")
+        #: captures="two": at most two captures alive (see the module's docstring)
+        self.lean = plan.captures == "two"
         #: the run's hooks (:mod:`.observer`): what tests use to script a trial's comparison or c̄
-        self.observer, self.lean = observer if observer is not None else RunObserver(), lean
+        self.observer = host.observer
         #: the run's acceptance rule (``config.acceptance``): scores trials, describes itself to logs and the bar
-        self.rule = make_acceptance(config)
-        self.controller = make_step_controller(config.step_control, self.rule.threshold, config.beta,
-                                               config.min_alpha)
+        self.rule = make_acceptance(self.config)
+        self.controller = make_step_controller(self.config.step_control, self.rule.threshold, self.config.beta,
+                                               self.config.min_alpha)
         self.reference_loss = math.nan  # θ0's whole-replay loss, set by run()
         #: the newest trial's measurements (what the progress bar shows against the rule)
         self.last_measurement: Optional[TrialMeasurement] = None
