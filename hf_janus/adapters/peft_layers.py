@@ -18,9 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from hf_janus.engine.layers import rule_for, select_layers
-from hf_janus.engine.memory_plan import cuda_in_use_and_capacity
-from hf_janus.engine.quantized import (
+from hf_janus.engine.linalg import (
     compute_dtype,
+    cuda_in_use_and_capacity,
     dequantized_weight,
     is_supported_quantized,
     quantization_of,
