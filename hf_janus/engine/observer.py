@@ -10,6 +10,8 @@ its :class:`~hf_janus.engine.step_loop.StepLoop`. Every default does what the en
 - :meth:`capturing` / :meth:`captured`: before and after each Jacobian evaluation (``"c0"`` at θ0, ``"s<step>t<n>"``
   for trials, recaptures under their own tag): inject a failure, or replace what a capture measured (a scripted
   replay-loss landscape);
+- :meth:`jacobian_path`: the exact path of a layer's Jacobian (``"ghost"`` or ``"materialized"``) instead of the
+  cheaper one, e.g. every layer materialized on a tiny model;
 - :meth:`compare`: a trial's comparison with the current point (c̄ and each layer's cosine), e.g. a scripted c̄
   that skips the principal angles;
 - :meth:`trial_cosine`: the measured c̄ of each trial, replaced after the comparison ran (the next step still
@@ -52,6 +54,12 @@ class RunObserver:
         """Called after each Jacobian evaluation with what it measured (every rank's losses); what it returns is
         what the run uses (its ``loss`` is the replay loss the acceptance rules and the final-step guard read)."""
         return capture
+
+    def jacobian_path(self, name: str, tag: str) -> Optional[str]:
+        """The path of layer ``name``'s Jacobian at capture ``tag`` (``"ghost"`` or ``"materialized"``, the same
+        numbers either way); None: the one with fewer FLOPs that fits ``config.materialize_max_bytes``
+        (:func:`~hf_janus.engine.ghost.choose_path`)."""
+        return None
 
     def compare(self, loop: StepLoop, current_tag: str, trial_tag: str) -> tuple[float, dict[str, Optional[float]]]:
         """c̄ and each layer's mean cosine between the current point and the trial

@@ -119,7 +119,8 @@ class Rectifier:
                                  memory_budget_bytes=(memory_budget_bytes if memory_budget_bytes is not None
                                                       else self.memory_plan.factor_host_budget),
                                  offload=self.memory_plan.placements["factors"] == "host")
-        self.jacobians = JacobianSource(self.store, self.device, self.config, self.workspace, self.timer)
+        self.jacobians = JacobianSource(self.store, self.device, self.config, self.workspace, self.timer,
+                                        self.observer)
         # Under data parallelism each rank captures its share of the replay; factors are then gathered.
         self.world = World.detect(self.device)
         self.local_batches = self.world.shard(self.batches)

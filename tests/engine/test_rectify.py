@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from testing_utils import VOCAB, build_tiny, fine_tune, random_replay
+from testing_utils import VOCAB, build_tiny, every_layer_materialized, fine_tune, random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.capture import CaptureResult
@@ -386,7 +386,6 @@ def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_
     from hf_janus.engine import ghost
 
     model, reference = tuned_llama
-    monkeypatch.setattr(ghost, "MATERIALIZED_COST_FACTOR", 0)  # every layer on the materialized path
     built = []
     original = ghost.per_sample_gradients
     monkeypatch.setattr(ghost, "per_sample_gradients", lambda *a, **k: built.append(1) or original(*a, **k))
@@ -394,11 +393,11 @@ def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_
                       final_step="paper")  # every trial stays in report.steps
     runs = []
     for keep in (True, False):
-        if not keep:
-            monkeypatch.setattr(ghost.LayerJacobian, "materialized_bytes", property(lambda self: 1 << 62))
         built.clear()
         m = copy.deepcopy(model)
-        rectifier = Rectifier(m, reference, random_replay(4), cfg, progress=False)
+        # every layer on the materialized path; without room for J_t's rows (materialize_max_bytes=0) none is kept
+        rectifier = Rectifier(m, reference, random_replay(4), cfg if keep else dataclasses.replace(
+            cfg, materialize_max_bytes=0), progress=False, observer=every_layer_materialized())
         report = rectifier.run().report
         assert all(layer.current_jac is None for layer in rectifier.layers)  # released when the run ends
         assert {layer.path for layer in report.layers} == {"materialized"}

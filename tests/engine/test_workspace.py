@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from testing_utils import random_replay
+from testing_utils import every_layer_materialized, random_replay
 
 from hf_janus import JanusConfig
 from hf_janus.engine import ghost
@@ -126,7 +126,6 @@ def test_rectification_is_identical_with_and_without_buffer_reuse(monkeypatch, t
     """A whole multi-step run (several trials, materialized layers, kept J_t) gives the same weights and
     cosines whether the gradient buffers are reused or allocated afresh, and reuse does happen."""
     model, reference = tuned_llama
-    monkeypatch.setattr(ghost, "MATERIALIZED_COST_FACTOR", 0)  # every layer on the materialized path
     allocated = []
     original_take = Workspace.take
 
@@ -143,7 +142,8 @@ def test_rectification_is_identical_with_and_without_buffer_reuse(monkeypatch, t
         monkeypatch.setattr(Workspace, "__init__", lambda self, max_bytes=cap: _ORIGINAL_INIT(self, max_bytes))
         allocated.clear()
         m = copy.deepcopy(model)
-        rectifier = Rectifier(m, reference, random_replay(4), cfg, progress=False)
+        rectifier = Rectifier(m, reference, random_replay(4), cfg, progress=False,
+                              observer=every_layer_materialized())  # every layer on the materialized path
         report = rectifier.run().report
         assert rectifier.workspace.held_bytes == 0  # cleared when the run ends
         runs.append((m.state_dict(), [t.mean_cosine for s in report.steps for t in s.trials], list(allocated)))
