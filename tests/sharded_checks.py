@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Optional
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 from testing_utils import build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig
+from hf_janus.engine.observer import RunObserver
 from hf_janus.engine.rectifier import Rectifier
 
 
@@ -47,63 +49,63 @@ def spawn_two(worker, tmp_path, *args) -> list:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-# ---- failure injections: ``inject(patch)`` replaces engine functions through ``patch(owner, attr, value)`` ----
+# ---- failure injections: ``inject(patch, hooks)`` steers the run through ``hooks`` (a RunObserver, given to the
+# Rectifier) and, for failures inside a forward or backward pass, replaces engine functions through
+# ``patch(owner, attr, value)``
+
+class InjectionHooks(RunObserver):
+    """The run's hooks of a failure injection: ``now`` is the tag of the capture in progress (trials are tagged
+    ``s<step>t<n>``); with ``fail_compare`` the comparison of the first trial raises."""
+
+    def __init__(self) -> None:
+        self.now: Optional[str] = None
+        self.fail_compare = False
+
+    def capturing(self, tag: str) -> None:
+        self.now = tag
+
+    def compare(self, loop, current_tag, trial_tag):
+        if self.fail_compare:
+            raise RuntimeError("injected failure after the trial was written")
+        return super().compare(loop, current_tag, trial_tag)
+
 
 @contextmanager
-def injected(inject: Callable) -> Iterator[None]:
-    """Apply one failure injection for the duration of the block, then undo every patch it made."""
+def injected(inject: Callable) -> Iterator[InjectionHooks]:
+    """Apply one failure injection for the duration of the block, then undo every patch it made; yields the hooks
+    to give to the Rectifier (``observer=``)."""
     patches = []
 
     def patch(owner, attr, value):
         patches.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, value)
 
-    inject(patch)
+    hooks = InjectionHooks()
+    inject(patch, hooks)
     try:
-        yield
+        yield hooks
     finally:
         for owner, attr, value in reversed(patches):
             setattr(owner, attr, value)
 
 
-def track_capture_tag(patch) -> dict:
-    """Record the tag of the capture in progress in ``tag["now"]``; trials are tagged ``s<step>t<n>``."""
-    import hf_janus.engine.rectifier as rectifier
-
-    tag = {}
-    original = rectifier.capture_factors
-
-    def capture_factors(model, targets, batches, store, name, *args, **kwargs):
-        tag["now"] = name
-        return original(model, targets, batches, store, name, *args, **kwargs)
-
-    patch(rectifier, "capture_factors", capture_factors)
-    return tag
-
-
-def fail_during_backward(patch) -> None:
+def fail_during_backward(patch, hooks: InjectionHooks) -> None:
     """The first compression of a trial capture raises: the error leaves the sharded model mid-backward."""
     import hf_janus.engine.capture as capture
 
-    tag = track_capture_tag(patch)
     original = capture.begin_compression
 
     def begin_compression(*args, **kwargs):
-        if tag["now"].startswith("s"):  # a trial, on every rank at the same pass
+        if hooks.now.startswith("s"):  # a trial, on every rank at the same pass
             raise RuntimeError("injected failure in the trial's backward")
         return original(*args, **kwargs)
 
     patch(capture, "begin_compression", begin_compression)
 
 
-def fail_between_passes(patch) -> None:
+def fail_between_passes(patch, hooks: InjectionHooks) -> None:
     """Comparing the first trial raises: the trial weights are already written into the shards."""
-    import hf_janus.engine.step_loop as step_loop
-
-    def principal_cosines(*args, **kwargs):
-        raise RuntimeError("injected failure after the trial was written")
-
-    patch(step_loop, "principal_cosines", principal_cosines)
+    hooks.fail_compare = True
 
 
 def setup_model():

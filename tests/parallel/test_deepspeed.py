@@ -18,7 +18,6 @@ from sharded_checks import (
     setup_model,
     rank_process,
     spawn_two,
-    track_capture_tag,
 )
 
 from hf_janus import JanusConfig, rectify
@@ -122,16 +121,15 @@ def test_zero3_rectify_matches_unpartitioned(tmp_path):
 
 # ---- failures leave θ̂ exactly ----------------------------------------------------------------------------
 
-def _fail_during_forward(patch):
+def _fail_during_forward(patch, hooks):
     """The second-to-last target layer's forward hook raises in the first trial: the pass stops half-way, some
     weights gathered and DeepSpeed's module trace half-recorded."""
     import hf_janus.engine.capture as capture
 
-    tag = track_capture_tag(patch)
     original_hook = capture._LayerRecorder.forward_hook
 
     def forward_hook(self, module, inputs, output):
-        if tag["now"].startswith("s") and self.name == "model.layers.1.mlp.up_proj":
+        if hooks.now.startswith("s") and self.name == "model.layers.1.mlp.up_proj":
             raise RuntimeError("injected failure in the trial's forward")
         return original_hook(self, module, inputs, output)
 
@@ -161,9 +159,10 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
             batches = prepare_replay(random_replay(5), 2)
             before, master_before = _full_state(module), _master_state(module, targets)
             loss_before = replay_losses(module, batches).loss
-            with injected(inject):
+            with injected(inject) as hooks:
                 try:
-                    Rectifier(module, reference, random_replay(5), JanusConfig(**CONFIG), progress=False).run()
+                    Rectifier(module, reference, random_replay(5), JanusConfig(**CONFIG), progress=False,
+                              observer=hooks).run()
                     error = None
                 except RectificationError as err:
                     error = str(err)

@@ -108,9 +108,10 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
             batches = prepare_replay(random_replay(5), 2)
             before = _full_state(model)
             loss_before = replay_losses(model, batches).loss
-            with injected(inject):
+            with injected(inject) as hooks:
                 try:
-                    Rectifier(model, reference, random_replay(5), JanusConfig(**CONFIG), progress=False).run()
+                    Rectifier(model, reference, random_replay(5), JanusConfig(**CONFIG), progress=False,
+                              observer=hooks).run()
                     error = None
                 except RectificationError as err:
                     error = str(err)
