@@ -76,14 +76,3 @@ def fail_capture(at: int, exc: BaseException):
 
     return FailingCapture()
 
-
-def every_layer_materialized():
-    """Hooks for ``Rectifier(..., observer=)`` that put every layer's Jacobian on the materialized path (the same
-    numbers as the ghost path; a tiny model would otherwise take the cheaper ghost path for some layers)."""
-    from hf_janus.engine.observer import RunObserver
-
-    class Materialized(RunObserver):
-        def jacobian_path(self, name, tag):
-            return "materialized"
-
-    return Materialized()

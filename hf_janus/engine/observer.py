@@ -10,6 +10,7 @@ its :class:`~hf_janus.engine.step_loop.StepLoop`. Every default does what the en
 - :meth:`capturing` / :meth:`captured`: before and after each Jacobian evaluation (``"c0"`` at θ0, ``"s<step>t<n>"``
   for trials, recaptures under their own tag): inject a failure, or replace what a capture measured (a scripted
   replay-loss landscape);
+- :meth:`make_workspace`: the run's reusable gradient buffers (a subclass that counts, or a cap);
 - :meth:`jacobian_path`: the exact path of a layer's Jacobian (``"ghost"`` or ``"materialized"``) instead of the
   cheaper one, e.g. every layer materialized on a tiny model;
 - :meth:`compare`: a trial's comparison with the current point (c̄ and each layer's cosine), e.g. a scripted c̄
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from hf_janus.engine.memory_plan import measure_in_use_and_capacity
+from hf_janus.engine.workspace import Workspace
 
 if TYPE_CHECKING:  # only for annotations: the step loop imports this module
     from hf_janus.engine.capture import CaptureResult
@@ -54,6 +56,10 @@ class RunObserver:
         """Called after each Jacobian evaluation with what it measured (every rank's losses); what it returns is
         what the run uses (its ``loss`` is the replay loss the acceptance rules and the final-step guard read)."""
         return capture
+
+    def make_workspace(self) -> Workspace:
+        """The run's reusable buffers of materialized per-sample gradients (:class:`~.workspace.Workspace`)."""
+        return Workspace()
 
     def jacobian_path(self, name: str, tag: str) -> Optional[str]:
         """The path of layer ``name``'s Jacobian at capture ``tag`` (``"ghost"`` or ``"materialized"``, the same

@@ -49,7 +49,6 @@ from hf_janus.engine.step_loop import StepLoop
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.target_layers import Reference, TargetLayers, WeightSource, build_target_layer, storage_of
 from hf_janus.engine.timing import PhaseTimer
-from hf_janus.engine.workspace import Workspace
 from hf_janus.errors import JanusError, RectificationError
 from hf_janus.parallel.distributed import World
 from hf_janus.parallel.sharding import check_sharding, passes_are_collective, reshard
@@ -113,7 +112,7 @@ class Rectifier:
         #: The target layers (θ0, θ̂, θ_t of each) and which point the model holds.
         self.layers = self._build_layers(modules, weights)
         self.timer = PhaseTimer(self.device)
-        self.workspace = Workspace()
+        self.workspace = self.observer.make_workspace()
         chosen = self.memory_plan.factor_dtype
         self.store = FactorStore(self.config.cache, self.device, factor_dtype=None if chosen == "float32" else chosen,
                                  memory_budget_bytes=(memory_budget_bytes if memory_budget_bytes is not None

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from testing_utils import VOCAB, build_tiny, every_layer_materialized, fine_tune, random_replay
+from testing_utils import VOCAB, build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.capture import CaptureResult
@@ -381,14 +381,24 @@ def test_tau_zero_is_single_step(tuned_llama):
     assert report.alphas == [1.0] and report.num_jacobian_evals == 2 and report.converged
 
 
-def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_llama):
+def test_current_jacobian_kept_across_trials_changes_nothing(tuned_llama):
     """J_t's materialized rows, kept for the trials of a step, give the same run as rebuilding them per trial."""
-    from hf_janus.engine import ghost
+    from hf_janus.engine.workspace import Workspace
 
     model, reference = tuned_llama
     built = []
-    original = ghost.per_sample_gradients
-    monkeypatch.setattr(ghost, "per_sample_gradients", lambda *a, **k: built.append(1) or original(*a, **k))
+
+    class CountingWorkspace(Workspace):
+        def take(self, shape, dtype, device):  # one buffer per build of a layer's per-sample gradients
+            built.append(1)
+            return super().take(shape, dtype, device)
+
+    class Materialized(RunObserver):
+        def jacobian_path(self, name, tag):
+            return "materialized"
+
+        def make_workspace(self):
+            return CountingWorkspace()
     cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4, step_control="paper",
                       final_step="paper")  # every trial stays in report.steps
     runs = []
@@ -397,7 +407,7 @@ def test_current_jacobian_kept_across_trials_changes_nothing(monkeypatch, tuned_
         m = copy.deepcopy(model)
         # every layer on the materialized path; without room for J_t's rows (materialize_max_bytes=0) none is kept
         rectifier = Rectifier(m, reference, random_replay(4), cfg if keep else dataclasses.replace(
-            cfg, materialize_max_bytes=0), progress=False, observer=every_layer_materialized())
+            cfg, materialize_max_bytes=0), progress=False, observer=Materialized())
         report = rectifier.run().report
         assert all(layer.current_jac is None for layer in rectifier.layers)  # released when the run ends
         assert {layer.path for layer in report.layers} == {"materialized"}

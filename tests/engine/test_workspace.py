@@ -9,14 +9,13 @@ from __future__ import annotations
 import copy
 
 import torch
-from testing_utils import every_layer_materialized, random_replay
+from testing_utils import random_replay
 
 from hf_janus import JanusConfig
 from hf_janus.engine import ghost
 from hf_janus.engine.ghost import LayerJacobian, Workspace, eig_psd, principal_cosines, project
+from hf_janus.engine.observer import RunObserver
 from hf_janus.engine.rectifier import Rectifier
-
-_ORIGINAL_INIT = Workspace.__init__
 
 
 def _factors(m: int, r: int, d_in: int, d_out: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,28 +121,37 @@ def test_released_buffer_is_not_shared_by_two_live_jacobians():
     torch.testing.assert_close(j2.flat, 2 * j1.flat)
 
 
-def test_rectification_is_identical_with_and_without_buffer_reuse(monkeypatch, tuned_llama):
+def test_rectification_is_identical_with_and_without_buffer_reuse(tuned_llama):
     """A whole multi-step run (several trials, materialized layers, kept J_t) gives the same weights and
     cosines whether the gradient buffers are reused or allocated afresh, and reuse does happen."""
     model, reference = tuned_llama
     allocated = []
-    original_take = Workspace.take
 
-    def counting_take(self, shape, dtype, device):
-        held = len(self._free)
-        view = original_take(self, shape, dtype, device)
-        allocated.append(len(self._free) == held)  # nothing left the pool: a fresh allocation
-        return view
+    class CountingWorkspace(Workspace):
+        def take(self, shape, dtype, device):
+            held = len(self._free)
+            view = super().take(shape, dtype, device)
+            allocated.append(len(self._free) == held)  # nothing left the pool: a fresh allocation
+            return view
 
-    monkeypatch.setattr(Workspace, "take", counting_take)
+    class Pooled(RunObserver):
+        """Every layer on the materialized path, its buffers from a counting workspace holding at most ``cap``."""
+
+        def __init__(self, cap):
+            self.cap = cap
+
+        def jacobian_path(self, name, tag):
+            return "materialized"
+
+        def make_workspace(self):
+            return CountingWorkspace(self.cap)
+
     cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4, final_step="paper")
     runs = []
     for cap in (256 << 20, 0):
-        monkeypatch.setattr(Workspace, "__init__", lambda self, max_bytes=cap: _ORIGINAL_INIT(self, max_bytes))
         allocated.clear()
         m = copy.deepcopy(model)
-        rectifier = Rectifier(m, reference, random_replay(4), cfg, progress=False,
-                              observer=every_layer_materialized())  # every layer on the materialized path
+        rectifier = Rectifier(m, reference, random_replay(4), cfg, progress=False, observer=Pooled(cap))
         report = rectifier.run().report
         assert rectifier.workspace.held_bytes == 0  # cleared when the run ends
         runs.append((m.state_dict(), [t.mean_cosine for s in report.steps for t in s.trials], list(allocated)))
