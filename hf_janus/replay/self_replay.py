@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from hf_janus.errors import JanusError
+from hf_janus.model_modes import evaluation_mode
 from hf_janus.replay.generation_cache import (cache_key, default_cache_dir, model_fingerprint, read_entry,
                                               write_entry)
 from hf_janus.replay.prepare import IGNORE_INDEX
@@ -286,7 +287,7 @@ class SelfReplay:
         eos = set(config.eos_token_id)
         answers: list[list[int]] = []
         bar = tqdm(total=len(rows), desc="θ0 answering the replay prompts", unit="sample", disable=not self.progress)
-        with _generation_mode(model), _seeded(self.seed, device):
+        with evaluation_mode(model), _seeded(self.seed, device):
             for start in range(0, len(rows), self.batch_size):
                 batch = rows[start: start + self.batch_size]
                 ids, mask = _left_pad(batch, config.pad_token_id)
@@ -392,17 +393,6 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
 def _sample(ids: list[int], prompt_length: int) -> dict[str, list[int]]:
     return {"input_ids": list(ids), "attention_mask": [1] * len(ids),
             "labels": [IGNORE_INDEX] * prompt_length + list(ids[prompt_length:])}
-
-
-@contextmanager
-def _generation_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout) while θ0 answers, then the mode the caller had (the Trainer's, at train begin)."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 @contextmanager

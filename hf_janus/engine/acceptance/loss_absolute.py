@@ -3,35 +3,24 @@
 
 from __future__ import annotations
 
-from hf_janus.engine.acceptance.base import (SCORE_THRESHOLD, AcceptanceRule, TrialMeasurement, loss_ratio,
-                                             loss_score, ratio_of)
+from hf_janus.engine.acceptance.base import TrialMeasurement, loss_ratio, loss_score
+from hf_janus.engine.acceptance.loss import LossAcceptance
 
 
-class LossAbsoluteAcceptance(AcceptanceRule):
+class LossAbsoluteAcceptance(LossAcceptance):
     """A trial passes when its replay loss is at most θ0's plus ``loss_tolerance · rise`` (``rise``: the
     fine-tune's replay-loss rise): the rectified model forgets at most that share of what the fine-tune made it
     forget, whatever the number of steps. Once a run has used that allowance, larger steps fail, the loop shrinks
-    to ``min_alpha`` (forced steps), and the guarded final step keeps the last point below the bound."""
+    to ``min_alpha`` (forced steps), and the guarded final step keeps the last point below the bound. The
+    tolerance, threshold and progress-bar verdict are the ``loss`` rule's; only the bound differs."""
 
     name = "loss-absolute"
     summary = ("the whole-replay loss stays at most loss_tolerance times the fine-tune's rise above θ0's, over the "
                "whole run")
-    options = ("loss_tolerance",)
-    needs_rise = True
     bar_key = "above θ0"
-
-    def __init__(self, loss_tolerance: float):
-        self.loss_tolerance = float(loss_tolerance)
-
-    @property
-    def threshold(self) -> float:
-        return SCORE_THRESHOLD
 
     def score(self, trial: TrialMeasurement) -> float:
         return loss_score(loss_ratio(trial, self.loss_tolerance, per_step=False))
 
     def describe(self) -> str:
         return f"replay loss ≤ θ0's + {self.loss_tolerance:g}·(the fine-tune's rise)"
-
-    def verdict(self, trial: TrialMeasurement, score: float) -> str:
-        return f"{ratio_of(score):.2f}{'≤' if self.passes(score) else '>'}1×allowance"

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 import torch
 from torch import Tensor
 
-from hf_janus.engine.capture import token_summed_loss
+from hf_janus.engine.capture import model_device, token_summed_loss
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle,
                                                  finite_positive, measured, parse_float, require)
-from hf_janus.engine.capture import model_device
-from hf_janus.evaluation.candidates.replay_statistics import evaluation_mode, holding, on_device, replay_batches
+from hf_janus.evaluation.candidates.replay_statistics import holding, on_device, replay_batches
+from hf_janus.model_modes import evaluation_mode
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder

@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hf_janus.engine.capture import model_device
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle, SpecContext,
                                                  finite_positive, grid_product, measured, parse_float, parse_int,
                                                  parse_str, require)
 from hf_janus.evaluation.candidates.janus import Janus
-from hf_janus.engine.capture import model_device
-from hf_janus.evaluation.candidates.replay_statistics import (evaluation_mode, holding, logits_of, on_device,
-                                                              replay_batches)
+from hf_janus.evaluation.candidates.replay_statistics import holding, logits_of, on_device, replay_batches
+from hf_janus.model_modes import evaluation_mode
 from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
 
 if TYPE_CHECKING:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from hf_janus.engine.capture import model_device
 from hf_janus.engine.layers import LayerRule, rule_for
 from hf_janus.errors import JanusError
+from hf_janus.model_modes import evaluation_mode
 from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay
 
 if TYPE_CHECKING:
@@ -114,17 +115,6 @@ def holding(builder: "WeightBuilder", values: Mapping[str, Tensor]) -> Iterator[
         yield builder.model
     finally:
         builder.write(builder.finetuned)
-
-
-@contextlib.contextmanager
-def evaluation_mode(model: nn.Module) -> Iterator[None]:
-    """No dropout, so that every pass over the replay is deterministic; the mode is restored afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def input_grams(builder: "WeightBuilder", tokens: str, batch_size: int) -> dict[str, Tensor]:
