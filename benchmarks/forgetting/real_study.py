@@ -1,0 +1,500 @@
+"""What lifts JANUS's repair on the real model, and why the likelihood repair does not become an exact-match repair
+(issue 43 item 2): one fine-tuned SmolLM2-135M-Instruct, several JANUS settings, the past behaviour scored three
+ways.
+
+    python benchmarks/forgetting/real_study.py --run full --variants base,wise,selfgen,token,m128 --threads 2
+    python benchmarks/forgetting/real_study.py --run full --margins   # θ0's answer margins (after a run)
+    python benchmarks/forgetting/real_study.py --run full --summarize
+
+The fine-tuning is ``real_model.py``'s (same data, steps and learning rate; ``full``: float32 full fine-tuning,
+``lora``: LoRA r=16 on the bf16 model), done once and kept with θ0's answers in ``cache/real_study/<run>``; each
+variant then rectifies a fresh copy of θ̂ through the public ``rectify``.
+
+* **Past behaviour**: θ0's greedy answers (token ids, batched generation, cut after the first token holding a
+  newline, as the QA task cuts them) to NQ-open questions never replayed and to WebQuestions questions. Scored
+  teacher-forced, one forward pass per batch:
+  - *answer NLL*: mean per-token NLL of θ0's answer tokens (what JANUS protects to first order);
+  - *token EM*: the share of answers whose every token is the model's argmax given θ0's own prefix, which is
+    exactly "greedy decoding reproduces θ0's answer token for token" (stricter than lm-eval's normalized EM);
+  - *flips*: where a lost answer first differs, and θ0's margin (chosen token minus runner-up) on each answer.
+  Repair figures are shares of what fine-tuning lost: NLL rise undone = (NLL_θ̂ − NLL)/(NLL_θ̂ − NLL_θ0), EM back =
+  (EM − EM_θ̂)/(EM_θ0 − EM_θ̂).
+* **New task**: GSM8K worked answers' per-token NLL on test problems; AP2 = share of θ̂'s NLL reduction kept.
+* **Variants** (``--variants``): ``base`` (the defaults, 64 replayed answers, loss on the answer), ``m128`` (128
+  answers), ``token`` (each of the first 3 tokens of each of the 64 answers its own constraint row: one sample per
+  token, its loss alone), ``whole`` (loss on the whole sequence, prompt included), ``selfgen`` (data-free: hf_janus's
+  ``SelfReplay`` from its generic prompts, 64 samples), ``tau99`` (τ=0.99), ``logitproj``
+  (``constraint="logit_projections"``) and ``wise`` (WiSE-FT a = 0.25, 0.5, 0.75, 0.9: the curve the margins are
+  read against). Results: ``results/real_study_<run>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict
+from typing import Optional
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+_spec = importlib.util.spec_from_file_location("real_model_benchmark", os.path.join(HERE, "real_model.py"))
+bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench  # dataclasses look their module up there
+_spec.loader.exec_module(bench)  # its own imports put tests/real_model.py (the offline SmolLM2 folder) on the path
+lib, smollm2 = bench.lib, bench.real_model
+
+from hf_janus import JanusConfig, SelfReplay, rectify  # noqa: E402
+from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402
+
+log = bench.log
+DTYPES = {"full": torch.float32, "lora": torch.bfloat16}
+POOL_QUESTIONS = 150
+TOKEN_ROWS = 3  # answer tokens per replayed answer in the token variant (lost answers flip early: see flips)  # NQ-open questions θ0 answers for the replay (those with a word in the answer are kept)
+VARIANTS = ("base", "m128", "token", "whole", "selfgen", "tau99", "logitproj", "wise")
+WISE_GRID = (0.25, 0.5, 0.75, 0.9)
+
+
+# ---- θ0's answers as token ids ----------------------------------------------------------------------------------
+def own_answers(model, tok, questions: list[str], max_new_tokens: int, batch: int = 16) -> list[dict]:
+    """θ0's greedy answer ids to each question (batched, left-padded), cut after the first token that holds a
+    newline; answers with no word character are left out (nothing to keep)."""
+    out = []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for chunk in _batches(questions, batch):
+        prompts = [tok(qa_prompt({"question": q}))["input_ids"] for q in chunk]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)[:, width:].tolist()
+        for q, prompt, answer in zip(chunk, prompts, gen):
+            cut = []
+            for t in answer:
+                cut.append(t)
+                if "\n" in tok.decode([t]) or t == tok.eos_token_id:
+                    break
+            text = tok.decode(cut, skip_special_tokens=True).split("\n")[0]
+            if any(c.isalnum() for c in text):
+                out.append({"question": q, "prompt_ids": prompt, "answer_ids": cut, "answer": text.strip()})
+    return out
+
+
+def replay_samples(rows: list[dict], mode: str = "answer", max_tokens: Optional[int] = None) -> list[dict]:
+    """Replay samples from θ0's answers: loss on the answer (``answer``), on every token (``whole``), or one sample
+    per answer token, each with that token's loss alone (``token``; the first ``max_tokens`` of each answer)."""
+    out = []
+    for r in rows:
+        ids = r["prompt_ids"] + r["answer_ids"]
+        n = len(r["prompt_ids"])
+        if mode == "whole":
+            out.append({"input_ids": ids, "labels": list(ids)})
+        elif mode == "token":
+            for k in range(min(len(r["answer_ids"]), max_tokens or len(r["answer_ids"]))):
+                labels = [-100] * len(ids)
+                labels[n + k] = ids[n + k]
+                out.append({"input_ids": ids[: n + k + 1], "labels": labels[: n + k + 1]})
+        else:
+            out.append({"input_ids": ids, "labels": [-100] * n + r["answer_ids"]})
+    return out
+
+
+# ---- scoring --------------------------------------------------------------------------------------------------
+def _batches(rows, size):
+    for i in range(0, len(rows), size):
+        yield rows[i:i + size]
+
+
+@torch.no_grad()
+def score_answers(model, rows: list[dict], pad: int, batch: int = 16) -> dict:
+    """Teacher-forced on θ0's answer ids: per answer its NLL sum, token count, argmax hits and first miss."""
+    nll, count, exact, first_miss, hits = [], [], [], [], []
+    for chunk in _batches(rows, batch):
+        seqs = [r["prompt_ids"] + r["answer_ids"] for r in chunk]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        logp = torch.log_softmax(logits, -1)
+        for i, r in enumerate(chunk):
+            n, a = len(r["prompt_ids"]), torch.tensor(r["answer_ids"])
+            pos = torch.arange(n - 1, n - 1 + len(a))
+            lp = logp[i, pos].gather(1, a[:, None])[:, 0]
+            ok = logits[i, pos].argmax(-1) == a
+            nll.append(float(-lp.sum()))
+            count.append(len(a))
+            hits.append(ok.tolist())
+            exact.append(bool(ok.all()))
+            first_miss.append(None if ok.all() else int((~ok).nonzero()[0]))
+    return {"nll": nll, "tokens": count, "exact": exact, "first_miss": first_miss, "hits": hits}
+
+
+@torch.no_grad()
+def gsm_nll(model, tok, rows: list[tuple[str, str]], batch: int = 8) -> float:
+    """Mean per-token NLL of the worked answers given the question (the new task)."""
+    total, n = 0.0, 0
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for chunk in _batches(rows, batch):
+        pairs = [(tok(p)["input_ids"], tok(a)["input_ids"] + [tok.eos_token_id]) for p, a in chunk]
+        seqs = [p + a for p, a in pairs]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        labels = torch.tensor([[-100] * len(p) + a + [-100] * (width - len(p) - len(a)) for p, a in pairs])
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        k = int((labels[:, 1:] != -100).sum())
+        total += float(out.loss) * k
+        n += k
+    return total / n
+
+
+@torch.no_grad()
+def answer_margins(model, rows: list[dict], pad: int, batch: int = 16) -> list[float]:
+    """Per answer, θ0's smallest log-probability gap between its chosen token and the runner-up over the answer's
+    tokens: how far the greedy answer is from flipping."""
+    out = []
+    for chunk in _batches(rows, batch):
+        seqs = [r["prompt_ids"] + r["answer_ids"] for r in chunk]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+        for i, r in enumerate(chunk):
+            n = len(r["prompt_ids"])
+            top2 = logp[i, n - 1:n - 1 + len(r["answer_ids"])].topk(2, -1).values
+            out.append(float((top2[:, 0] - top2[:, 1]).min()))
+    return out
+
+
+def margin_table(theta0, finetuned, data: dict, pad: int) -> dict:
+    """θ0's answers binned by their smallest margin: how many, and how many θ̂ still reproduces."""
+    sets = {"nq": data["eval_nq"], "webq": data["eval_wq"]}
+    bins = [(0.0, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, float("inf"))]
+    out = {}
+    for name, rows in sets.items():
+        margins = answer_margins(theta0, rows, pad)
+        kept = score_answers(finetuned, rows, pad)["exact"]
+        out[name] = [{"margin": f"[{lo:g}, {hi:g})", "answers": sum(lo <= m < hi for m in margins),
+                      "kept_by_finetuned": sum(lo <= m < hi and k for m, k in zip(margins, kept))}
+                     for lo, hi in bins]
+        out[name + "_median_margin"] = float(torch.tensor(margins).median())
+    return out
+
+
+def summary(scored: dict) -> dict:
+    """Per set: mean answer NLL per token, token EM (%), per-token argmax agreement (%), first-token agreement (%)."""
+    tokens = sum(scored["tokens"])
+    return {"nll": sum(scored["nll"]) / tokens, "em": 100 * sum(scored["exact"]) / len(scored["exact"]),
+            "token_acc": 100 * sum(sum(h) for h in scored["hits"]) / tokens,
+            "first_token_acc": 100 * sum(h[0] for h in scored["hits"]) / len(scored["hits"])}
+
+
+def evaluate(model, tok, sets: dict, gsm: list, pad: int) -> dict:
+    model.eval()
+    out = {name: score_answers(model, rows, pad) for name, rows in sets.items()}
+    return {"past": out, "past_summary": {k: summary(v) for k, v in out.items()}, "gsm_nll": gsm_nll(model, tok, gsm)}
+
+
+def repair_figures(point: dict, theta0: dict, ft: dict) -> dict:
+    """Shares of what fine-tuning lost that ``point`` gives back, per past set, and AP2."""
+    out = {}
+    for name, s in point["past_summary"].items():
+        s0, s1 = theta0["past_summary"][name], ft["past_summary"][name]
+        rise = s1["nll"] - s0["nll"]
+        lost = s0["em"] - s1["em"]
+        out[name] = {"nll_undone": 100 * (s1["nll"] - s["nll"]) / rise if rise else None,
+                     "em_back": 100 * (s["em"] - s1["em"]) / lost if lost else None,
+                     "ap1_em": 100 * s["em"] / s0["em"] if s0["em"] else None}
+    gain = theta0["gsm_nll"] - ft["gsm_nll"]
+    out["ap2"] = 100 * (theta0["gsm_nll"] - point["gsm_nll"]) / gain if gain else None
+    return out
+
+
+def flips(theta0: dict, ft: dict, point: dict) -> dict:
+    """Of the answers θ0 reproduces and θ̂ loses: where θ̂ first misses, and how many the point gets back."""
+    out = {}
+    for name in point["past"]:
+        a0, a1, ap = theta0["past"][name], ft["past"][name], point["past"][name]
+        lost = [i for i in range(len(a0["exact"])) if a0["exact"][i] and not a1["exact"][i]]
+        first = sum(1 for i in lost if a1["first_miss"][i] == 0)
+        back = [i for i in lost if ap["exact"][i]]
+        back_first = sum(1 for i in lost if a1["first_miss"][i] == 0 and ap["exact"][i])
+        out[name] = {"lost": len(lost), "lost_at_first_token": first, "back": len(back),
+                     "back_of_those_lost_at_first_token": back_first,
+                     "newly_lost": sum(1 for i in range(len(a0["exact"])) if a0["exact"][i] and a1["exact"][i]
+                                       and not ap["exact"][i])}
+    return out
+
+
+# ---- the fine-tuned model -------------------------------------------------------------------------------------
+def prepare(args, s, tok, work: str):
+    """θ0, θ̂'s weights of the target layers (exact: float32 θ0 + ΔW of the LoRA; the full fine-tune's own) and θ0's
+    answers; each cached in ``work`` as soon as it exists."""
+    from transformers import AutoModelForCausalLM
+
+    base_dir = os.fspath(smollm2.smollm2_dir())
+    dtype = DTYPES[args.run]
+    data_path = os.path.join(work, "data.json")
+    delta_path = os.path.join(work, "finetuned_exact.pt")
+    theta0 = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
+    os.makedirs(work, exist_ok=True)
+    if os.path.isfile(data_path):
+        with open(data_path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    else:
+        data = own_behaviour(s, tok, theta0)
+        with open(data_path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+    if os.path.isfile(delta_path):
+        return theta0, torch.load(delta_path), data
+    train = [(bench.MATH_PROMPT.format(question=r["question"]), " " + solution(r))
+             for r in lib.read_jsonl("gsm8k_train_subset.jsonl")]
+    if args.run == "full":
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+        data["fine_tuning"] = bench.fine_tune(s, args.run, model, tok, train)
+        before = dict(theta0.named_parameters())
+        exact = {name: p.detach().float().clone() for name, p in model.named_parameters()
+                 if not torch.equal(p, before[name])}  # every parameter the fine-tune changed
+    else:
+        from peft import get_peft_model
+
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype), bench.lora_config(s))
+        data["fine_tuning"] = bench.fine_tune(s, args.run, model, tok, train)
+        exact = {}
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+                a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
+                w0 = module.base_layer.weight.float()
+                exact[name.replace("base_model.model.", "") + ".weight"] = w0 + module.scaling["default"] * b @ a
+    torch.save(exact, delta_path)
+    with open(data_path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
+    return theta0, exact, data
+
+
+def solution(row: dict) -> str:
+    """The worked answer without its calculator annotations, as run.py trains it."""
+    return lib.Math(row["question"], row["answer"]).target[1:]
+
+
+def own_behaviour(s, tok, theta0) -> dict:
+    """θ0's answers: the replay pool (other NQ-open questions), the scored NQ-open and WebQuestions questions; and
+    the new task's test problems."""
+    rng = random.Random(s.seed)
+    nq = lib.read_jsonl("nq_open_dev_subset.jsonl")
+    wq = lib.read_jsonl("webquestions_val_subset.jsonl")
+    rng.shuffle(nq)
+    rng.shuffle(wq)
+    t = time.perf_counter()
+    eval_nq = own_answers(theta0, tok, [r["question"] for r in nq[:130]], s.answer_tokens)[: s.n_nq_eval]
+    pool = own_answers(theta0, tok, [r["question"] for r in nq[160:160 + POOL_QUESTIONS]], s.answer_tokens)
+    key = "qText" if "qText" in wq[0] else "question"
+    eval_wq = own_answers(theta0, tok, [r[key] for r in wq[:90]], s.answer_tokens)[: s.n_wq_eval]
+    generation_s = time.perf_counter() - t
+    log(f"[data] θ0's answers: {len(pool)} replay pool, {len(eval_nq)} + {len(eval_wq)} scored, "
+        f"{generation_s:.0f}s")
+    gsm = [(bench.MATH_PROMPT.format(question=r["question"]), " " + solution(r))
+           for r in lib.read_jsonl("gsm8k_test_subset.jsonl")[: s.n_gsm_test]]
+    return {"pool": pool, "eval_nq": eval_nq, "eval_wq": eval_wq, "gsm": gsm, "generation_seconds": generation_s,
+            "generated_answers": 130 + POOL_QUESTIONS + 90}
+
+
+def finetuned_model(theta0, exact: dict):
+    """θ0 with the parameters in ``exact`` replaced (rounded to the model's dtype)."""
+    model = copy.deepcopy(theta0)
+    with torch.no_grad():
+        for name, w in exact.items():
+            model.get_parameter(name).copy_(w.to(model.dtype))
+    return model
+
+
+def variant_replay(name: str, data: dict, tok, theta0):
+    pool = data["pool"]
+    if name == "m128":
+        return replay_samples(pool[:128])
+    if name == "token":
+        return replay_samples(pool[:64], "token", TOKEN_ROWS)
+    if name == "whole":
+        return replay_samples(pool[:64], "whole")
+    if name == "selfgen":
+        return SelfReplay(num_samples=64, progress=False, max_new_tokens=24).generate(theta0, tok)
+    return replay_samples(pool[:64])
+
+
+def variant_config(name: str) -> JanusConfig:
+    if name == "tau99":
+        return JanusConfig(tau=0.99)
+    if name == "logitproj":
+        return JanusConfig(constraint="logit_projections")
+    return JanusConfig()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", choices=tuple(DTYPES), default="full")
+    ap.add_argument("--variants", default="base,wise")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--summarize", action="store_true")
+    ap.add_argument("--margins", action="store_true", help="only θ0's answer margins and what θ̂ keeps of each bin")
+    ap.add_argument("--work-dir", default=os.path.join(HERE, "cache", "real_study"))
+    args = ap.parse_args()
+    out_path = os.path.join(RESULTS, f"real_study_{args.run}.json")
+    if args.summarize:
+        print(write_markdown(out_path))
+        return
+    if args.margins:
+        margins_only(args, out_path)
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    s = bench.Settings()
+    torch.manual_seed(s.seed)
+    tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir())
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    theta0, exact, data = prepare(args, s, tok, os.path.join(args.work_dir, args.run))
+    record = {"run": args.run, "settings": asdict(s), "fine_tuning": data["fine_tuning"],
+              "theta0_answer_generation_seconds": data["generation_seconds"], "points": {},
+              "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                          "platform": platform.platform(), "torch": torch.__version__}}
+    if os.path.isfile(out_path):
+        with open(out_path, encoding="utf-8") as fh:
+            record["points"] = json.load(fh).get("points", {})
+    sets = {"nq": data["eval_nq"], "webq": data["eval_wq"]}
+    scored = {}
+
+    def save():
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(out_path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump(record, fh, indent=1)
+        os.replace(out_path + ".tmp", out_path)
+
+    for anchor in ("theta0", "finetuned"):
+        model = theta0 if anchor == "theta0" else finetuned_model(theta0, exact)
+        scored[anchor] = evaluate(model, tok, sets, data["gsm"], pad)
+        log(f"[{anchor}] {scored[anchor]['past_summary']} gsm {scored[anchor]['gsm_nll']:.4f}")
+    for anchor in ("theta0", "finetuned"):
+        record["points"][anchor] = {"past_summary": scored[anchor]["past_summary"],
+                                    "gsm_nll": scored[anchor]["gsm_nll"]}
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
+        if name == "wise":
+            for a in WISE_GRID:
+                model = finetuned_model(theta0, {k: theta0.get_parameter(k).float()
+                                                 + a * (w - theta0.get_parameter(k).float())
+                                                 for k, w in exact.items()})
+                point = evaluate(model, tok, sets, data["gsm"], pad)
+                record["points"][f"wise a={a:g}"] = {
+                    "past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
+                    "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
+                    "flips": flips(scored["theta0"], scored["finetuned"], point)}
+                log(f"[wise a={a:g}] {record['points'][f'wise a={a:g}']['repair']}")
+            save()
+            continue
+        t = time.perf_counter()
+        replay = variant_replay(name, data, tok, theta0)
+        replay_s = time.perf_counter() - t
+        model = finetuned_model(theta0, exact)
+        t = time.perf_counter()
+        # a LoRA's θ̂ is known exactly in float32 (θ0 + s·BA), more exactly than its bf16 model holds it
+        report = rectify(model, theta0, replay, variant_config(name), progress=False,
+                         finetuned=exact if args.run == "lora" else None)
+        seconds = time.perf_counter() - t
+        point = evaluate(model, tok, sets, data["gsm"], pad)
+        record["points"][name] = {
+            "past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
+            "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
+            "flips": flips(scored["theta0"], scored["finetuned"], point),
+            "replay_samples": len(replay), "replay_tokens": sum(len(r["input_ids"]) for r in replay),
+            "replay_seconds": replay_s, "rectify_seconds": seconds,
+            "jacobian_evaluations": report.num_jacobian_evals, "stop_reason": report.stop_reason,
+            "replay_loss": report.replay_loss, "config": variant_config(name).to_dict()}
+        log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
+        save()
+    save()
+    print(write_markdown(out_path))
+
+
+def margins_only(args, out_path: str) -> None:
+    """Add θ0's answer margins (and what θ̂ keeps per margin bin) to the run's record."""
+    from transformers import AutoTokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir())
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    theta0, exact, data = prepare(args, bench.Settings(), tok, os.path.join(args.work_dir, args.run))
+    table = margin_table(theta0, finetuned_model(theta0, exact), data, pad)
+    with open(out_path, encoding="utf-8") as fh:
+        record = json.load(fh)
+    record["theta0_margins"] = table
+    with open(out_path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(record, fh, indent=1)
+    os.replace(out_path + ".tmp", out_path)
+    print(json.dumps(table, indent=1))
+
+
+def write_markdown(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        rec = json.load(fh)
+    lines = ["| point | NLL rise undone NQ / WebQ (%) | EM back NQ / WebQ (%) | token EM NQ / WebQ (%) | "
+             "first-token agreement NQ (%) | AP2 (%) | Jacobian evals | seconds | replay samples |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(v, spec=".1f"):
+        return "" if v is None else format(v, spec)
+
+    for name, p in rec["points"].items():
+        r = p.get("repair", {})
+        ps = p["past_summary"]
+        lines.append(
+            f"| {name} | {f(r.get('nq', {}).get('nll_undone'))} / {f(r.get('webq', {}).get('nll_undone'))} "
+            f"| {f(r.get('nq', {}).get('em_back'))} / {f(r.get('webq', {}).get('em_back'))} "
+            f"| {f(ps['nq']['em'])} / {f(ps['webq']['em'])} | {f(ps['nq']['first_token_acc'])} "
+            f"| {f(r.get('ap2'))} | {p.get('jacobian_evaluations', '')} | {f(p.get('rectify_seconds'), '.0f')} "
+            f"| {p.get('replay_samples', '')} |")
+    lines += ["", "Where the lost answers flip (NQ never replayed / WebQuestions): answers θ0 reproduces and θ̂ does not, "
+              "how many of those θ̂ already misses at their first token, how many each point gives back (of those lost "
+              "at the first token), and answers θ̂ kept that the point loses.", "",
+              "| point | lost by θ̂ | of which at the first token | back | back, of those at the first token | "
+              "newly lost |", "|---|---:|---:|---:|---:|---:|"]
+    for name, p in rec["points"].items():
+        fl = p.get("flips")
+        if not fl:
+            continue
+
+        def pair(key):
+            return f"{fl['nq'][key]} / {fl['webq'][key]}"
+
+        lines.append(f"| {name} | {pair('lost')} | {pair('lost_at_first_token')} | {pair('back')} "
+                     f"| {pair('back_of_those_lost_at_first_token')} | {pair('newly_lost')} |")
+    margins = rec.get("theta0_margins")
+    if margins:
+        lines += ["", "θ0's answers by their smallest log-probability margin (chosen token minus runner-up, over the "
+                  "answer's tokens), and how many θ̂ still reproduces (NQ never replayed / WebQuestions; median "
+                  f"margin {margins['nq_median_margin']:.2f} / {margins['webq_median_margin']:.2f} nats):", "",
+                  "| margin (nats) | answers | kept by θ̂ |", "|---|---:|---:|"]
+        for a, b in zip(margins["nq"], margins["webq"]):
+            lines.append(f"| {a['margin']} | {a['answers']} / {b['answers']} "
+                         f"| {a['kept_by_finetuned']} / {b['kept_by_finetuned']} |")
+    text = "\n".join(lines) + "\n"
+    with open(path[:-5] + ".md", "w", encoding="utf-8") as fh:
+        fh.write(f"# The real-model study ({rec['run']}): benchmarks/forgetting/real_study.py\n\n" + text)
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
