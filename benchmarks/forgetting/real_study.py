@@ -59,9 +59,9 @@ from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402
 
 log = bench.log
 DTYPES = {"full": torch.float32, "lora": torch.bfloat16}
-POOL_QUESTIONS = 150
-TOKEN_ROWS = 3  # answer tokens per replayed answer in the token variant (lost answers flip early: see flips)  # NQ-open questions θ0 answers for the replay (those with a word in the answer are kept)
-VARIANTS = ("base", "m128", "token", "whole", "selfgen", "tau99", "logitproj", "wise")
+POOL_QUESTIONS = 150  # NQ-open questions θ0 answers for the replay (those with a word in the answer are kept)
+TOKEN_ROWS = 3  # answer tokens per replayed answer, each its own row (lost answers flip early: see flips)
+VARIANTS = ("base", "m128", "token", "tokenloss", "whole", "selfgen", "tau99", "logitproj", "wise")
 WISE_GRID = (0.25, 0.5, 0.75, 0.9)
 
 
@@ -333,6 +333,8 @@ def variant_replay(name: str, data: dict, tok, theta0):
 
 
 def variant_config(name: str) -> JanusConfig:
+    if name == "tokenloss":
+        return JanusConfig(constraint="token_loss", constraint_tokens=TOKEN_ROWS)
     if name == "tau99":
         return JanusConfig(tau=0.99)
     if name == "logitproj":
@@ -343,13 +345,19 @@ def variant_config(name: str) -> JanusConfig:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", choices=tuple(DTYPES), default="full")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="the model's dtype (default: the run's; bf16 is slow on CPUs without AVX-512)")
     ap.add_argument("--variants", default="base,wise")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--summarize", action="store_true")
     ap.add_argument("--margins", action="store_true", help="only θ0's answer margins and what θ̂ keeps of each bin")
     ap.add_argument("--work-dir", default=os.path.join(HERE, "cache", "real_study"))
     args = ap.parse_args()
-    out_path = os.path.join(RESULTS, f"real_study_{args.run}.json")
+    default_dtype = str(DTYPES[args.run]).replace("torch.", "")
+    if args.dtype:
+        DTYPES[args.run] = getattr(torch, args.dtype)
+    args.label = args.run + ("" if args.dtype in (None, default_dtype) else f"_{args.dtype}")
+    out_path = os.path.join(RESULTS, f"real_study_{args.label}.json")
     if args.summarize:
         print(write_markdown(out_path))
         return
@@ -364,8 +372,9 @@ def main() -> None:
     torch.manual_seed(s.seed)
     tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir())
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    theta0, exact, data = prepare(args, s, tok, os.path.join(args.work_dir, args.run))
-    record = {"run": args.run, "settings": asdict(s), "fine_tuning": data["fine_tuning"],
+    theta0, exact, data = prepare(args, s, tok, os.path.join(args.work_dir, args.label))
+    record = {"run": args.run, "dtype": str(DTYPES[args.run]).replace("torch.", ""), "settings": asdict(s),
+              "fine_tuning": data["fine_tuning"],
               "theta0_answer_generation_seconds": data["generation_seconds"], "points": {},
               "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                           "platform": platform.platform(), "torch": torch.__version__}}
@@ -436,7 +445,7 @@ def margins_only(args, out_path: str) -> None:
         torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir())
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    theta0, exact, data = prepare(args, bench.Settings(), tok, os.path.join(args.work_dir, args.run))
+    theta0, exact, data = prepare(args, bench.Settings(), tok, os.path.join(args.work_dir, args.label))
     table = margin_table(theta0, finetuned_model(theta0, exact), data, pad)
     with open(out_path, encoding="utf-8") as fh:
         record = json.load(fh)

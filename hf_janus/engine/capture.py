@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hf_janus.engine.compression import (
@@ -28,12 +27,13 @@ from hf_janus.engine.compression import (
     resolve_method,
     sequence_basis,
 )
+from hf_janus.engine.constraints import Constraint, ReplayLogits, per_token_cross_entropy
 from hf_janus.engine.quantized import differentiable_quantized
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.timing import PhaseTimer
 from hf_janus.errors import JanusError
 from hf_janus.parallel.distributed import World
-from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
+from hf_janus.replay.prepare import loss_targets
 
 
 @dataclass
@@ -86,65 +86,36 @@ def _forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     return logits
 
 
-def logit_projections(vocab: int, count: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """The fixed random directions ``(vocab, count)`` of ``constraint="logit_projections"``: Gaussian, scaled by
-    ``1/sqrt(vocab)``, drawn from ``seed`` on the CPU so that every capture (and every rank) uses the same ones."""
-    gen = torch.Generator().manual_seed(0x4C4F4749 + seed)
-    return (torch.randn(vocab, count, generator=gen, dtype=torch.float64) / vocab ** 0.5).to(device, dtype)
-
-
 def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int = 0,
-                      temperature: float = 1.0, constraint: str = "loss", projections: int = 1,
-                      seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                      constraint: Optional[Constraint] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample next-token cross-entropy summed over counted tokens (the paper's un-reduced loss).
 
-    Returns ``(sample_loss (B,), sample_tokens (B,), constrained (B,))``: ``constrained`` is the per-sample function
-    whose Jacobian JANUS keeps unchanged. ``constraint="loss"``: the same loss at softmax ``temperature``
-    (``sample_loss`` itself at 1). ``"target_logit"``: the sum over counted tokens of the logit of the target token
-    (the ground-truth logit that Orthogonal Gradient Descent protects); unlike the loss, its gradient does not vanish
-    where the target is already predicted with confidence. ``"logit_projections"``: ``projections`` functions per
-    sample, the sums over counted positions of the logits projected on fixed random directions
-    (:func:`logit_projections`); ``constrained`` is then ``(B, projections)``. ``sample_loss`` is always the loss at
+    Returns ``(sample_loss (B,), sample_tokens (B,), constrained)``: ``constrained`` holds the per-sample functions
+    whose Jacobian JANUS keeps unchanged, those of ``constraint`` (:mod:`hf_janus.engine.constraints`; the paper's
+    loss when ``None``): ``(B,)``, or ``(B, k)`` for k functions per sample. ``sample_loss`` is always the loss at
     temperature 1, the replay loss reported and compared.
     """
     logits = _forward_logits(model, batch)
     targets = loss_targets(batch).to(logits.device)
     shifted = logits[:, :-1].float()
-
-    def per_token_loss(scores: Tensor) -> Tensor:
-        return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                               reduction="none").view(targets.shape)
-
-    per_token = per_token_loss(shifted)
-    tokens = (targets != IGNORE_INDEX).sum(dim=1)
+    view = ReplayLogits(shifted, targets, per_token_cross_entropy(shifted, targets))
+    tokens = view.counted.sum(dim=1)
     empty = (tokens == 0).nonzero().flatten().tolist()
     if empty:
         raise JanusError(
             f"replay sample(s) {[offset + i for i in empty][:10]} have no token that counts toward the loss (every "
             "label is -100, or the sample has a single token); drop them or give them labels"
         )
-    sample_loss = per_token.sum(dim=1)
+    sample_loss = view.per_token.sum(dim=1)
     if not torch.isfinite(sample_loss).all():
         bad = (~torch.isfinite(sample_loss)).nonzero().flatten().tolist()
         raise FloatingPointError(
             f"the replay loss is NaN/Inf for sample(s) {[offset + i for i in bad][:10]}: the model weights or "
             "inputs produce non-finite logits"
         )
-    if constraint == "logit_projections":
-        counted = (targets != IGNORE_INDEX).unsqueeze(-1)
-        directions = logit_projections(shifted.shape[-1], projections, seed, shifted.device, shifted.dtype)
-        projected = shifted @ directions  # (B, T-1, projections)
-        constrained = torch.where(counted, projected, torch.zeros((), dtype=projected.dtype,
-                                                                  device=projected.device)).sum(dim=1)
-    elif constraint == "target_logit":
-        counted = targets != IGNORE_INDEX
-        picked = shifted.gather(-1, torch.where(counted, targets, 0).unsqueeze(-1)).squeeze(-1)
-        constrained = torch.where(counted, picked, torch.zeros((), dtype=picked.dtype, device=picked.device)).sum(dim=1)
-    elif temperature == 1.0:
-        constrained = sample_loss
-    else:
-        constrained = per_token_loss(shifted / temperature).sum(dim=1)
-    return sample_loss, tokens, constrained
+    if constraint is None:
+        return sample_loss, tokens, sample_loss
+    return sample_loss, tokens, constraint.functions(view)
 
 
 def _to_device(batch: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
@@ -375,18 +346,14 @@ def capture_factors(
     rank: Optional[int],
     timer: PhaseTimer,
     compression: str = "auto",
-    temperature: float = 1.0,
-    constraint: str = "loss",
-    projections: int = 1,
-    seed: int = 0,
+    constraint: Optional[Constraint] = None,
 ) -> CaptureResult:
     """Capture the compressed Jacobian factors of every target layer at the model's current weights.
 
     ``targets`` maps a layer name to ``(module, d_in, d_out)``. Factors go to ``store`` under ``tag``.
-    ``compression``, ``temperature`` and ``constraint`` are :class:`~hf_janus.JanusConfig`'s ``compression``,
-    ``constraint_temperature`` and ``constraint``: the factors are those of the per-sample function
-    :func:`token_summed_loss` names ``constrained``. With ``k`` functions per sample (``"logit_projections"``) a batch
-    takes k backward passes, and each sample contributes k consecutive Jacobian rows (sample-major).
+    ``compression`` is :class:`~hf_janus.JanusConfig`'s; ``constraint`` the object its ``constraint`` names (the
+    paper's loss when ``None``): the factors are those of its per-sample functions. With ``k`` functions per sample
+    a batch takes k backward passes, and each sample contributes k consecutive Jacobian rows (sample-major).
     """
     device = model_device(model)
     method = resolve_method(compression, device)
@@ -402,8 +369,7 @@ def capture_factors(
                 for rec in recorders.values():
                     rec.reset(context)
                 with _forward_backward_time(timer):
-                    sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, temperature,
-                                                                         constraint, projections, seed)
+                    sample_loss, tokens, constrained = token_summed_loss(model, batch, offset, constraint)
                     functions = _backward_each_function(constrained)
                     with timer.span("compression"):
                         context.finish()

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from hf_janus.engine.acceptance import rule_named, rule_names
+from hf_janus.engine.constraints import constraint_named, constraint_names
 from hf_janus.serialization import known_fields
 
 #: ``JanusConfig.step_control``: how each trial's step size is chosen (:mod:`hf_janus.engine.step_control`).
@@ -27,8 +28,9 @@ FINAL_STEPS = ("guarded", "paper")
 #: ``JanusConfig.acceptance``: the test a trial step must pass, the rules registered when this module was imported
 #: (the built-ins; validation asks the registry itself, so a rule registered later is valid too).
 ACCEPTANCES = rule_names()
-#: ``JanusConfig.constraint``: the per-sample function whose Jacobian is kept (:mod:`hf_janus.engine.capture`).
-CONSTRAINTS = ("loss", "target_logit", "logit_projections")
+#: ``JanusConfig.constraint``: the per-sample functions whose Jacobian is kept, the constraints registered when this
+#: module was imported (:mod:`hf_janus.engine.constraints`; validation asks the registry itself).
+CONSTRAINTS = constraint_names()
 #: ``JanusConfig.captures``: how many Jacobian captures a run keeps alive (:mod:`hf_janus.engine.memory_plan`).
 CAPTURE_SCHEDULES = ("auto", "all", "two")
 #: ``JanusConfig.factor_dtype``: the storage dtype of the compressed Jacobian factors (:mod:`hf_janus.engine.store`).
@@ -162,18 +164,15 @@ class JanusConfig:
                 + ", ".join(name for name in ACCEPTANCES if "loss_tolerance" in rule_named(name).options)
                 + "): the share of the fine-tune's replay-loss rise the rule allows (see acceptance)"})
     constraint: str = field(default="loss", metadata={
-        "help": "the per-sample function of the replay whose Jacobian JANUS keeps unchanged: loss (the paper's, "
-                "the summed next-token loss at constraint_temperature), target_logit (the summed logit of each "
-                "target token, OGD's ground-truth logit, whose gradient does not vanish where the past task is "
-                "well fit) or logit_projections (per sample, constraint_projections sums of the logits projected "
-                "on fixed random directions: m·k Jacobian rows, k backward passes per batch); the last two are "
-                "experiments of the well-fit-past-task study: single-step, logit_projections is the only one that "
-                "repaired part of a well-fit task's forgetting at ≥ 90% of the new-task gain, but neither beat "
-                "WiSE-FT on the forgetting benchmark (its README says where each one wins)",
+        "help": "the per-sample functions of the replay whose Jacobian JANUS keeps unchanged: "
+                + "; ".join(f"{name}: {constraint_named(name).summary}" for name in CONSTRAINTS),
         "choices": CONSTRAINTS})
     constraint_projections: int = field(default=4, metadata={
         "help": "with constraint logit_projections: the number k of random logit directions per replay sample "
                 "(k Jacobian rows per sample, k backward passes per replay batch)"})
+    constraint_tokens: int = field(default=3, metadata={
+        "help": "with constraint token_loss: the number k of a replayed answer's first tokens that are each their "
+                "own Jacobian row (k + 1 rows per sample, k + 1 backward passes per replay batch)"})
     constraint_temperature: float = field(default=1.0, metadata={
         "help": "softmax temperature T of the per-sample replay loss whose Jacobian is kept (1 = the paper's; "
                 "T > 1 softens confident predictions so that they keep a gradient where the past task is well "
@@ -204,11 +203,16 @@ class JanusConfig:
                "hf_janus.engine.acceptance.register)")
         _check(_is_real(self.loss_tolerance) and self.loss_tolerance > 0, "loss_tolerance", self.loss_tolerance,
                "a float > 0")
-        _check(self.constraint in CONSTRAINTS, "constraint", self.constraint, " or ".join(repr(c) for c in CONSTRAINTS))
+        _check(isinstance(self.constraint, str) and self.constraint in constraint_names(), "constraint",
+               self.constraint, " or ".join(repr(c) for c in constraint_names()) + " (or a constraint registered "
+               "with hf_janus.engine.constraints.register)")
         _check(_is_int(self.constraint_projections) and self.constraint_projections >= 1, "constraint_projections",
                self.constraint_projections, "an int >= 1")
-        _check(self.constraint == "loss" or self.constraint_temperature == 1.0, "constraint_temperature",
-               self.constraint_temperature, "1 unless constraint='loss' (a temperature scales only the loss)")
+        _check(_is_int(self.constraint_tokens) and self.constraint_tokens >= 1, "constraint_tokens",
+               self.constraint_tokens, "an int >= 1")
+        _check("constraint_temperature" in constraint_named(self.constraint).options
+               or self.constraint_temperature == 1.0, "constraint_temperature", self.constraint_temperature,
+               "1 unless constraint='loss' (a temperature scales only the loss)")
         _check(isinstance(self.beta, (int, float)) and 0.0 < self.beta < 1.0, "beta", self.beta, "a float in (0, 1)")
         _check(
             self.rank is None or (_is_int(self.rank) and self.rank >= 1),

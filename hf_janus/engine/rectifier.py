@@ -30,6 +30,7 @@ from hf_janus.engine.capture import (
 )
 from hf_janus.engine.compression import resolve_method
 from hf_janus.engine.config import JanusConfig
+from hf_janus.engine.constraints import make_constraint
 from hf_janus.engine.jacobians import JacobianSource
 from hf_janus.engine.layers import resolve_target_modules, rule_for
 from hf_janus.engine.memory_plan import (
@@ -140,7 +141,7 @@ class Rectifier:
         floats = [p for p in self.model.parameters() if p.is_floating_point()]
         work = Workload(
             layers=shapes, num_samples=sum(int(b["input_ids"].shape[0]) for b in self.batches),
-            rows_per_sample=cfg.constraint_projections if cfg.constraint == "logit_projections" else 1,
+            rows_per_sample=make_constraint(cfg).rows_per_sample,
             batch_size=max(int(b["input_ids"].shape[0]) for b in self.batches),
             seq_len=max(int(b["input_ids"].shape[1]) for b in self.batches), rank=cfg.rank,
             activation_itemsize=floats[0].element_size() if floats else 4,
@@ -178,8 +179,7 @@ class Rectifier:
         self.workspace.clear()  # held gradient buffers would add to the forward/backward's peak
         targets = {layer.name: (layer.module, layer.d_in, layer.d_out) for layer in self.layers}
         cfg = self.config
-        kinds = dict(compression=cfg.compression, temperature=cfg.constraint_temperature, constraint=cfg.constraint,
-                     projections=cfg.constraint_projections, seed=cfg.seed)
+        kinds = dict(compression=cfg.compression, constraint=make_constraint(cfg))
         result = capture_factors(self.model, targets, self.local_batches, self.store, tag, cfg.rank, self.timer,
                                  **kinds)
         if self.idle_batches:

@@ -69,8 +69,8 @@ def _plain(text: Any) -> str:
 
 # Settings that change what JANUS computes beyond τ, β and r (experiments of the research issues); the card names
 # those that differ from their defaults, so that a reader never takes a damped or re-targeted run for the paper's.
-_METHOD_SETTINGS = ("constraint", "constraint_projections", "constraint_temperature", "acceptance", "loss_tolerance",
-                    "damping", "final_step", "step_control")
+_METHOD_SETTINGS = ("constraint", "constraint_projections", "constraint_tokens", "constraint_temperature", "acceptance",
+                    "loss_tolerance", "damping", "final_step", "step_control")
 
 
 def _acceptance_rule(cfg: dict[str, Any]) -> Optional["AcceptanceRule"]:
@@ -87,13 +87,17 @@ def _acceptance_rule(cfg: dict[str, Any]) -> Optional["AcceptanceRule"]:
 def _settings_line(cfg: dict[str, Any]) -> Optional[str]:
     from hf_janus.engine.acceptance import rule_named, rule_names
     from hf_janus.engine.config import JanusConfig
+    from hf_janus.engine.constraints import constraint_named, constraint_names
 
     defaults = JanusConfig()
     # a knob of a constraint or test that the run did not use changed nothing: it is not named
     rule = _acceptance_rule(cfg)
     used = set(rule.options) if rule is not None else set()
-    unused = {"constraint_projections": cfg.get("constraint") != "logit_projections"}
-    for option in {o for name in rule_names() for o in rule_named(name).options} - {"tau"}:
+    if cfg.get("constraint", "loss") in constraint_names():
+        used |= set(constraint_named(cfg.get("constraint", "loss")).options)
+    unused = {}
+    for option in ({o for name in rule_names() for o in rule_named(name).options}
+                   | {o for name in constraint_names() for o in constraint_named(name).options}) - {"tau"}:
         unused[option] = option not in used
     changed = [f"{name}={cfg[name]}" for name in _METHOD_SETTINGS
                if name in cfg and cfg[name] != getattr(defaults, name) and not unused.get(name, False)]

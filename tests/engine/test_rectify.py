@@ -521,7 +521,7 @@ def target_logits(logits, ids):
 
 def projected_logits(k):
     """The k functions of constraint='logit_projections' (the engine's directions, seed 0)."""
-    from hf_janus.engine.capture import logit_projections
+    from hf_janus.engine.constraints import logit_projections
 
     directions = logit_projections(VOCAB, k, 0, torch.device("cpu"), torch.float32).double()
     return [lambda logits, ids, j=j: (logits[0, :-1] @ directions[:, j]).sum() for j in range(k)]
