@@ -174,10 +174,9 @@ class JanusConfig:
         "help": "with constraint token_loss: the number k of a replayed answer's first tokens that are each their "
                 "own Jacobian row (k + 1 rows per sample, k + 1 backward passes per replay batch)"})
     constraint_temperature: float = field(default=1.0, metadata={
-        "help": "softmax temperature T of the per-sample replay loss whose Jacobian is kept (1 = the paper's; "
-                "T > 1 softens confident predictions so that they keep a gradient where the past task is well "
-                "fit; single-step, it undid more of the rise only where the past task was loosely fit; the replay "
-                "loss reported and compared stays at T = 1)"})
+        "help": "with constraint loss: the softmax temperature T of the per-sample replay loss whose Jacobian is "
+                "kept (1 = the paper's; T > 1 softens confident predictions so that they keep a gradient where the "
+                "past task is well fit; the replay loss reported and compared stays at T = 1)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.gram_dtype, str):

@@ -1,0 +1,121 @@
+"""Does ``hf-janus demo`` converge on any CPU? Run it over seeds, torch thread counts and ATen's CPU kernel
+selection, and count how many runs end with both rectifications converged within the evaluation budget and the
+time budget (issue 41 item 5).
+
+    python benchmarks/perf/demo_robustness.py --seeds 0,1,2,3,4 --threads 1,2
+    python benchmarks/perf/demo_robustness.py --seeds 0,1 --threads 2 --capabilities native,default
+
+Each run is its own process (``OMP_NUM_THREADS`` and ``ATEN_CPU_CAPABILITY`` are read at start-up), run one at a
+time so that timings are those of an otherwise idle machine. ``default`` makes ATen use its non-vectorized kernels
+instead of the machine's widest (AVX2 or AVX-512): another rounding of the same sums, as another CPU would give.
+Results: ``results/demo_robustness.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+# What one run reports, from the demo's public API (hf_janus.demo.run_demo), as one JSON line on stdout.
+_RUN = """
+import json, sys, time
+import torch
+from hf_janus.demo import run_demo
+torch.set_num_threads({threads})
+result = run_demo(seed={seed}, quick={quick}, progress=False)
+def facts(report):
+    return {{"evals": report.num_jacobian_evals, "converged": report.converged, "steps": len(report.steps),
+             "stop_reason": report.stop_reason}}
+print("RESULT " + json.dumps({{"full": facts(result.report), "lora": facts(result.lora_report),
+                              "seconds": result.seconds, "phase_seconds": result.phase_seconds,
+                              "table": result.table, "torch_threads": torch.get_num_threads()}}))
+"""
+
+
+def run_one(seed: int, threads: int, capability: str, quick: bool) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+    if capability != "native":
+        env["ATEN_CPU_CAPABILITY"] = capability
+    code = _RUN.format(seed=seed, threads=threads, quick=quick)
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"the demo failed (seed {seed}, {threads} threads, {capability}):\n{out.stderr[-3000:]}")
+    row = json.loads(lines[-1][len("RESULT "):])
+    row.update(seed=seed, threads=threads, capability=capability, process_seconds=wall)
+    return row
+
+
+def verdict(row: dict, max_evals: int, max_seconds: float) -> bool:
+    both = row["full"]["converged"] and row["lora"]["converged"]
+    return both and row["full"]["evals"] + row["lora"]["evals"] <= max_evals and row["seconds"] <= max_seconds
+
+
+def markdown(record: dict) -> str:
+    rows = ["| seed | threads | kernels | full FT evals | LoRA evals | both converged | total evals | seconds | ok |",
+            "|---:|---:|---|---:|---:|---|---:|---:|---|"]
+    for r in record["runs"]:
+        both = r["full"]["converged"] and r["lora"]["converged"]
+        rows.append(f"| {r['seed']} | {r['threads']} | {r['capability']} | {r['full']['evals']} | "
+                    f"{r['lora']['evals']} | {'yes' if both else 'no'} | {r['full']['evals'] + r['lora']['evals']} | "
+                    f"{r['seconds']:.0f} | {'✓' if r['ok'] else '✗'} |")
+    s = record["summary"]
+    rows.append("")
+    rows.append(f"{s['ok']} of {s['runs']} runs converged in ≤ {s['max_evals']} evaluations together and "
+                f"≤ {s['max_seconds']:.0f} s; evaluations {s['evals_min']}-{s['evals_max']} (median "
+                f"{s['evals_median']}), seconds {s['seconds_min']:.0f}-{s['seconds_max']:.0f} (median "
+                f"{s['seconds_median']:.0f}).")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0,1,2,3,4")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--capabilities", default="native", help="comma-separated: native, default, avx2, avx512")
+    ap.add_argument("--quick", action="store_true", help="the demo's --quick variant")
+    ap.add_argument("--max-evals", type=int, default=90)
+    ap.add_argument("--max-seconds", type=float, default=120.0)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "demo_robustness"))
+    args = ap.parse_args()
+    runs = []
+    for capability in args.capabilities.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                row = run_one(seed, threads, capability, args.quick)
+                row["ok"] = verdict(row, args.max_evals, args.max_seconds)
+                runs.append(row)
+                print(f"seed {seed} threads {threads} {capability}: full {row['full']['evals']} "
+                      f"({'converged' if row['full']['converged'] else 'not converged'}), lora {row['lora']['evals']} "
+                      f"({'converged' if row['lora']['converged'] else 'not converged'}), {row['seconds']:.0f}s",
+                      flush=True)
+    evals = sorted(r["full"]["evals"] + r["lora"]["evals"] for r in runs)
+    seconds = sorted(r["seconds"] for r in runs)
+    record = {"runs": runs, "quick": args.quick,
+              "summary": {"runs": len(runs), "ok": sum(r["ok"] for r in runs), "max_evals": args.max_evals,
+                          "max_seconds": args.max_seconds, "evals_min": evals[0], "evals_max": evals[-1],
+                          "evals_median": evals[len(evals) // 2], "seconds_min": seconds[0],
+                          "seconds_max": seconds[-1], "seconds_median": seconds[len(seconds) // 2]},
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()}}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json.tmp", "w", encoding="utf-8") as fh:
+        json.dump(record, fh, indent=1)
+    os.replace(args.out + ".json.tmp", args.out + ".json")
+    text = markdown(record)
+    with open(args.out + ".md", "w", encoding="utf-8") as fh:
+        fh.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
