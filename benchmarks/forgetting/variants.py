@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lib import collate
+from benchmarks.forgetting.lib import collate
 
 
 def _targets(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
