@@ -376,11 +376,12 @@ def main(argv=None) -> int:
             add(f"{label}: rectified layers reset to θ0", method, "reset_linear",
                 variants.reset_linear(finetuned, theta0, names))
             if method == "lora":
+                reduction = variants.intruder_reduction(finetuned, theta0, names, s.lora_r)
                 for lam in s.intruder_lambdas:
-                    model, lines = variants.intruder_reduced(peft_model, lam)
-                    n_int = sum(1 for line in lines if "Intruders:" in line)
-                    add(f"LoRA + intruder reduction (λ={lam:g})", method, "intruder", model,
-                        {"mitigation_lambda": lam, "layers_with_intruders": n_int, "layers": len(lines)})
+                    add(f"LoRA + intruder reduction (λ={lam:g})", method, "intruder",
+                        variants.intruder_reduced(finetuned, theta0, reduction, lam),
+                        {"mitigation_lambda": lam, "layers_with_intruders": reduction.layers_with_intruders,
+                         "layers": len(reduction.layers)})
             curves[method] = {"wise": [], "spectral": []}
             for a in s.wise_a:
                 r = add(f"{label} WiSE-FT a={a:g}", method, "wise", variants.wise_ft(pre_model, finetuned, a), {"a": a})
@@ -404,8 +405,9 @@ def main(argv=None) -> int:
     for method in methods:
         label = {"full": "Full FT", "lora": "LoRA", "pissa": "PiSSA"}[method]
         base, jr = rows[label], rows[f"{METHODS[method]} (τ={s.tau}, callback)"]
-        wise_pts = [(0.0, pre["ap1"])] + [(r["ap2"], r["ap1"]) for r in curves[method]["wise"]] + [(base["ap2"], base["ap1"])]
-        margin = variants.above_curve((jr["ap2"], jr["ap1"]), wise_pts) if ff else None
+        wise_pts = [(r["a"], r["ap2"], r["ap1"]) for r in curves[method]["wise"]]
+        margin = (variants.above_wise((jr["ap2"], jr["ap1"]), (0.0, pre["ap1"]), (base["ap2"], base["ap1"]), wise_pts)
+                  if ff else None)
         goals[METHODS[method]] = {
             "ap1_lift": jr["ap1"] - base["ap1"], "ap2": jr.get("ap2"),
             "above_wise_by": margin,
