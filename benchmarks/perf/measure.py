@@ -201,8 +201,6 @@ def build_llama(size: str, seed: int, device: torch.device, dtype: torch.dtype) 
 @torch.no_grad()
 def fake_finetune(model: torch.nn.Module, scale: float, seed: int, reference_device: torch.device) -> dict[str, Tensor]:
     """θ0 = the target weights as built (on ``reference_device``); then ``W += scale·std(W)·N(0, 1)`` in place."""
-    import hf_janus
-
     targets = hf_janus.resolve_target_modules(model)
     reference = {}
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
