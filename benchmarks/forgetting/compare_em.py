@@ -1,6 +1,6 @@
 """Knowledge EM through lm-evaluation-harness against the benchmark's own greedy decoding (issue 19, item 1).
 
-    python benchmarks/forgetting/compare_em.py      # ~3 min on 2 idle cores, with the shipped θ0 checkpoint
+    python -m benchmarks.forgetting.compare_em      # ~3 min on 2 idle cores, with the shipped θ0 checkpoint
 
 The forgetting benchmark reads its knowledge EM off lm-eval (hf_janus.evaluation: HFLM + a local QA task).
 Before that it decoded greedily itself (lib.greedy_answers + lib.exact_match). This script scores the same
@@ -18,13 +18,12 @@ import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-import lib  # noqa: E402
-from run import Settings, get_pretrained  # noqa: E402
+from benchmarks.forgetting import lib  # noqa: E402
+from benchmarks.forgetting.run import Settings, get_pretrained  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -41,7 +40,7 @@ def main(argv=None) -> int:
 
     s = Settings()
     splits = lib.load_splits(s.n_replay, s.n_eval, s.n_gsm_train, s.n_gsm_test)
-    tok, model, _, _ = get_pretrained(s, splits, os.path.join(HERE, "cache"))
+    tok, model, _, _ = get_pretrained(s, splits, lib.cache_dir())
     theta0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
     train = [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, label_prompt=False) for m in splits.gsm_train]
     lib.pretrain(model, train, args.ft_steps, s.ft_lr["full"], s.ft_batch, s.seed, tok.pad_id, log_every=0)

@@ -25,10 +25,10 @@ answers). Replay loss = mean per-token NLL of the replayed samples.
 
 Usage::
 
-    python benchmarks/forgetting/diagnose_first_order.py            # ~8 min on 2 cores
-    python benchmarks/forgetting/diagnose_first_order.py --scenario facts --max-evaluations 30 --variants ...
-    python benchmarks/forgetting/diagnose_first_order.py --quick
-    python benchmarks/forgetting/diagnose_first_order.py --plot results/first_order.json   # redraw a plot
+    python -m benchmarks.forgetting.diagnose_first_order            # ~8 min on 2 cores
+    python -m benchmarks.forgetting.diagnose_first_order --scenario facts --max-evaluations 30 --variants ...
+    python -m benchmarks.forgetting.diagnose_first_order --quick
+    python -m benchmarks.forgetting.diagnose_first_order --plot results/first_order.json   # redraw a plot
 
 Results: ``benchmarks/forgetting/results/first_order[_<scenario>].json`` and ``.png`` (per case: the WiSE-FT curve
 and every variant, new-task gain kept against replay rise undone), and markdown tables on stdout.
@@ -151,16 +151,16 @@ def benchmark_case(scenario: str):
     Returns (θ0, θ̂, its 256-sample replay, 64 held-out GSM8K answers)."""
     import tempfile
 
-    import lib
-    from frontier_study import MAIN_REPLAY, finetune, scenario_facts, scenario_questions
-    from run import Settings
+    from benchmarks.forgetting import lib
+    from benchmarks.forgetting.frontier_study import MAIN_REPLAY, finetune, scenario_facts, scenario_questions
+    from benchmarks.forgetting.run import Settings
 
     s = Settings()
     with tempfile.TemporaryDirectory(prefix="janus-diagnose-") as folder:
         if scenario == "facts":
             tok, theta0, gsm_train, _, _, replays = scenario_facts(s, folder)
         else:
-            tok, theta0, gsm_train, _, _, replays = scenario_questions(s, folder, str(Path(__file__).parent / "cache"))
+            tok, theta0, gsm_train, _, _, replays = scenario_questions(s, folder, lib.cache_dir())
     splits = lib.load_splits(s.n_replay, s.n_eval, s.n_gsm_train, s.n_gsm_test, s.replay_pool)
     train = [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, label_prompt=False) for m in gsm_train]
     held_out = [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, label_prompt=False)
@@ -304,7 +304,7 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", type=Path, nargs="+", default=None, metavar="JSON",
                     help="only draw the plot of these result files (next to each, .png)")
     args = ap.parse_args(argv)
-    from run import Settings
+    from benchmarks.forgetting.run import Settings
 
     if args.plot:
         for path in args.plot:

@@ -1,7 +1,7 @@
 """Where does JANUS beat interpolation? The stability-plasticity frontier on two scenarios (issue 19, item 3).
 
-    python benchmarks/forgetting/frontier_study.py --scenario facts       # ~16 min on 2 idle cores
-    python benchmarks/forgetting/frontier_study.py --scenario questions   # ~9 min (+1.5 min to pretrain once)
+    python -m benchmarks.forgetting.frontier_study --scenario facts       # ~16 min on 2 idle cores
+    python -m benchmarks.forgetting.frontier_study --scenario questions   # ~9 min (+1.5 min to pretrain once)
 
 Both scenarios fine-tune a tiny Llama θ0 on GSM8K (full fine-tuning, 200 AdamW steps, batch 16, lr 5e-4, or with
 --method lora a LoRA r=8, α=16 on all linear layers at lr 2e-3, or --method pissa a PiSSA r=8 at lr 1e-3, merged:
@@ -43,13 +43,12 @@ import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-import lib  # noqa: E402
-from run import Settings, get_pretrained  # noqa: E402
+from benchmarks.forgetting import lib  # noqa: E402
+from benchmarks.forgetting.run import Settings, get_pretrained  # noqa: E402
 
 JANUS_TAU = 0.95
 # The question LM must generalize, not memorize: 400 steps of 64 are ~3 passes over its 8,192 questions. (1,200
@@ -103,7 +102,7 @@ def gsm_task_rows(problems: list[lib.Math]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------
 def scenario_facts(s: Settings, folder: str):
     splits = lib.load_splits(s.n_replay, s.n_eval, s.n_gsm_train, s.n_gsm_test, s.replay_pool)
-    tok, model, _, _ = get_pretrained(s, splits, os.path.join(HERE, "cache"))
+    tok, model, _, _ = get_pretrained(s, splits, lib.cache_dir())
     from hf_janus.evaluation import completion_task, qa_task
 
     def qa_rows(qas):
@@ -204,7 +203,7 @@ def main(argv=None) -> int:
                     help="score only WiSE-FT (the anchors and the curve) before the variants, no JANUS candidates of "
                          "the frontier tool; writes results/frontier_<scenario>..._variants.*")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cache-dir", default=os.path.join(HERE, "cache"))
+    ap.add_argument("--cache-dir", default=None, help="the questions θ0 (default: the benchmark's cache, lib.cache_dir)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -232,7 +231,7 @@ def main(argv=None) -> int:
         if args.scenario == "facts":
             tok, theta0, gsm_train, past, new, replays = scenario_facts(s, folder)
         else:
-            tok, theta0, gsm_train, past, new, replays = scenario_questions(s, folder, args.cache_dir)
+            tok, theta0, gsm_train, past, new, replays = scenario_questions(s, folder, args.cache_dir or lib.cache_dir())
         train = [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, label_prompt=False) for m in gsm_train]
         t0 = time.perf_counter()
         finetuned = finetune(theta0, train, s, args.method, args.seed, tok.pad_id)

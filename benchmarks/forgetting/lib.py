@@ -20,7 +20,17 @@ from hf_janus.evaluation.scoring import exact_match as em
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA_DIR = os.path.normpath(os.path.join(HERE, "..", "data"))
+#: The environment variable that moves the checkpoint cache (:func:`cache_dir`).
+CACHE_ENV = "HF_JANUS_BENCHMARK_CACHE"
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+
+def cache_dir() -> str:
+    """Where the pretrained checkpoints are kept between runs: ``$HF_JANUS_BENCHMARK_CACHE``, else
+    ``~/.cache/hf-janus/benchmarks/forgetting``. Outside the repository, because a checkpoint is rebuilt (seeded)
+    whenever its folder is missing, and model weights do not belong in git."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "hf-janus", "benchmarks",
+                                                     "forgetting")
 
 
 # ---------------------------------------------------------------------------------------------------------

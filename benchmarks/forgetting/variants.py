@@ -1,19 +1,27 @@
 """Post-hoc variants applied to one fine-tuned θ̂: JANUS with other settings, the average-gradient ablation,
 WiSE-FT, spectral truncation, PEFT's intruder-dimension reduction, and the reset-linear diagnostic.
 
-Every function returns a new plain model and leaves its inputs untouched.
+Every function returns a new plain model and leaves its inputs untouched. WiSE-FT, intruder reduction and the margin
+over the WiSE-FT curve are the frontier's own (:mod:`hf_janus.evaluation`), so that the benchmark's comparison with
+them is the one ``hf_janus.frontier`` makes; the variants the frontier does not offer (the average-gradient
+ablation, spectral truncation, the reset) are built here.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lib import collate
+from benchmarks.forgetting.lib import collate
+from hf_janus.evaluation.candidates import FINETUNED, REFERENCE
+from hf_janus.evaluation.candidates.base import interpolate
+from hf_janus.evaluation.candidates.wise import Wise
+from hf_janus.evaluation.frontier import FrontierPoint, wise_margin
+from hf_janus.evaluation.intruder_reduction import IntruderReduction
 
 
 def _targets(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
@@ -40,13 +48,15 @@ def reset_linear(finetuned: nn.Module, theta0: dict[str, torch.Tensor], names: l
 
 
 def wise_ft(theta0_model: nn.Module, finetuned: nn.Module, a: float) -> nn.Module:
-    """WiSE-FT: every parameter θ0 + a (θ̂ − θ0)."""
+    """WiSE-FT: every floating-point parameter and buffer θ0 + a (θ̂ − θ0), by the interpolation the frontier's
+    WiSE-FT candidates are built with."""
     model = copy.deepcopy(finetuned)
     ref = theta0_model.state_dict()
+    state = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+    values = interpolate({k: ref[k] for k in state}, state, a)
     with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if v.is_floating_point():
-                v.copy_(ref[k] + a * (v - ref[k]))
+        for k, v in state.items():
+            v.copy_(values[k])
     return model
 
 
@@ -108,20 +118,25 @@ def avg_grad_project(finetuned: nn.Module, theta0: dict[str, torch.Tensor], name
     return model, {"removed_fraction_max": max(removed), "removed_fraction_mean": sum(removed) / len(removed)}
 
 
-def intruder_reduced(peft_model: nn.Module, mitigation_lambda: float, top_k: int = 10,
-                     threshold_epsilon: float = 0.5) -> tuple[nn.Module, list[str]]:
-    """PEFT's post-hoc mitigation ``peft.tuners.lora.intruders.reduce_intruder_dimension`` on a copy of the
-    trained LoRA model, merged into a plain model for evaluation; returns the lines it logged."""
-    from peft.tuners.lora.intruders import reduce_intruder_dimension
+def intruder_reduction(finetuned: nn.Module, theta0: dict[str, torch.Tensor], names: list[str],
+                       rank: int) -> IntruderReduction:
+    """PEFT's intruder-dimension reduction (``top_k=10``, ``threshold_epsilon=0.5``) of a LoRA fine-tune as the
+    frontier computes it: the detection on each adapted layer of θ̂ (merged) against its θ0, once for every λ.
+    ``rank``: the adapter's rank, to which each reduced update is truncated."""
+    params = dict(finetuned.named_parameters())
+    merged = {n + ".weight": params[n + ".weight"].detach() for n in names}
+    return IntruderReduction({k: theta0[k] for k in merged}, merged, {k: rank for k in merged})
 
-    model = copy.deepcopy(peft_model)
-    lines: list[str] = []
-    reduce_intruder_dimension(model, old_adapter_name="default", new_adapter_name="intruder_reduced",
-                              top_k=top_k, threshold_epsilon=threshold_epsilon,
-                              mitigation_lambda=mitigation_lambda, logging_sink=lambda *a: lines.append(" ".join(map(str, a))))
-    model.set_adapter("intruder_reduced")
-    merged = model.merge_and_unload(adapter_names=["intruder_reduced"])
-    return merged, lines
+
+def intruder_reduced(finetuned: nn.Module, theta0: dict[str, torch.Tensor], reduction: IntruderReduction,
+                     mitigation_lambda: float) -> nn.Module:
+    """θ̂ with the intruder dimensions of every adapted layer scaled by ``mitigation_lambda`` (the other parameters
+    keep θ̂, as in PEFT)."""
+    model = copy.deepcopy(finetuned)
+    with torch.no_grad():
+        for k, v in reduction.weights(theta0, mitigation_lambda).items():
+            model.get_parameter(k).copy_(v)
+    return model
 
 
 def update_change(model: nn.Module, finetuned: nn.Module, theta0: dict[str, torch.Tensor],
@@ -147,13 +162,12 @@ def merged_copy(peft_model: nn.Module) -> nn.Module:
     return copy.deepcopy(peft_model).merge_and_unload()
 
 
-def above_curve(point: tuple[float, float], curve: list[tuple[float, float]]) -> Optional[float]:
-    """How far (AP1 points) ``point`` = (AP2, AP1) lies above the piecewise-linear curve through ``curve``
-    (sorted by AP2) at the same AP2; ``None`` when AP2 is outside the curve's range."""
-    pts = sorted(curve)
-    x, y = point
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x0 <= x <= x1:
-            yc = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-            return y - yc
-    return None
+def above_wise(point: tuple[float, float], reference: tuple[float, float], finetuned: tuple[float, float],
+               wise: Sequence[tuple[float, float, float]]) -> Optional[float]:
+    """How far (AP1 points) ``point`` = (AP2, AP1) lies above the WiSE-FT curve at the same AP2, as the frontier
+    measures it (:func:`hf_janus.evaluation.frontier.wise_margin`): the curve runs through θ0 and θ̂ (each an
+    (AP2, AP1) pair) and the WiSE-FT points ``(a, AP2, AP1)``; ``None`` when AP2 is outside its range."""
+    points = [FrontierPoint(REFERENCE, {}, ap1=reference[1], ap2=reference[0]),
+              FrontierPoint(FINETUNED, {}, ap1=finetuned[1], ap2=finetuned[0])]
+    points += [FrontierPoint(Wise(a), {}, ap1=ap1, ap2=ap2) for a, ap2, ap1 in wise]
+    return wise_margin(points, point[1], point[0])

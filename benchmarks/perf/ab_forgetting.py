@@ -1,12 +1,12 @@
 """Two engine versions on the forgetting benchmark's own rectification, alternating in one invocation (issue 7).
 
-    python benchmarks/perf/ab_forgetting.py --baseline 82eef97            # baseline commit vs the working tree
-    python benchmarks/perf/ab_forgetting.py --baseline 82eef97 --repeats 3 --tau 0.9
+    python -m benchmarks.perf.ab_forgetting --baseline 82eef97            # baseline commit vs the working tree
+    python -m benchmarks.perf.ab_forgetting --baseline 82eef97 --repeats 3 --tau 0.9
 
 The forgetting benchmark spends most of its time in JANUS at m=256 on short QA replay (28 layers of 16-33K
-weights), a regime the model-size sweep of ``profile_rectify.py`` does not cover. This script takes the benchmark's
-pretrained checkpoint (pretraining it first if ``benchmarks/forgetting/cache`` lacks it), fine-tunes it on GSM8K with
-full fine-tuning exactly as the benchmark does (θ̂ is cached beside the checkpoint), and rectifies θ̂ with the
+weights), a regime the model-size sweep of ``scale.py`` does not cover. This script takes the benchmark's
+pretrained checkpoint (pretraining it first if the benchmark's cache, ``lib.cache_dir()``, lacks it), fine-tunes it
+on GSM8K with full fine-tuning exactly as the benchmark does (θ̂ is cached beside the checkpoint), and rectifies θ̂ with the
 benchmark's JanusConfig in fresh processes: the ``--baseline`` engine (``git archive REV hf_janus``) and the working
 tree's, alternating, so that both see the same machine. Machines are noisy: compare the ratios of one invocation.
 
@@ -28,11 +28,7 @@ from typing import Any, Optional
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-FORGETTING = REPO / "benchmarks" / "forgetting"
 RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(FORGETTING))
 
 
 def _setup(cache_dir: str, threads: int):
@@ -41,8 +37,7 @@ def _setup(cache_dir: str, threads: int):
     import transformers
     from safetensors.torch import load_file, save_file
 
-    import lib
-    import run
+    from benchmarks.forgetting import lib, run
 
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
@@ -66,7 +61,7 @@ def _setup(cache_dir: str, threads: int):
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
-    import variants
+    from benchmarks.forgetting import variants
 
     import hf_janus
     from hf_janus import JanusConfig, resolve_target_modules
@@ -89,7 +84,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    from bench_ghost import md_table
+    from benchmarks.perf.measure import md_table
 
     rows = []
     for r in runs:
@@ -118,7 +113,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs per engine, alternating (default: %(default)s)")
     ap.add_argument("--tau", type=float, default=0.95)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cache-dir", default=str(FORGETTING / "cache"))
+    ap.add_argument("--cache-dir", default=None, help="the benchmark's checkpoints (default: its own cache)")
     ap.add_argument("--out", type=Path, default=RESULTS / "ab_forgetting.json")
     ap.add_argument("--_run", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)
@@ -130,18 +125,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.baseline:
         ap.error("--baseline REV is required")
 
-    from profile_rectify import engine_at, launch
+    from benchmarks.perf.measure import engine_at, launch, machine_info
 
-    from bench_ghost import machine_info
+    from benchmarks.forgetting.lib import cache_dir
 
-    spec = {"cache_dir": os.path.abspath(args.cache_dir), "threads": args.threads, "tau": args.tau}
+    spec = {"cache_dir": os.path.abspath(args.cache_dir or cache_dir()), "threads": args.threads, "tau": args.tau}
     print("preparing the checkpoint and θ̂ (cached after the first run) ...", flush=True)
     _setup(spec["cache_dir"], args.threads)
     runs = []
     with engine_at(args.baseline) as baseline_dir:
         for i in range(args.repeats):
             for engine, engine_dir in ((args.baseline, baseline_dir), ("working tree", None)):
-                result = launch(spec, engine_dir, script=__file__)
+                result = launch(spec, "benchmarks.perf.ab_forgetting", engine_dir)
                 result["engine"] = engine
                 runs.append(result)
                 print(f"  [{i + 1}/{args.repeats}] {engine}: {result['wall_seconds']:.1f} s wall, "

@@ -6,7 +6,7 @@ measures the randomized result's error against the exact rank-r optimum, â€–G âˆ
 sample (1 = optimal), on random factors (flat spectra: the hard case) and on factors with a decaying
 spectrum. Prints a table and writes JSON.
 
-    python benchmarks/perf/compression_gpu.py [--device cuda] [--out results/compression_gpu.json]
+    python -m benchmarks.perf.compression_gpu [--device cuda] [--out results/compression_gpu.json]
 """
 
 from __future__ import annotations
@@ -14,20 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.perf.measure import md_table
+from hf_janus.engine.compression import compress_sequence
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
-
-sys.path.insert(0, str(HERE.parent))  # bench_ghost's md_table
-
-from bench_ghost import md_table  # noqa: E402
-
-from hf_janus.engine.compression import compress_sequence  # noqa: E402
 
 SHAPES = {"q/k/v/o": (4096, 4096), "gate/up": (4096, 11008), "down": (11008, 4096)}
 

@@ -62,16 +62,16 @@ phase_command() {  # the python command of phase $1, in the array CMD
   if [[ $TINY == 1 ]]; then smoke=(--size 5M --m 8 --T 16); big=(--size 9M --m 8 --T 16); qlora=(--size quick); fi
   qlora+=(--batch-size "$QLORA_BATCH")
   local files=(--cache "$CACHE/$1" --out "$OUT/$1.json" --partial "$OUT/$1.partial.json")
-  local scale=("$PYTHON" benchmarks/perf/scale.py --gpu-7b --device "$DEVICE" "${files[@]}")
+  local scale=("$PYTHON" -m benchmarks.perf.scale --gpu-7b --device "$DEVICE" "${files[@]}")
   case $1 in
-    env) CMD=("$PYTHON" benchmarks/perf/scale.py --env "$OUT/env.json" --cache "$CACHE") ;;
+    env) CMD=("$PYTHON" -m benchmarks.perf.scale --env "$OUT/env.json" --cache "$CACHE") ;;
     smoke) CMD=("${scale[@]}" "${smoke[@]}" --evals "$EVALS") ;;
     # F from one timed pass at 7B (after its warm-up batch): the call's seconds go to the rectification
     7b) CMD=("${scale[@]}" "${big[@]}" --evals "$EVALS" --f-passes 1) ;;
     converge) CMD=("${scale[@]}" "${big[@]}" --evals 0 --f-passes 1) ;;
     # --output none: the rectification without the adapter write-back (rectify_adapted_layers; the write-back's 224
     # float64 SVDs at 7B take minutes by estimate)
-    qlora) CMD=("$PYTHON" benchmarks/perf/qlora.py "${qlora[@]}" --quants nf4 --output none --device "$DEVICE"
+    qlora) CMD=("$PYTHON" -m benchmarks.perf.qlora "${qlora[@]}" --quants nf4 --output none --device "$DEVICE"
                 "${files[@]}") ;;
     *) return 1 ;;
   esac

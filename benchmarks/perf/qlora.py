@@ -11,13 +11,13 @@ target of issue 34 (nf4 at 7B: peak GPU ≤ 20 GiB) as ``targets`` and whether i
 
 The saved model and the factors that spill go under ``--cache`` (at 7B: 13.5 GB of bf16 weights, and the factors
 beyond host memory); both are deleted at the end. ``--partial PATH`` rewrites the figures so far after each stage
-and Rectifier step (``profile_rectify.PartialJSON``), so that a run killed at a time limit still leaves them.
+and Rectifier step (``measure.PartialJSON``), so that a run killed at a time limit still leaves them.
 
 Usage::
 
-    python benchmarks/perf/qlora.py                 # CPU, ~2 min on an idle 2-core box
-    python benchmarks/perf/qlora.py --quick         # smoke test
-    python benchmarks/perf/qlora.py --size 7b --quants nf4 --m 64 --cache /scratch \\
+    python -m benchmarks.perf.qlora                 # CPU, ~2 min on an idle 2-core box
+    python -m benchmarks.perf.qlora --quick         # smoke test
+    python -m benchmarks.perf.qlora --size 7b --quants nf4 --m 64 --cache /scratch \\
         --out /tmp/qlora.json --partial /tmp/qlora.partial.json   # one CUDA GPU (gpu_scale_session.sh qlora)
 
 Results: ``benchmarks/perf/results/qlora_<size>.json`` (or ``--out``) and a markdown table on stdout.
@@ -37,8 +37,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 
 SIZES = {  # hidden, intermediate, layers, heads, m, T
     "quick": (256, 512, 2, 4, 8, 32),
@@ -70,7 +68,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """One configuration, in its own process; the figures so far go to ``spec["partial"]`` as they come."""
     import torch
 
-    import profile_rectify as pr
+    from benchmarks.perf import measure as pr
     from hf_janus import JanusConfig
     from hf_janus.adapters.live.rectify import LivePeftRun, PeftOutput, rectify_adapted_layers, rectify_live_peft
     from hf_janus.adapters.peft_layers import adapted_linear_layers, initial_state
@@ -114,7 +112,7 @@ def run_row(spec: dict[str, Any], run: Any, seconds: float, n_layers: int, snaps
     """A finished run's figures: memory (measured and planned), time per evaluation, the capture schedule."""
     import torch
 
-    import profile_rectify as pr
+    from benchmarks.perf import measure as pr
 
     device = torch.device(spec["device"])
     evals = run.report.num_jacobian_evals
@@ -156,7 +154,9 @@ def save_model(size: str, path: str) -> None:
 
 def launch(spec: dict[str, Any]) -> dict[str, Any]:
     """``run_one(spec)`` in a fresh interpreter; its progress goes to stderr as it comes."""
-    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], stdout=subprocess.PIPE, text=True,
+    # from the repository root, where the benchmarks package is (the spec's paths are absolute)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.perf.qlora", "--one", json.dumps(spec)],
+                         stdout=subprocess.PIPE, text=True, cwd=HERE.parents[1],
                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     if out.returncode != 0:
         raise SystemExit(f"{spec['quant']} run failed (exit status {out.returncode}; its output is above)")
@@ -228,9 +228,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     import torch
 
-    import profile_rectify as pr
+    from benchmarks.perf import measure as pr
 
-    command = "python benchmarks/perf/qlora.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m benchmarks.perf.qlora " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     _, _, _, _, m, T = SIZES[args.size]
     m, T = args.m or m, args.T or T
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

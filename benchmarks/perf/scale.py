@@ -5,9 +5,9 @@ For each configuration, in a fresh process:
 * **F**: one plain forward+backward over the whole replay with the weights frozen, no hooks, the same replay batch
   size and dtype (the backward runs through the activations, from ``inputs_embeds`` that require grad); the fastest
   of ``--f-passes`` passes (default two) after a warm-up batch.
-* a rectification with a fixed schedule of ``--evals`` Jacobian evaluations (``profile_rectify.schedule``: the base
+* a rectification with a fixed schedule of ``--evals`` Jacobian evaluations (``measure.schedule``: the base
   capture, rejected and forced trials, the final unchecked step), timed per Rectifier step (capture, projection,
-  comparison, statistics) by ``profile_rectify.Instrument``.
+  comparison, statistics) by ``measure.Instrument``.
 * ``R_eval = (capture + projection + comparison seconds) / (evaluations · F)``: what an evaluation costs in units
   of F; ``R = total seconds / (evaluations · F)``, set-up and statistics included.
 * the peak host RSS, the peak GPU memory (``torch.cuda.max_memory_allocated``), and the memory plan's predictions.
@@ -20,15 +20,15 @@ after come from the same invocation. CPU sizes are LLaMA shapes of 20M, 60M and 
 (or ``--out``): besides the figures above, the capture schedule (``captures`` and ``captures_alive`` planned,
 ``peak_captures`` held, ``recaptures``), the planned disk, seconds per evaluation, and the targets of issues 16/34
 (R_eval ≤ 2, 4 evaluations in under 150 s, peak GPU ≤ 75 GiB) as ``targets`` with ``met`` computed from the run.
-``--partial PATH`` rewrites the figures so far after each stage and Rectifier step (``profile_rectify.PartialJSON``),
+``--partial PATH`` rewrites the figures so far after each stage and Rectifier step (``measure.PartialJSON``),
 so that a run killed at a device call's limit leaves them; ``benchmarks/perf/gpu_scale_session.sh`` drives these
 runs on the GPU machine. ``--env PATH`` writes the environment (versions, GPU, memory, free disk) and stops.
 
 Usage::
 
-    python benchmarks/perf/scale.py --threads 2 --baseline 44b431f    # CPU before/after, ~15 min on 2 idle cores
-    python benchmarks/perf/scale.py --quick                           # smoke test, ~1 min
-    python benchmarks/perf/scale.py --gpu-7b --evals 4 --cache /scratch/janus   # one H100
+    python -m benchmarks.perf.scale --threads 2 --baseline 44b431f    # CPU before/after, ~15 min on 2 idle cores
+    python -m benchmarks.perf.scale --quick                           # smoke test, ~1 min
+    python -m benchmarks.perf.scale --gpu-7b --evals 4 --cache /scratch/janus   # one H100
 """
 
 from __future__ import annotations
@@ -48,11 +48,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+from benchmarks.perf import measure as pr
 
-import profile_rectify as pr  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 RESULTS = HERE / "results"
 GIB = pr.GIB
@@ -300,8 +298,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = run_one(json.loads(Path(args._run).read_text(encoding="utf-8")))
         Path(args._result).write_text(json.dumps(result), encoding="utf-8")
         return 0
-    command = "python benchmarks/perf/scale.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    # absolute paths: each run's process starts in a temporary directory (profile_rectify.launch)
+    command = "python -m benchmarks.perf.scale " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    # absolute paths: each run's process starts in a temporary directory (measure.launch)
     cache = args.cache if args.cache == "memory" else str(Path(args.cache).resolve())
     base = dict(seed=0, delta_scale=args.delta_scale, r=32, batch_size=8, evals=args.evals, cache=cache,
                 f_passes=args.f_passes)
@@ -322,7 +320,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for spec in specs:
         for label, rev in engines:
             with maybe_engine(rev) as path:
-                row = pr.launch(spec, engine_dir=path, script=__file__)
+                row = pr.launch(spec, "benchmarks.perf.scale", engine_dir=path)
             row["label"] = label
             rows.append(row)
             print(f"{label:>20} {spec['size']}: F {row['f_s']:.2f} s, {row['evaluations']} evaluations, "

@@ -65,12 +65,9 @@ class JanusConfig:
                 "or 0 on the command line: no compression, every token kept: exact, more memory)",
         "cli": "--compression-rank", "zero_is_none": True})
     compression: str = field(default="auto", metadata={
-        "help": "how the rank-r approximation is computed: exact (QR + SVD of a T×T core per sample: the "
-                "optimum, as in the paper), randomized (randomized subspace iteration of batched matrix products: "
-                "within 1% of the optimum's error in tests/engine/test_compression.py and at 7B layer shapes "
-                "(benchmarks/perf/RESULTS.md), exact when a sample has at most r + 16 tokens), or auto (exact on "
-                "the CPU, randomized on accelerators, where the exact path is one slow LAPACK call per sample and "
-                "layer: 60 s per capture for a 130M model at T=512 on an H200)", "choices": COMPRESSION_CHOICES})
+        "help": "how the rank-r approximation is computed: exact (per-sample QR + SVD: the optimum, as in the "
+                "paper), randomized (batched subspace iteration, close to the optimum, much faster on accelerators) "
+                "or auto (exact on the CPU, randomized on accelerators)", "choices": COMPRESSION_CHOICES})
     target_modules: Union[str, Sequence[str]] = field(default="all-linear", metadata={
         "help": "layers to rectify: all-linear (every nn.Linear and GPT-2 Conv1D except the output head), a list "
                 "of module names or name suffixes (e.g. [\"q_proj\", \"v_proj\"]), or a regular expression matched "
@@ -115,12 +112,9 @@ class JanusConfig:
         "help": "dtype in which the Gram matrices and JVPs are accumulated and the eigendecompositions run",
         "choices": tuple(_DTYPES)})
     ghost_matmul: str = field(default="float32", metadata={
-        "help": "dtype of the ghost math's large products (Gram blocks, JVPs, VJPs, materialized per-sample "
-                "gradients): float32 (TF32 tensor cores on CUDA; sums accumulated in gram_dtype and one "
-                "refinement sweep of each projection, which keeps its null-space residual within 1e-6 of J ΔW, "
-                "held by tests/engine/test_ghost_explicit.py; on a CPU the comparison phase took 1.8-2.1x less time than "
-                "with float64 products, benchmarks/perf/RESULTS.md, issue 16) or float64 "
-                "(every product in float64: the slow reference path)", "choices": GHOST_MATMULS})
+        "help": "dtype of the ghost math's large products (Gram blocks, JVPs, VJPs): float32 (TF32 tensor cores on "
+                "CUDA; sums in gram_dtype and a refinement sweep keep the projection accurate; faster) or float64 "
+                "(the slow reference path)", "choices": GHOST_MATMULS})
     gram_rcond: float = field(default=1e-10, metadata={
         "help": "relative cutoff below which Gram eigenvalues count as zero (a pseudo-inverse: rank-deficient "
                 "Jacobians are fine)"})

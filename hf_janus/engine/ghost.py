@@ -40,9 +40,8 @@ Path = Literal["ghost", "materialized"]
 
 # The materialized path's FLOPs are dearer than the ghost path's: building the per-sample gradients is a
 # memory-bound batched product (inner dimension r) writing m x d_out x d_in float64 values, and they are
-# rebuilt for each use because keeping every layer's would hold the whole Jacobian. Measured with
-# benchmarks/bench_ghost.py (m=32, r=32, 512..3072-wide layers) ghost was 1.4-1.7x faster where raw FLOPs
-# favoured materializing by up to 1.5x, hence a factor of 4.
+# rebuilt for each use because keeping every layer's would hold the whole Jacobian. The factor is measured (the
+# measurement: docs/concepts/how-it-works.md, "Ghost math").
 MATERIALIZED_COST_FACTOR = 4
 
 # Upper bound on the elements of one ghost Gram block (m_chunk x r x m x r), to bound peak memory.

@@ -9,8 +9,8 @@ either fits (pieces moved to the host or to disk) or is refused at once with wha
 The figures are arithmetic on the model's shapes, the replay (samples m, batch size, longest sequence T), the
 compression rank r and the dtypes. ``tests/engine/test_memory_plan.py`` checks the predicted host bytes of whole
 rectifications on the CPU against those measured (peak RSS above the RSS before the run, within 15%); they model
-live bytes, not what the C allocator keeps after a free. On a GPU the prediction is logged next to
-``torch.cuda.max_memory_allocated`` by ``benchmarks/perf/scale.py``.
+live bytes, not what the C allocator keeps after a free. On a GPU the performance benchmarks log the prediction next
+to ``torch.cuda.max_memory_allocated`` (docs/benchmarks.md).
 
 Pieces (all bytes, summed over the target layers):
 

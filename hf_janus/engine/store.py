@@ -48,8 +48,8 @@ def host_footprint(nbytes: int, pinned: bool) -> int:
 
     torch's caching host allocator rounds every pinned allocation up to the next power of two and keeps
     freed blocks for reuse rather than returning them: 5.6 MB of factors pin 8 MB. A budget counted in
-    ``nbytes`` (with pageable merged copies of pinned pieces, see :meth:`FactorStore.get`) is the most
-    likely reason a 7B run on a 128 GiB host was killed for memory (benchmarks/perf/RESULTS.md).
+    ``nbytes`` (with pageable merged copies of pinned pieces, see :meth:`FactorStore.get`) lets the pinned pieces
+    take up to twice the host memory it allows, enough to have a large run killed for memory.
     """
     if not pinned or nbytes <= 0:
         return max(nbytes, 0)
@@ -239,7 +239,7 @@ class FactorStore:
         torch's caching host allocator keeps a freed pinned block for a later allocation of the same size class. The
         next capture in the same dtype reuses them; a capture in another dtype (θ0 again in float32 after bfloat16
         captures) cannot, and would be pinned beside them: twice the host memory the store's budget allows, enough
-        to have a 7B run killed at its very end (benchmarks/perf/RESULTS.md)."""
+        to have a large run killed at its very end."""
         if not self.pinned:
             return True
         empty = _empty_host_cache()

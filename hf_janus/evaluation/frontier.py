@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 
 #: The legacy columns of a point's JSON: every point has them (None where its kind has no such option), so that
-#: readers of earlier results (benchmarks/forgetting/real_model.py's summary, the model card) keep working.
+#: readers of earlier results (the benchmarks' summaries, the model card) keep working.
 LEGACY_OPTIONS = ("a", "tau", "b", "damping", "mitigation_lambda")
 
 

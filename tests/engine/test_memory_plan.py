@@ -333,7 +333,7 @@ PROBE = textwrap.dedent('''
     import json, sys
     import torch
     import transformers as tf
-    from memory_probe import own_peak_bytes
+    from benchmarks.memory_probe import own_peak_bytes
     from hf_janus import JanusConfig
     from hf_janus.engine.rectifier import Rectifier
 
@@ -350,7 +350,7 @@ PROBE = textwrap.dedent('''
                 p.add_(0.05 * p.std() * torch.randn_like(p))
     gen = torch.Generator().manual_seed(1)
     replay = [{"input_ids": torch.randint(0, 4000, (64,), generator=gen).tolist()} for _ in range(m)]
-    # the forced schedule of benchmarks/perf/profile_rectify.py: 4 evaluations, a rejected, a forced and a final step
+    # the forced schedule of benchmarks/perf/measure.py: 4 evaluations, a rejected, a forced and a final step
     config = JanusConfig(rank=16, tau=1.0, beta=0.7, min_alpha=0.5, max_steps=2, step_control="paper")
     measured, report = own_peak_bytes(lambda: Rectifier(model, reference, replay, config, progress=False).run().report)
     plan = report.memory_plan

@@ -1,4 +1,4 @@
-"""JANUS on a real pretrained model: SmolLM2-135M-Instruct (tests/real_model.py), offline, on the CPU.
+"""JANUS on a real pretrained model: SmolLM2-135M-Instruct (benchmarks/smollm2.py), offline, on the CPU.
 
 The other tests run tiny random or briefly trained models, whose Jacobians are well conditioned and whose weights
 are all of one scale. These run the user-facing paths on a real 30-layer Llama (GQA, tied embeddings, a 49k
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
-import real_model
+from benchmarks import smollm2
 import torch
 from torch import Tensor, nn
 
@@ -221,8 +221,8 @@ def fp32_targets() -> list[str]:
 @pytest.fixture(scope="module")
 def folder() -> Path:
     try:
-        return real_model.smollm2_dir()
-    except real_model.RealModelMissing as err:
+        return smollm2.smollm2_dir()
+    except smollm2.RealModelMissing as err:
         pytest.skip(str(err))
 
 
@@ -236,7 +236,7 @@ def tokenizer(folder: Path) -> Any:
 @pytest.fixture(scope="module")
 def model32(folder: Path) -> nn.Module:
     """The float32 model at θ0, shared: the tests that change weights work on a copy."""
-    return real_model.load_smollm2(torch.float32)[0]
+    return smollm2.load_smollm2(torch.float32)[0]
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +316,7 @@ def test_janus_callback_rectifies_a_bf16_lora_in_trainer_and_the_adapter_reloads
             self.replay_loss = replay_loss(model, replay)
 
     torch.manual_seed(0)
-    model = get_peft_model(real_model.load_smollm2(torch.bfloat16)[0],
+    model = get_peft_model(smollm2.load_smollm2(torch.bfloat16)[0],
                            LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, **lora_targets()))
     reference_loss = replay_loss(model, replay)  # B = 0: the base itself
     # full rank (>= min(d_out, d_in) of every adapted layer): the write-back truncates nothing, so the adapter holds
@@ -378,11 +378,11 @@ def test_janus_callback_rectifies_a_bf16_lora_in_trainer_and_the_adapter_reloads
 
     # saved with save_pretrained, loaded by stock PEFT onto a freshly loaded bf16 base: the same model
     model.save_pretrained(tmp_path / "adapter")
-    reloaded = PeftModel.from_pretrained(real_model.load_smollm2(torch.bfloat16)[0], tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(smollm2.load_smollm2(torch.bfloat16)[0], tmp_path / "adapter")
     assert sorted(adapted_linear_layers(reloaded)) == sorted(layers)
     assert torch.equal(logits_of(reloaded, replay), logits_of(model, replay))
     assert not torch.equal(logits_of(reloaded, replay[:1]),
-                           logits_of(real_model.load_smollm2(torch.bfloat16)[0], replay[:1]))
+                           logits_of(smollm2.load_smollm2(torch.bfloat16)[0], replay[:1]))
 
 
 # ---- 2. single step in float32: the removed part is the explicit Jacobian's row-space part -----------------------
@@ -505,7 +505,7 @@ def test_merger_and_cli_agree_and_their_outputs_load_with_stock_libraries(folder
             assert torch.all((got - want).abs() <= U32 * (value.double().abs() + want.abs())), name
         else:
             assert torch.equal(value, base[key]), key
-    adapter = PeftModel.from_pretrained(real_model.load_smollm2(torch.float32)[0], tmp_path / "cli").eval()
+    adapter = PeftModel.from_pretrained(smollm2.load_smollm2(torch.float32)[0], tmp_path / "cli").eval()
     written = adapted_linear_layers(adapter)
     assert sorted(written) == sorted(layers)
     for name, module in written.items():  # float32 factors of the same ΔW_rect (measured: 3.6e-8 of |ΔW_rect| apart)
@@ -535,14 +535,14 @@ def test_merger_and_cli_agree_and_their_outputs_load_with_stock_libraries(folder
 PROBE = textwrap.dedent('''
     import json, sys
     import torch
-    import real_model
-    from memory_probe import own_peak_bytes
+    from benchmarks import smollm2
+    from benchmarks.memory_probe import own_peak_bytes
     from hf_janus import JanusConfig, Rectifier, resolve_target_modules
 
     replay_file, targets = sys.argv[1:3]
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = real_model.load_smollm2(torch.float32)[0]
+    model = smollm2.load_smollm2(torch.float32)[0]
     with open(replay_file) as fh:
         replay = json.load(fh)
     names = list(resolve_target_modules(model, targets))

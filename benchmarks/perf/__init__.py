@@ -1,0 +1,1 @@
+"""Performance benchmarks of the rectification (see RESULTS.md); ``measure`` holds what the scripts share."""
