@@ -2,9 +2,9 @@
 (issue 43 item 2): one fine-tuned SmolLM2-135M-Instruct, several JANUS settings, the past behaviour scored three
 ways.
 
-    python benchmarks/forgetting/real_study.py --run full --variants base,wise,selfgen,token,m128 --threads 2
-    python benchmarks/forgetting/real_study.py --run full --margins   # θ0's answer margins (after a run)
-    python benchmarks/forgetting/real_study.py --run full --summarize
+    python -m benchmarks.forgetting.real_study --run full --variants base,wise,selfgen,token,m128 --threads 2
+    python -m benchmarks.forgetting.real_study --run full --margins   # θ0's answer margins (after a run)
+    python -m benchmarks.forgetting.real_study --run full --summarize
 
 The fine-tuning is ``real_model.py``'s (same data, steps and learning rate; ``full``: float32 full fine-tuning,
 ``lora``: LoRA r=16 on the bf16 model), done once and kept with θ0's answers in ``cache/real_study/<run>``; each

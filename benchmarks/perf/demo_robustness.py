@@ -2,8 +2,8 @@
 selection, and count how many runs end with both rectifications converged within the evaluation budget and the
 time budget (issue 41 item 5).
 
-    python benchmarks/perf/demo_robustness.py --seeds 0,1,2,3,4 --threads 1,2
-    python benchmarks/perf/demo_robustness.py --seeds 0,1 --threads 2 --capabilities native,default
+    python -m benchmarks.perf.demo_robustness --seeds 0,1,2,3,4 --threads 1,2
+    python -m benchmarks.perf.demo_robustness --seeds 0,1 --threads 2 --capabilities native,default
 
 Each run is its own process (``OMP_NUM_THREADS`` and ``ATEN_CPU_CAPABILITY`` are read at start-up), run one at a
 time so that timings are those of an otherwise idle machine. ``default`` makes ATen use its non-vectorized kernels
