@@ -17,8 +17,8 @@ from hf_janus.replay.sources import ReplayOptions
 from hf_janus.version import __version__
 
 
-#: The demo's rectifications took 27 and 54 evaluations with the adaptive controller (68 and 202 with the paper's):
-#: a budget well above that, so that the demo ends in minutes even where rounding makes the loop longer.
+#: A budget well above what the demo's two rectifications take on the CPUs it was run on (the quick start gives the
+#: distribution), so that it ends in minutes even where rounding makes the loop longer.
 DEMO_MAX_EVALUATIONS = 80
 
 
@@ -40,6 +40,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-evaluations", type=int, default=DEMO_MAX_EVALUATIONS,
                    help="Jacobian-evaluation budget of each of the two rectifications, so that the demo ends in "
                         f"minutes on any machine (default: {DEMO_MAX_EVALUATIONS}; 0 = none)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default: 1; the demo's model is so small that more threads cost more in "
+                        "synchronization than they save)")
     p.add_argument("--report", metavar="PATH", help="also write the rectification report as JSON to PATH")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=_run_demo)

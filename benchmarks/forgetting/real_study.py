@@ -254,7 +254,7 @@ def prepare(args, s, tok, work: str):
         with open(data_path, "w", encoding="utf-8") as fh:
             json.dump(data, fh)
     if os.path.isfile(delta_path):
-        return theta0, torch.load(delta_path), data
+        return theta0, {name: w.detach() for name, w in torch.load(delta_path).items()}, data
     train = [(bench.MATH_PROMPT.format(question=r["question"]), " " + solution(r))
              for r in lib.read_jsonl("gsm8k_train_subset.jsonl")]
     if args.run == "full":
@@ -269,11 +269,12 @@ def prepare(args, s, tok, work: str):
         model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype), bench.lora_config(s))
         data["fine_tuning"] = bench.fine_tune(s, args.run, model, tok, train)
         exact = {}
-        for name, module in model.named_modules():
-            if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
-                a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
-                w0 = module.base_layer.weight.float()
-                exact[name.replace("base_model.model.", "") + ".weight"] = w0 + module.scaling["default"] * b @ a
+        for name, module in model.named_modules():  # θ̂'s weights, not a graph: detached
+            with torch.no_grad():
+                if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+                    a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
+                    w0 = module.base_layer.weight.float()
+                    exact[name.replace("base_model.model.", "") + ".weight"] = w0 + module.scaling["default"] * b @ a
     torch.save(exact, delta_path)
     with open(data_path, "w", encoding="utf-8") as fh:
         json.dump(data, fh)

@@ -3,11 +3,13 @@ selection, and count how many runs end with both rectifications converged within
 time budget (issue 41 item 5).
 
     python -m benchmarks.perf.demo_robustness --seeds 0,1,2,3,4 --threads 1,2
-    python -m benchmarks.perf.demo_robustness --seeds 0,1 --threads 2 --capabilities native,default
+    python -m benchmarks.perf.demo_robustness --seeds 0,1 --threads 2 --kernels aten-default,mkl-sse42
 
-Each run is its own process (``OMP_NUM_THREADS`` and ``ATEN_CPU_CAPABILITY`` are read at start-up), run one at a
-time so that timings are those of an otherwise idle machine. ``default`` makes ATen use its non-vectorized kernels
-instead of the machine's widest (AVX2 or AVX-512): another rounding of the same sums, as another CPU would give.
+Each run is its own process (the thread counts and kernel selections are read from the environment at start-up),
+run one at a time so that timings are those of an otherwise idle machine. Kernel selections (``--kernels``):
+``native`` (what the machine picks), ``aten-default`` (``ATEN_CPU_CAPABILITY=default``: ATen's non-vectorized
+kernels instead of its AVX2/AVX-512 ones) and ``mkl-sse42`` (``MKL_ENABLE_INSTRUCTIONS=SSE4_2``: MKL's SSE code
+path for the matrix products): other roundings of the same sums, as another CPU would give.
 Results: ``results/demo_robustness.{json,md}``.
 """
 
@@ -40,19 +42,22 @@ print("RESULT " + json.dumps({{"full": facts(result.report), "lora": facts(resul
 """
 
 
-def run_one(seed: int, threads: int, capability: str, quick: bool) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
-    if capability != "native":
-        env["ATEN_CPU_CAPABILITY"] = capability
+KERNELS = {"native": {}, "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
+           "mkl-sse42": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}
+
+
+def run_one(seed: int, threads: int, kernels: str, quick: bool) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE",
+               **KERNELS[kernels])
     code = _RUN.format(seed=seed, threads=threads, quick=quick)
     t = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
-        raise SystemExit(f"the demo failed (seed {seed}, {threads} threads, {capability}):\n{out.stderr[-3000:]}")
+        raise SystemExit(f"the demo failed (seed {seed}, {threads} threads, {kernels}):\n{out.stderr[-3000:]}")
     row = json.loads(lines[-1][len("RESULT "):])
-    row.update(seed=seed, threads=threads, capability=capability, process_seconds=wall)
+    row.update(seed=seed, threads=threads, kernels=kernels, process_seconds=wall)
     return row
 
 
@@ -66,7 +71,7 @@ def markdown(record: dict) -> str:
             "|---:|---:|---|---:|---:|---|---:|---:|---|"]
     for r in record["runs"]:
         both = r["full"]["converged"] and r["lora"]["converged"]
-        rows.append(f"| {r['seed']} | {r['threads']} | {r['capability']} | {r['full']['evals']} | "
+        rows.append(f"| {r['seed']} | {r['threads']} | {r['kernels']} | {r['full']['evals']} | "
                     f"{r['lora']['evals']} | {'yes' if both else 'no'} | {r['full']['evals'] + r['lora']['evals']} | "
                     f"{r['seconds']:.0f} | {'✓' if r['ok'] else '✗'} |")
     s = record["summary"]
@@ -82,20 +87,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--capabilities", default="native", help="comma-separated: native, default, avx2, avx512")
+    ap.add_argument("--kernels", default="native", help="comma-separated: " + ", ".join(KERNELS))
     ap.add_argument("--quick", action="store_true", help="the demo's --quick variant")
     ap.add_argument("--max-evals", type=int, default=90)
     ap.add_argument("--max-seconds", type=float, default=120.0)
     ap.add_argument("--out", default=os.path.join(RESULTS, "demo_robustness"))
     args = ap.parse_args()
     runs = []
-    for capability in args.capabilities.split(","):
+    for kernels in args.kernels.split(","):
         for threads in (int(t) for t in args.threads.split(",")):
             for seed in (int(s) for s in args.seeds.split(",")):
-                row = run_one(seed, threads, capability, args.quick)
+                row = run_one(seed, threads, kernels, args.quick)
                 row["ok"] = verdict(row, args.max_evals, args.max_seconds)
                 runs.append(row)
-                print(f"seed {seed} threads {threads} {capability}: full {row['full']['evals']} "
+                print(f"seed {seed} threads {threads} {kernels}: full {row['full']['evals']} "
                       f"({'converged' if row['full']['converged'] else 'not converged'}), lora {row['lora']['evals']} "
                       f"({'converged' if row['lora']['converged'] else 'not converged'}), {row['seconds']:.0f}s",
                       flush=True)

@@ -65,6 +65,9 @@ class Rectifier:
     """Runs Algorithm 1 on one model: ``Rectifier(...).run()`` returns the :class:`RectificationResult`. Use
     :func:`rectify` unless you need the pieces."""
 
+    # No autograd graph is built outside the captures (which enable grad for their backward passes): θ0 or θ̂ handed
+    # over as tensors that require grad would otherwise make every projection record its operands.
+    @torch.no_grad()
     def __init__(self, model: nn.Module, reference: Union[WeightSource, Reference], replay: Any,
                  config: Optional[JanusConfig] = None, progress: bool = True, keep_reference_factors: bool = False,
                  factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
@@ -198,6 +201,7 @@ class Rectifier:
         bar = bar if bar is not None else tqdm(disable=True)
         return StepLoop(self, report, budget, bar)
 
+    @torch.no_grad()
     def run(self) -> RectificationResult:
         """Rectify: the model's target layers end at θ_rect (on failure, at θ̂ exactly, and an error says why).
         Returns the :class:`RectificationResult` (also kept as :attr:`result`); its ``report`` says what was done."""

@@ -594,3 +594,23 @@ def test_a_temperature_needs_the_loss_constraint():
         JanusConfig(constraint="target_logit", constraint_temperature=2.0)
     with pytest.raises(ValueError, match="constraint"):
         JanusConfig(constraint="logits")
+
+
+def test_weights_that_require_grad_build_no_graph(tuned_llama):
+    """θ0 and θ̂ handed over as tensors that require grad (a state dict of parameters, an adapter's product): the
+    rectification builds no autograd graph through its projections (which would hold every step's tensors), warns
+    nothing, and gives the same weights as with detached inputs."""
+    import warnings
+
+    model, reference = tuned_llama
+    finetuned = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    plain = copy.deepcopy(model)
+    rectify(plain, reference, random_replay(4), JanusConfig(rank=4, max_steps=3), progress=False, finetuned=finetuned)
+    tracked_reference = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in reference.items()}
+    tracked_finetuned = {k: v.clone().requires_grad_(True) for k, v in finetuned.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        rectify(model, tracked_reference, random_replay(4), JanusConfig(rank=4, max_steps=3), progress=False,
+                finetuned=tracked_finetuned)
+    for name, value in model.state_dict().items():
+        assert not value.requires_grad and torch.equal(value, plain.state_dict()[name]), name
