@@ -5,37 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from hf_janus.engine.acceptance.base import AcceptanceRule
-from hf_janus.errors import JanusError
+from hf_janus.engine.kinds import KindRegistry
 
-_RULES: dict[str, type[AcceptanceRule]] = {}
+_RULES: KindRegistry[type[AcceptanceRule]] = KindRegistry(
+    "acceptance rule", AcceptanceRule, "JanusConfig.acceptance", "hf_janus.engine.acceptance")
 
-
-def register(rule: type[AcceptanceRule]) -> type[AcceptanceRule]:
-    """Register a rule under its ``name`` (usable as a class decorator); a second rule of the same name is
-    refused, so that a plugin cannot silently replace a built-in test."""
-    if not (isinstance(rule, type) and issubclass(rule, AcceptanceRule)):
-        raise JanusError(f"an acceptance rule must subclass hf_janus.engine.acceptance.AcceptanceRule, got {rule!r}")
-    existing = _RULES.get(rule.name)
-    if existing is not None and existing is not rule:
-        raise JanusError(f"an acceptance rule named {rule.name!r} is already registered ({existing.__qualname__}); "
-                         "give the new rule another name")
-    _RULES[rule.name] = rule
-    return rule
-
-
-def rule_names() -> tuple[str, ...]:
-    """The registered names, in registration order (the built-ins first)."""
-    return tuple(_RULES)
-
-
-def rule_named(name: str) -> type[AcceptanceRule]:
-    """The rule registered as ``name``; an unknown name raises :class:`JanusError` listing the known ones."""
-    try:
-        return _RULES[name]
-    except (KeyError, TypeError):
-        raise JanusError(f"no acceptance rule is named {name!r}: JanusConfig.acceptance must be one of "
-                         f"{', '.join(map(repr, _RULES))} (or a rule registered with "
-                         "hf_janus.engine.acceptance.register)") from None
+#: Register a rule under its ``name`` (usable as a class decorator); a second rule of the same name is refused.
+register = _RULES.register
+#: The registered names, in registration order (the built-ins first).
+rule_names = _RULES.names
+#: The rule registered as ``name``; an unknown name raises :class:`~hf_janus.errors.JanusError` listing the known ones.
+rule_named = _RULES.named
 
 
 def make_acceptance(config: Any) -> AcceptanceRule:
