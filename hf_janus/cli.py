@@ -40,6 +40,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-evaluations", type=int, default=DEMO_MAX_EVALUATIONS,
                    help="Jacobian-evaluation budget of each of the two rectifications, so that the demo ends in "
                         f"minutes on any machine (default: {DEMO_MAX_EVALUATIONS}; 0 = none)")
+    p.add_argument("--require-converged", action="store_true",
+                   help="exit with status 1 unless every rectification converged (for CI)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default: 1; the demo's model is so small that more threads cost more in "
                         "synchronization than they save)")

@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -272,4 +273,10 @@ def run_cli(args) -> int:
     if args.report:
         result.report.save(args.report)
         print(f"report written to {args.report}")
+    unconverged = [name for name, report in (("full fine-tuning", result.report), ("LoRA", result.lora_report))
+                   if report is not None and not report.converged]
+    if unconverged and getattr(args, "require_converged", False):
+        print(f"hf-janus demo: the {' and the '.join(unconverged)} rectification did not converge",
+              file=sys.stderr)
+        return 1
     return 0

@@ -37,6 +37,7 @@ import os
 import platform
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from typing import Optional
@@ -58,7 +59,7 @@ log = bench.log
 DTYPES = {"full": torch.float32, "lora": torch.bfloat16}
 POOL_QUESTIONS = 150  # NQ-open questions θ0 answers for the replay (those with a word in the answer are kept)
 TOKEN_ROWS = 3  # answer tokens per replayed answer, each its own row (lost answers flip early: see flips)
-VARIANTS = ("base", "m128", "token", "tokenloss", "whole", "selfgen", "tau99", "logitproj", "wise")
+VARIANTS = ("base", "m128", "token", "tokenloss", "tokenloss2", "whole", "selfgen", "tau99", "logitproj", "wise")
 WISE_GRID = (0.25, 0.5, 0.75, 0.9)
 
 
@@ -331,8 +332,10 @@ def variant_replay(name: str, data: dict, tok, theta0):
 
 
 def variant_config(name: str) -> JanusConfig:
-    if name == "tokenloss":
-        return JanusConfig(constraint="token_loss", constraint_tokens=TOKEN_ROWS)
+    if name.startswith("tokenloss"):  # tokenloss: TOKEN_ROWS tokens, tokenloss2: 2 (the rest of the loss one more row)
+        # k + 1 rows per sample: the factors may not fit the host memory, and spill to disk beyond half of it
+        return JanusConfig(constraint="token_loss", constraint_tokens=int(name[9:] or TOKEN_ROWS),
+                           cache=os.path.join(tempfile.gettempdir(), "janus-real-study-factors"))
     if name == "tau99":
         return JanusConfig(tau=0.99)
     if name == "logitproj":

@@ -27,10 +27,11 @@ def test_demo_quick_single_step(tmp_path, capsys):
 
 
 def test_demo_budget_stops_cleanly(tmp_path, capsys):
-    """The demo's rectifications obey --max-evaluations: the run ends, at the last accepted point, and says so."""
+    """The demo's rectifications obey --max-evaluations: the run ends, at the last accepted point, and says so;
+    with --require-converged (what CI runs) that is exit status 1."""
     report_path = tmp_path / "report.json"
-    assert main(["demo", "--quick", "--no-lora", "--max-evaluations", "3", "--no-progress",
-                 "--report", str(report_path)]) == 0
+    assert main(["demo", "--quick", "--no-lora", "--max-evaluations", "3", "--no-progress", "--require-converged",
+                 "--report", str(report_path)]) == 1
     report = RectificationReport.load(report_path)
     assert report.config["max_evaluations"] == 3 and report.config["step_control"] == "adaptive"
     # Unbudgeted, this rectification converges after 32 evaluations: 3 must be what stopped it, after exactly 3, and
@@ -40,7 +41,9 @@ def test_demo_budget_stops_cleanly(tmp_path, capsys):
     assert report.num_jacobian_evals == 3
     if not report.steps:  # no step accepted within the budget: the last accepted point is θ0
         assert report.replay_loss["rectified"] == pytest.approx(report.replay_loss["reference"], rel=1e-6)
-    assert "budget: max_evaluations=3 reached" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "budget: max_evaluations=3 reached" in out.out
+    assert "the full fine-tuning rectification did not converge" in out.err
 
 
 def test_help_lists_subcommands(capsys):

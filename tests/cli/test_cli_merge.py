@@ -232,7 +232,7 @@ def test_every_config_field_is_an_option():
              "--constraint-temperature": ("2.5", 2.5), "--ghost-matmul": ("float64", "float64"),
              "--constraint": ("loss", "loss"),  # target_logit takes no temperature
              "--acceptance": ("both", "both"), "--loss-tolerance": ("0.3", 0.3),
-             "--constraint-projections": ("6", 6), "--damping": ("0.02", 0.02), "--captures": ("two", "two"),
+             "--constraint-projections": ("6", 6), "--constraint-tokens": ("4", 4), "--damping": ("0.02", 0.02), "--captures": ("two", "two"),
              "--factor-dtype": ("bfloat16", "bfloat16")}
     argv = list(base)
     for flag, (text, _) in given.items():

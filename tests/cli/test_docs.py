@@ -140,9 +140,9 @@ def _command(line: str) -> list[str]:
 
 
 def test_readme_commands_are_what_ci_runs():
-    """The README's two commands (install + demo; install the test extras + tests) are those of .ci/run (whose
-    demo is the --quick smoke variant of the README's), in the same order: the demo runs before the test extra and
-    the model wheel are installed, so CI checks that it needs neither."""
+    """The README's two commands (install + demo; install the test extra + tests) are those of .ci/run (whose
+    demo is the README's full demo, failing unless both rectifications converged), in the same order: the demo runs
+    before the test extra and the model wheel are installed, so CI checks that it needs neither."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     block = re.search(r"```bash\n(.*?)```", readme, flags=re.S).group(1).strip().splitlines()
     assert len(block) == 2, block
@@ -164,6 +164,7 @@ def test_readme_commands_are_what_ci_runs():
     assert [c[2:] for c in demo_installs + test_installs] == ci_installs
     # CI runs them in the README's order: the demo's install, the demo, the test installs, the tests
     ci_demo = next(i for i, c in enumerate(ci) if c[:2] == demo)
+    assert "--require-converged" in ci[ci_demo] and "--quick" not in ci[ci_demo], ci[ci_demo]
     ci_tests = ci.index(tests)
     assert install_lines[len(demo_installs) - 1] < ci_demo < install_lines[len(demo_installs)]
     assert install_lines[-1] < ci_tests
