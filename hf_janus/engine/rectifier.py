@@ -239,9 +239,8 @@ class Rectifier:
         self.timer.add("total", time.perf_counter() - start)
         report.timings = self.timer.as_dict()
         self.result = RectificationResult(report, {
-            layer.name: LayerResult(name=layer.name, rule=layer.rule, reference_weight=layer.reference_matrix,
-                                    finetuned_weight=layer.finetuned_native(), rectified=layer.current,
-                                    jacobian=jacobians.get(layer.name), rebuilt=layer.rebuilt)
+            layer.name: LayerResult(name=layer.name, rule=layer.rule, weights=layer.weights, rectified=layer.current,
+                                    jacobian=jacobians.get(layer.name))
             for layer in self.layers})
         logger.info(report.summary())
         return self.result
