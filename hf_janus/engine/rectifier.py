@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from hf_janus.engine.budget import Budget
 from hf_janus.engine.capture import (
-    CaptureResult,
+    ReplayLosses,
     capture_factors,
     combine_losses,
     combine_ranks,
@@ -172,7 +172,7 @@ class Rectifier:
                   for name, module in modules.items()]
         return TargetLayers(self.model, layers, self.device)
 
-    def capture(self, tag: str) -> CaptureResult:
+    def capture(self, tag: str) -> ReplayLosses:
         """One Jacobian evaluation at the point the model holds: every target layer's compressed factors, stored as
         ``tag`` (every rank's samples, in rank order), and the per-sample replay losses."""
         self.observer.capturing(tag)
@@ -294,7 +294,7 @@ class Rectifier:
         report.recaptures += 1
         self.layers.hold_current()
 
-    def _finetuned_loss(self) -> CaptureResult:
+    def _finetuned_loss(self) -> ReplayLosses:
         with self.timer.phase("forward_backward"):
             finetuned_loss = replay_losses(self.model, self.local_batches)
             if self.idle_batches:

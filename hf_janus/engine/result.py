@@ -7,6 +7,7 @@ from typing import Optional
 
 from torch import Tensor
 
+from hf_janus.deprecation import warn_renamed
 from hf_janus.engine.ghost import LayerJacobian
 from hf_janus.engine.layers import LayerRule
 from hf_janus.engine.report import RectificationReport
@@ -58,11 +59,17 @@ class LayerResult:
         """ΔW_rect = θ_rect − θ0, the rectified update."""
         return self.rectified - self.reference
 
-    def reference_norm(self) -> Optional[float]:
-        """``||J0 ΔW||``, the denominator of every residual; None without :attr:`jacobian`."""
+    def jvp0_norm(self) -> Optional[float]:
+        """``||J0 ΔW||``, the first-order change of the replay outputs that the fine-tuning made, the denominator of
+        every residual; None without :attr:`jacobian`."""
         if self.jacobian is None:
             return None
         return float(self.jacobian.jvp(self.delta()).norm())
+
+    def reference_norm(self) -> Optional[float]:
+        """Deprecated name of :meth:`jvp0_norm` (the norm is ``||J0 ΔW||``, not a norm of the reference)."""
+        warn_renamed("LayerResult.reference_norm()", "LayerResult.jvp0_norm()")
+        return self.jvp0_norm()
 
 
 @dataclass
