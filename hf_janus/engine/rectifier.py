@@ -107,9 +107,9 @@ class Rectifier:
                         else str(factor_dtype).replace("torch.", ""))
         weights = WeightSource.of(reference)  # not kept: the layers hold what they need of it
         #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
-        self.memory_plan = self._plan_memory(modules, factor_dtype, theta0_borrowed=weights.reference_borrowed,
+        self.memory_plan = self._plan_memory(modules, factor_dtype, reference_borrowed=weights.reference_borrowed,
                                              backup_kept=weights.finetuned is None and not weights.rebuilt,
-                                             theta0_held=weights.held(set(modules)) != set())
+                                             reference_held=weights.held(set(modules)) != set())
         #: The target layers (θ0, θ̂, θ_t of each) and which point the model holds.
         self.layers = self._build_layers(modules, weights)
         self.timer = PhaseTimer(self.device)
@@ -130,7 +130,7 @@ class Rectifier:
         self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if collective else []
 
     def _plan_memory(self, modules: dict[str, nn.Module], factor_dtype: str,
-                     theta0_borrowed: bool, backup_kept: bool, theta0_held: bool) -> MemoryPlan:
+                     reference_borrowed: bool, backup_kept: bool, reference_held: bool) -> MemoryPlan:
         """The memory plan (:mod:`.memory_plan`), before anything is allocated; refuses a run that cannot fit."""
         cfg = self.config
         shapes = []
@@ -149,7 +149,7 @@ class Rectifier:
             materialize_max_bytes=cfg.materialize_max_bytes, captures_alive=CAPTURES_ALIVE[cfg.step_control],
             tempered=cfg.constraint_temperature != 1.0,
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
-            theta0_borrowed=theta0_borrowed, backup_kept=backup_kept, theta0_held=theta0_held,
+            reference_borrowed=reference_borrowed, backup_kept=backup_kept, reference_held=reference_held,
             **model_dimensions(self.model, shapes))
         check_cache_directory(cfg.cache)
         in_use, capacity = self.observer.measure_memory(self.device, cfg.cache)

@@ -24,8 +24,8 @@ Reference = Union[nn.Module, Mapping[str, Tensor]]
 @runtime_checkable
 class RebuiltWeights(Protocol):
     """θ0 and θ̂ of one layer computed when needed instead of held: for an adapter on a quantized base they are the
-    dequantized base plus the initial or the trained adapter, so that no dense copy of every adapted layer is
-    kept through the run (at 7B two float32 copies would take 52 GB). Each call returns a fresh float32
+    dequantized base plus the reference (untrained) or the trained adapter, so that no dense copy of every adapted
+    layer is kept through the run (at 7B two float32 copies would take 52 GB). Each call returns a fresh float32
     ``(d_out, d_in)`` matrix on ``device``; the two must be the same every time they are asked for."""
 
     def reference(self, device: torch.device) -> Tensor: ...
@@ -301,7 +301,7 @@ def _given_finetuned(finetuned: Mapping[str, Tensor], name: str, stored: Tensor)
 
 
 def build_target_layer(name: str, module: nn.Module, weights: WeightSource, model_storages: set,
-                       theta0_home: torch.device, current_home: torch.device) -> TargetLayer:
+                       reference_home: torch.device, current_home: torch.device) -> TargetLayer:
     """Read one layer's θ̂ and θ0 from ``weights`` (a collective under FSDP and ZeRO-3: every rank builds the same
     layers in the same order). ``model_storages``: the storages of the model's parameters, which a borrowed tensor
     must not share. A layer in ``weights.rebuilt`` has θ0 and θ̂ computed when needed, instead of read and held."""
@@ -324,7 +324,7 @@ def build_target_layer(name: str, module: nn.Module, weights: WeightSource, mode
     # with the model (θ0 = model.state_dict() itself), whose weights every trial overwrites. A reference model's
     # weights are copied: they can change under the result that holds them.
     borrowed = isinstance(reference, Mapping) and storage_of(ref) not in model_storages | {None}
-    ref_matrix = rule.to_matrix(ref).to(theta0_home, copy=not borrowed)
+    ref_matrix = rule.to_matrix(ref).to(reference_home, copy=not borrowed)
     exact = None
     if finetuned is not None:
         exact = rule.to_matrix(_given_finetuned(finetuned, name, stored)).to("cpu", torch.float32)
