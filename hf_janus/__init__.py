@@ -9,7 +9,7 @@ from hf_janus.engine.rectifier import Rectifier, rectify
 from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.errors import JanusError, RectificationError
-from hf_janus.evaluation.frontier import FrontierResult, frontier
+from hf_janus.evaluation.frontier_search import FrontierResult, frontier
 from hf_janus.evaluation.harness import EvaluationResult, evaluate
 from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.publish.hub import load_report

@@ -365,7 +365,7 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
 def _run_frontier(args: argparse.Namespace) -> int:
     import os
 
-    from hf_janus.evaluation.frontier import frontier
+    from hf_janus.evaluation.frontier_search import frontier
     from hf_janus.io_utils import check_output_dir
 
     options = replay_options(args)

@@ -64,7 +64,7 @@ VARIANTS = (
     ("m=64", "m=64, every token", {}),
     ("m=1024", "m=1024, every token", {}),
     ("m=256, answer-only labels", "m=256, answer only", {}),
-    # (the frontier itself runs damping 0.01 and 0.1: hf_janus.evaluation.frontier.DEFAULT_DAMPINGS)
+    # (the frontier itself runs damping 0.01 and 0.1: hf_janus.evaluation.frontier_search.DEFAULT_DAMPINGS)
     ("damping 0.001", MAIN_REPLAY, {"damping": 1e-3}),
     ("damping 0.3", MAIN_REPLAY, {"damping": 0.3}),
     ("damping 1", MAIN_REPLAY, {"damping": 1.0}),
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     logging.getLogger("hf_janus").setLevel(logging.WARNING)
     from hf_janus import JanusConfig, rectify
     from hf_janus.evaluation import frontier
-    from hf_janus.evaluation.frontier import wise_margin
+    from hf_janus.evaluation.frontier_search import wise_margin
     from hf_janus.evaluation.harness import Scorer, resolve_tasks
     from hf_janus.evaluation.scoring import ap_metrics
 

@@ -46,7 +46,7 @@ from benchmarks.forgetting import lib  # noqa: E402  (the benchmark data)
 from hf_janus import JanusConfig  # noqa: E402
 from hf_janus.evaluation import completion_task, qa_task  # noqa: E402
 from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402
-from hf_janus.evaluation.frontier import frontier  # noqa: E402
+from hf_janus.evaluation.frontier_search import frontier  # noqa: E402
 
 MATH_PROMPT = "Question: {question}\nAnswer:"
 

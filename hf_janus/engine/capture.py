@@ -15,6 +15,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from hf_janus.deprecation import warn_renamed
 from hf_janus.engine.compression import (
     Pending,
     SequenceBasis,
@@ -37,8 +38,9 @@ from hf_janus.replay.prepare import loss_targets
 
 
 @dataclass
-class CaptureResult:
-    """Per-sample replay losses of one pass (summed over tokens) and how many tokens counted."""
+class ReplayLosses:
+    """Per-sample replay losses of one pass (summed over tokens) and how many tokens counted: all a capture returns
+    (the factors it records go to the store)."""
 
     tag: str
     sample_loss: Tensor  # (m,) float64, CPU
@@ -52,6 +54,14 @@ class CaptureResult:
     @property
     def num_samples(self) -> int:
         return int(self.sample_loss.numel())
+
+
+def __getattr__(name: str):
+    # the old name of ReplayLosses, which RunObserver.captured hands to observers
+    if name == "CaptureResult":
+        warn_renamed("hf_janus.engine.capture.CaptureResult", "hf_janus.engine.capture.ReplayLosses")
+        return ReplayLosses
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -122,7 +132,7 @@ def _to_device(batch: Mapping[str, Tensor], device: torch.device) -> dict[str, T
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def replay_losses(model: nn.Module, batches: list[dict[str, Tensor]], tag: str = "eval") -> CaptureResult:
+def replay_losses(model: nn.Module, batches: list[dict[str, Tensor]], tag: str = "eval") -> ReplayLosses:
     """Forward-only replay loss at the model's current weights."""
     device = model_device(model)
     losses, counts, offset = [], [], 0
@@ -135,10 +145,10 @@ def replay_losses(model: nn.Module, batches: list[dict[str, Tensor]], tag: str =
     return _result(tag, losses, counts)
 
 
-def _result(tag: str, losses: list[Tensor], counts: list[Tensor]) -> CaptureResult:
+def _result(tag: str, losses: list[Tensor], counts: list[Tensor]) -> ReplayLosses:
     if not losses:  # a rank whose share of the replay is empty
-        return CaptureResult(tag, torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
-    return CaptureResult(tag, torch.cat(losses), torch.cat(counts))
+        return ReplayLosses(tag, torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
+    return ReplayLosses(tag, torch.cat(losses), torch.cat(counts))
 
 
 # Bytes of randomized sketches a capture holds before their eigenproblems run as one batched call: larger batches
@@ -347,7 +357,7 @@ def capture_factors(
     timer: PhaseTimer,
     compression: str = "auto",
     constraint: Optional[Constraint] = None,
-) -> CaptureResult:
+) -> ReplayLosses:
     """Capture the compressed Jacobian factors of every target layer at the model's current weights.
 
     ``targets`` maps a layer name to ``(module, d_in, d_out)``. Factors go to ``store`` under ``tag``.
@@ -390,15 +400,15 @@ def capture_factors(
 
 
 # ---- data parallelism: every rank gets every sample's factors and losses ---------------------------------------
-def combine_losses(world: World, result: CaptureResult) -> CaptureResult:
+def combine_losses(world: World, result: ReplayLosses) -> ReplayLosses:
     """Per-sample replay losses of every rank, in rank order."""
     losses = world.gather_vector(result.sample_loss.to(world.device)).cpu()
     tokens = world.gather_vector(result.sample_tokens.double().to(world.device)).cpu()
-    return CaptureResult(result.tag, losses, tokens.round().long())
+    return ReplayLosses(result.tag, losses, tokens.round().long())
 
 
-def combine_ranks(world: World, store: FactorStore, result: CaptureResult, shapes: Mapping[str, tuple[int, int]],
-                  device: torch.device, timer: PhaseTimer) -> CaptureResult:
+def combine_ranks(world: World, store: FactorStore, result: ReplayLosses, shapes: Mapping[str, tuple[int, int]],
+                  device: torch.device, timer: PhaseTimer) -> ReplayLosses:
     """Give every rank the factors (of the layers in ``shapes``: name -> ``(d_in, d_out)``) and losses of all
     replay samples, in rank order; the capture itself when there is one process."""
     if not world.active:

@@ -16,8 +16,9 @@ Pieces (all bytes, summed over the target layers):
 
 * ``backup``: the fine-tuned weights, kept on the host to restore the model on failure (native dtype; none when
   the caller gives the exact θ̂, which restores the model as well);
-* ``theta0``: the reference weights (native dtype; a state dict's tensors on the host are kept, not copied, and
-  add nothing; nothing where θ0 and θ̂ are rebuilt when needed, as for an adapter on a quantized base);
+* ``theta0``: the reference weights, under the name reports have always given them (native dtype; a state dict's
+  tensors on the host are kept, not copied, and add nothing; nothing where θ0 and θ̂ are rebuilt when needed, as
+  for an adapter on a quantized base);
 * ``current``: θ_t in float32; ``proj``: the projected update of the step in float32;
 * ``factors``: compressed Jacobian factors, per capture ``m · slots · (d_in + d_out)`` in the factor dtype, with
   up to four captures alive (θ0's, the current point's, a passing trial held by the adaptive controller, the trial),
@@ -96,11 +97,11 @@ class Workload:
     randomized: bool = False  # randomized compression: sketches wait for their batched Ritz step (capture's budget)
     rows_per_sample: int = 1  # Jacobian rows per replay sample (constraint="logit_projections": one per projection)
     # θ0 given as a state dict: the rectifier keeps the caller's tensors (already in memory) where they lie
-    theta0_borrowed: bool = False
+    reference_borrowed: bool = False
     # False when the caller gives the exact θ̂ (adapters): the rectifier restores from it and keeps no backup
     backup_kept: bool = True
     # False when θ0 and θ̂ are rebuilt when needed (an adapter on a quantized base): neither is held
-    theta0_held: bool = True
+    reference_held: bool = True
 
     @property
     def rows(self) -> int:
@@ -346,9 +347,9 @@ def _phase_bytes(work: Workload, pieces: dict[str, int], placements: dict[str, s
         where = "host" if shared or placements[name] == "host" else "device"
         if placements[name] == "disk" or (name == "backup" and not work.backup_kept):
             continue
-        if name == "theta0" and not work.theta0_held:
+        if name == "theta0" and not work.reference_held:
             continue
-        if name == "theta0" and work.theta0_borrowed and where == "host":
+        if name == "theta0" and work.reference_borrowed and where == "host":
             continue  # the caller's θ0 on the host, counted in ``in_use`` already
         resident[where] += pieces[name]
     resident["host"] += held

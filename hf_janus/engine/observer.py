@@ -30,7 +30,7 @@ from hf_janus.engine.memory_plan import measure_in_use_and_capacity
 from hf_janus.engine.workspace import Workspace
 
 if TYPE_CHECKING:  # only for annotations: the step loop imports this module
-    from hf_janus.engine.capture import CaptureResult
+    from hf_janus.engine.capture import ReplayLosses
     from hf_janus.engine.step_loop import StepLoop
 
 __all__ = ["RunObserver"]
@@ -52,7 +52,7 @@ class RunObserver:
         """Called before each Jacobian evaluation (the model holds the point to capture); raising here is a failure
         in the middle of the run."""
 
-    def captured(self, tag: str, capture: CaptureResult) -> CaptureResult:
+    def captured(self, tag: str, capture: ReplayLosses) -> ReplayLosses:
         """Called after each Jacobian evaluation with what it measured (every rank's losses); what it returns is
         what the run uses (its ``loss`` is the replay loss the acceptance rules and the final-step guard read)."""
         return capture

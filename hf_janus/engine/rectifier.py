@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from hf_janus.engine.budget import Budget
 from hf_janus.engine.capture import (
-    CaptureResult,
+    ReplayLosses,
     capture_factors,
     combine_losses,
     combine_ranks,
@@ -110,9 +110,9 @@ class Rectifier:
                         else str(factor_dtype).replace("torch.", ""))
         weights = WeightSource.of(reference)  # not kept: the layers hold what they need of it
         #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
-        self.memory_plan = self._plan_memory(modules, factor_dtype, theta0_borrowed=weights.reference_borrowed,
+        self.memory_plan = self._plan_memory(modules, factor_dtype, reference_borrowed=weights.reference_borrowed,
                                              backup_kept=weights.finetuned is None and not weights.rebuilt,
-                                             theta0_held=weights.held(set(modules)) != set())
+                                             reference_held=weights.held(set(modules)) != set())
         #: The target layers (θ0, θ̂, θ_t of each) and which point the model holds.
         self.layers = self._build_layers(modules, weights)
         self.timer = PhaseTimer(self.device)
@@ -133,7 +133,7 @@ class Rectifier:
         self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if collective else []
 
     def _plan_memory(self, modules: dict[str, nn.Module], factor_dtype: str,
-                     theta0_borrowed: bool, backup_kept: bool, theta0_held: bool) -> MemoryPlan:
+                     reference_borrowed: bool, backup_kept: bool, reference_held: bool) -> MemoryPlan:
         """The memory plan (:mod:`.memory_plan`), before anything is allocated; refuses a run that cannot fit."""
         cfg = self.config
         shapes = []
@@ -152,7 +152,7 @@ class Rectifier:
             materialize_max_bytes=cfg.materialize_max_bytes, captures_alive=CAPTURES_ALIVE[cfg.step_control],
             tempered=cfg.constraint_temperature != 1.0,
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
-            theta0_borrowed=theta0_borrowed, backup_kept=backup_kept, theta0_held=theta0_held,
+            reference_borrowed=reference_borrowed, backup_kept=backup_kept, reference_held=reference_held,
             **model_dimensions(self.model, shapes))
         check_cache_directory(cfg.cache)
         in_use, capacity = self.observer.measure_memory(self.device, cfg.cache)
@@ -175,7 +175,7 @@ class Rectifier:
                   for name, module in modules.items()]
         return TargetLayers(self.model, layers, self.device)
 
-    def capture(self, tag: str) -> CaptureResult:
+    def capture(self, tag: str) -> ReplayLosses:
         """One Jacobian evaluation at the point the model holds: every target layer's compressed factors, stored as
         ``tag`` (every rank's samples, in rank order), and the per-sample replay losses."""
         self.observer.capturing(tag)
@@ -243,9 +243,8 @@ class Rectifier:
         self.timer.add("total", time.perf_counter() - start)
         report.timings = self.timer.as_dict()
         self.result = RectificationResult(report, {
-            layer.name: LayerResult(name=layer.name, rule=layer.rule, reference_weight=layer.reference_matrix,
-                                    finetuned_weight=layer.finetuned_native(), rectified=layer.current,
-                                    jacobian=jacobians.get(layer.name), rebuilt=layer.rebuilt)
+            layer.name: LayerResult(name=layer.name, rule=layer.rule, weights=layer.weights, rectified=layer.current,
+                                    jacobian=jacobians.get(layer.name))
             for layer in self.layers})
         logger.info(report.summary())
         return self.result
@@ -299,7 +298,7 @@ class Rectifier:
         report.recaptures += 1
         self.layers.hold_current()
 
-    def _finetuned_loss(self) -> CaptureResult:
+    def _finetuned_loss(self) -> ReplayLosses:
         with self.timer.phase("forward_backward"):
             finetuned_loss = replay_losses(self.model, self.local_batches)
             if self.idle_batches:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 from torch import Tensor
 
+from hf_janus.deprecation import warn_renamed
 from hf_janus.engine.ghost import LayerJacobian
 from hf_janus.engine.layers import LayerRule
 from hf_janus.engine.report import RectificationReport
-from hf_janus.engine.target_layers import RebuiltWeights
+from hf_janus.engine.target_layers import LayerWeights, RebuiltWeights
 
 
 @dataclass
@@ -21,26 +21,35 @@ class LayerResult:
 
     name: str
     rule: LayerRule
-    reference_weight: Optional[Tensor]  # θ0 as (d_out, d_in), in its own dtype (None where ``rebuilt``)
-    # θ̂ in the module's layout on the CPU: as the module stores it, or the float32 θ̂ the caller gave the rectifier
-    # (an adapter's exact update on a bf16 base, see Rectifier's ``finetuned``); None where ``rebuilt``
-    finetuned_weight: Optional[Tensor]
+    weights: LayerWeights  # θ0 and θ̂ as the rectifier held them (or rebuilds them when asked for)
     rectified: Tensor  # θ_rect, float32 (d_out, d_in), where the memory plan kept θ_t (the device, or the host)
     jacobian: Optional[LayerJacobian] = None  # J0 (compressed factors at θ0), when kept
-    rebuilt: Optional[RebuiltWeights] = None  # θ0 and θ̂ computed when asked for (see Rectifier's ``rebuilt``)
+
+    @property
+    def reference_weight(self) -> Optional[Tensor]:
+        """θ0 as (d_out, d_in), in its own dtype; None where :attr:`rebuilt`."""
+        return self.weights.reference_matrix
+
+    @property
+    def finetuned_weight(self) -> Optional[Tensor]:
+        """θ̂ in the module's layout on the CPU: as the module stores it, or the float32 θ̂ the caller gave the
+        rectifier (an adapter's exact update on a bf16 base, see Rectifier's ``finetuned``); None where
+        :attr:`rebuilt`."""
+        return self.weights.finetuned_native()
+
+    @property
+    def rebuilt(self) -> Optional[RebuiltWeights]:
+        """The computer of θ0 and θ̂ when asked for (see Rectifier's ``rebuilt``), where they are not held."""
+        return self.weights.rebuilt
 
     @property
     def reference(self) -> Tensor:
         """θ0 as float32 on the device of :attr:`rectified` (no copy for float32 weights already there)."""
-        if self.rebuilt is not None:
-            return self.rebuilt.reference(self.rectified.device)
-        return self.reference_weight.to(self.rectified.device, torch.float32)
+        return self.weights.reference(self.rectified.device)
 
     def finetuned(self) -> Tensor:
         """θ̂ as float32 ``(d_out, d_in)`` on the device of :attr:`rectified`."""
-        if self.rebuilt is not None:
-            return self.rebuilt.finetuned(self.rectified.device)
-        return self.rule.to_matrix(self.finetuned_weight).to(self.rectified.device, torch.float32)
+        return self.weights.finetuned(self.rectified.device)
 
     def delta(self) -> Tensor:
         """ΔW = θ̂ − θ0, the fine-tuning update."""
@@ -50,11 +59,17 @@ class LayerResult:
         """ΔW_rect = θ_rect − θ0, the rectified update."""
         return self.rectified - self.reference
 
-    def reference_norm(self) -> Optional[float]:
-        """``||J0 ΔW||``, the denominator of every residual; None without :attr:`jacobian`."""
+    def jvp0_norm(self) -> Optional[float]:
+        """``||J0 ΔW||``, the first-order change of the replay outputs that the fine-tuning made, the denominator of
+        every residual; None without :attr:`jacobian`."""
         if self.jacobian is None:
             return None
         return float(self.jacobian.jvp(self.delta()).norm())
+
+    def reference_norm(self) -> Optional[float]:
+        """Deprecated name of :meth:`jvp0_norm` (the norm is ``||J0 ΔW||``, not a norm of the reference)."""
+        warn_renamed("LayerResult.reference_norm()", "LayerResult.jvp0_norm()")
+        return self.jvp0_norm()
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 
 from hf_janus.engine.acceptance import TrialMeasurement, make_acceptance
 from hf_janus.engine.budget import Budget
-from hf_janus.engine.capture import CaptureResult
+from hf_janus.engine.capture import ReplayLosses
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.ghost import GramEig, eig_psd, mean_cosine, principal_cosines, project_with_jvp
 from hf_janus.engine.jacobians import JacobianSource
@@ -51,7 +51,7 @@ class Taken(NamedTuple):
     """The trial a step moves to."""
 
     tag: str
-    capture: CaptureResult
+    capture: ReplayLosses
     alpha: float
     score: float
 
@@ -84,7 +84,7 @@ class LoopHost(Protocol):
     memory_plan: MemoryPlan
     observer: RunObserver
 
-    def capture(self, tag: str) -> CaptureResult: ...
+    def capture(self, tag: str) -> ReplayLosses: ...
 
 
 class StepLoop:
@@ -112,7 +112,7 @@ class StepLoop:
         self.phase = "starting the step loop"
 
     # ---- the loop ----------------------------------------------------------------------------------------
-    def run(self, base: CaptureResult, rise: float) -> CaptureResult:
+    def run(self, base: ReplayLosses, rise: float) -> ReplayLosses:
         """Step from θ0 (captured as ``base``) until converged, ``max_steps`` or a budget; ``rise``: the fine-tune's
         replay-loss rise (the loss rules' unit). Returns the capture of θ_t, which the model holds on return."""
         cfg, report = self.config, self.report
@@ -154,7 +154,7 @@ class StepLoop:
         self._note_budget_stop()
         return last
 
-    def _run_step(self, step: int, current_tag: str, last: CaptureResult,
+    def _run_step(self, step: int, current_tag: str, last: ReplayLosses,
                   rise: float) -> tuple[StepRecord, Optional[Taken]]:
         """The trials of one step, until one is taken (returned) or none can be (None)."""
         final = step == self.config.max_steps - 1
@@ -195,7 +195,7 @@ class StepLoop:
             self._show_trial(record, self.controller.estimated_remaining_evaluations(taken.alpha, steps_left))
             return record, taken
 
-    def _evaluate(self, step: int, alpha: float, current_tag: str, last: CaptureResult, rise: float,
+    def _evaluate(self, step: int, alpha: float, current_tag: str, last: ReplayLosses, rise: float,
                   record: StepRecord, final: bool) -> tuple[Optional[Taken], Decision]:
         """One trial: write, capture, compare, score, decide; recorded in ``record``. The trial comes back as None
         when it was the unchecked final step and would undo part of the repair (then left out)."""

@@ -24,8 +24,8 @@ Reference = Union[nn.Module, Mapping[str, Tensor]]
 @runtime_checkable
 class RebuiltWeights(Protocol):
     """θ0 and θ̂ of one layer computed when needed instead of held: for an adapter on a quantized base they are the
-    dequantized base plus the initial or the trained adapter, so that no dense copy of every adapted layer is
-    kept through the run (at 7B two float32 copies would take 52 GB). Each call returns a fresh float32
+    dequantized base plus the reference (untrained) or the trained adapter, so that no dense copy of every adapted
+    layer is kept through the run (at 7B two float32 copies would take 52 GB). Each call returns a fresh float32
     ``(d_out, d_in)`` matrix on ``device``; the two must be the same every time they are asked for."""
 
     def reference(self, device: torch.device) -> Tensor: ...
@@ -68,6 +68,113 @@ class WeightSource:
         return set(names) - set(self.rebuilt)
 
 
+class LayerWeights:
+    """θ0 and θ̂ of one target layer, in whichever form the run holds them. The kinds differ in what they hold (and
+    so in memory); the rectification asks each the same questions, so that the choice is made once, when the layer
+    is built, and not again in every method that reads a weight."""
+
+    #: whether the caller keeps the float32 θ_t rather than the model's weights (an exact or rebuilt θ̂: the model's
+    #: low-precision weight would round the rectification away)
+    keeps_current: bool = False
+
+    def reference(self, device: torch.device) -> Tensor:
+        """θ0 as float32 (d_out, d_in) on ``device``."""
+        raise NotImplementedError
+
+    def finetuned(self, device: torch.device) -> Tensor:
+        """θ̂ as float32 (d_out, d_in) on ``device``."""
+        raise NotImplementedError
+
+    @property
+    def reference_matrix(self) -> Optional[Tensor]:
+        """The held θ0, (d_out, d_in) in its own dtype; None where it is rebuilt when needed."""
+        return None
+
+    def finetuned_native(self) -> Optional[Tensor]:
+        """The held θ̂ in the module's layout; None where it is rebuilt when needed."""
+        return None
+
+    @property
+    def rebuilt(self) -> Optional[RebuiltWeights]:
+        """The caller's rebuilder of θ0 and θ̂, where they are computed when needed."""
+        return None
+
+    def stored_finetuned(self, device: torch.device) -> Tensor:
+        """θ̂ in the module's layout, which written back gives the stored weight bit for bit (for restoring)."""
+        raise NotImplementedError
+
+
+class HeldWeights(LayerWeights):
+    """θ0 as a matrix (copied or borrowed) and θ̂ as an exact copy of the stored weight (native layout and dtype):
+    the model's weights are θ̂, and the backup is what restoring writes."""
+
+    def __init__(self, rule: LayerRule, reference_matrix: Tensor, backup: Optional[Tensor]):
+        # θ0 in its own dtype: exact, and bf16 takes half the bytes of fp32; it lives where the memory plan put it
+        self.rule, self._reference, self.backup = rule, reference_matrix, backup
+
+    def reference(self, device: torch.device) -> Tensor:
+        return self._reference.to(device, torch.float32)  # no copy for float32 weights already there
+
+    def finetuned(self, device: torch.device) -> Tensor:
+        return self.rule.to_matrix(self.backup).to(device, torch.float32)
+
+    @property
+    def reference_matrix(self) -> Optional[Tensor]:
+        return self._reference
+
+    def finetuned_native(self) -> Optional[Tensor]:
+        return self.backup
+
+    def stored_finetuned(self, device: torch.device) -> Tensor:
+        return self.backup
+
+
+class ExactWeights(HeldWeights):
+    """θ0 held as :class:`HeldWeights` does, and θ̂ as the float32 (d_out, d_in) the caller gave, on the CPU: the
+    caller knows it more exactly than the model's weight holds it (an adapter's update on a bf16 base: the model
+    holds round(W + ΔW), whose difference from W is rounding noise where ΔW is small)."""
+
+    keeps_current = True
+
+    def __init__(self, rule: LayerRule, reference_matrix: Tensor, exact: Tensor, backup: Optional[Tensor]):
+        # backup: None where the exact θ̂, written back, gives the stored weight bit for bit (then no second copy
+        # of θ̂ is kept)
+        super().__init__(rule, reference_matrix, backup)
+        self.exact = exact
+
+    def finetuned(self, device: torch.device) -> Tensor:
+        return self.exact.to(device, torch.float32)
+
+    def finetuned_native(self) -> Optional[Tensor]:
+        return self.rule.from_matrix(self.exact)
+
+    def stored_finetuned(self, device: torch.device) -> Tensor:
+        return self.backup if self.backup is not None else self.rule.from_matrix(self.exact)
+
+
+class RebuiltLayerWeights(LayerWeights):
+    """θ0 and θ̂ computed when needed by the caller's :class:`RebuiltWeights`: neither is held."""
+
+    keeps_current = True
+
+    def __init__(self, rule: LayerRule, rebuilt: RebuiltWeights, backup: Optional[Tensor]):
+        # backup: None where the rebuilt θ̂, written back, gives the stored weight bit for bit
+        self.rule, self._rebuilt, self.backup = rule, rebuilt, backup
+
+    def reference(self, device: torch.device) -> Tensor:
+        return self._rebuilt.reference(device)
+
+    def finetuned(self, device: torch.device) -> Tensor:
+        return self._rebuilt.finetuned(device)
+
+    @property
+    def rebuilt(self) -> Optional[RebuiltWeights]:
+        return self._rebuilt
+
+    def stored_finetuned(self, device: torch.device) -> Tensor:
+        return self.backup if self.backup is not None else self.rule.from_matrix(self._rebuilt.finetuned(device))
+
+
 @dataclass
 class TargetLayer:
     """Everything a rectification keeps about one target layer; weights in (d_out, d_in) layout."""
@@ -75,14 +182,10 @@ class TargetLayer:
     name: str
     module: nn.Module
     rule: LayerRule
-    # exact copy of the whole stored weight (native layout and dtype), for restoring; None where finetuned_exact,
-    # written back, gives the stored weight bit for bit (no second copy of θ̂ is kept then)
-    finetuned_backup: Optional[Tensor]
-    # θ0, (d_out, d_in), in its own dtype: exact, and bf16 takes half the bytes of fp32. θ0, θ_t and the projection
-    # live where the memory plan put them (the device, or the host when the device cannot hold them all). None
-    # where ``rebuilt`` computes θ0 and θ̂ when needed.
-    reference_matrix: Optional[Tensor]
-    current: Tensor  # θ_t, float32
+    weights: LayerWeights  # θ0 and θ̂, held or rebuilt when needed
+    # θ_t, float32; θ0, θ_t and the projection live where the memory plan put them (the device, or the host when
+    # the device cannot hold them all)
+    current: Tensor
     proj: Optional[Tensor] = None  # Δθ_t,proj, float32
     eig: Optional[GramEig] = None  # eigendecomposition of J_t J_tᵀ
     trial_eig: Optional[GramEig] = None
@@ -91,22 +194,15 @@ class TargetLayer:
     jvp0: Optional[Tensor] = None  # J_0 (θ̂ - θ0), computed by the first projection, reused by the statistics
     current_jac: Optional[LayerJacobian] = None  # J_t with its materialized rows, kept for the trials of a step
     master_backup: Optional[Tensor] = None  # a ZeRO-3 optimizer's fp32 master copy of a low-precision weight
-    # θ̂ as float32 (d_out, d_in) when the caller knows it more exactly than the model's weight holds it (an
-    # adapter's update on a bf16 base: the model holds round(W + ΔW), whose difference from W is rounding noise
-    # where ΔW is small), on the CPU
-    finetuned_exact: Optional[Tensor] = None
-    rebuilt: Optional[RebuiltWeights] = None  # θ0 and θ̂ computed when needed (then neither is held)
 
     def reference(self, device: torch.device) -> Tensor:
         """θ0 as float32 (d_out, d_in) on ``device``; no copy for float32 weights already there."""
-        if self.rebuilt is not None:
-            return self.rebuilt.reference(device)
-        return self.reference_matrix.to(device, torch.float32)
+        return self.weights.reference(device)
 
     @property
     def keeps_current(self) -> bool:
         """Whether the caller keeps the float32 θ_t (an exact or rebuilt θ̂) rather than the model's weights."""
-        return self.finetuned_exact is not None or self.rebuilt is not None
+        return self.weights.keeps_current
 
     @property
     def d_out(self) -> int:
@@ -118,32 +214,14 @@ class TargetLayer:
 
     def finetuned(self, device: torch.device) -> Tensor:
         """θ̂ as float32 (d_out, d_in) on ``device``: rebuilt or the exact one when given, else the model's weight."""
-        if self.rebuilt is not None:
-            return self.rebuilt.finetuned(device)
-        if self.finetuned_exact is not None:
-            return self.finetuned_exact.to(device, torch.float32)
-        return self.rule.to_matrix(self.finetuned_backup).to(device, torch.float32)
-
-    def finetuned_native(self) -> Optional[Tensor]:
-        """θ̂ in the module's layout: the exact one when given (float32), else the stored weight's backup; None
-        where it is rebuilt when needed."""
-        if self.rebuilt is not None:
-            return None
-        if self.finetuned_exact is not None:
-            return self.rule.from_matrix(self.finetuned_exact)
-        return self.finetuned_backup
+        return self.weights.finetuned(device)
 
     def write(self, matrix: Tensor) -> None:
         self.rule.set_weight(self.module, matrix)
 
     def restore(self) -> None:
-        """Put θ̂ back as the module stored it (the exact θ̂ rounds to it bit for bit where no backup is kept)."""
-        if self.finetuned_backup is not None:
-            stored = self.finetuned_backup
-        elif self.rebuilt is not None:
-            stored = self.rule.from_matrix(self.rebuilt.finetuned(self.module.weight.device))
-        else:
-            stored = self.rule.from_matrix(self.finetuned_exact)
+        """Put θ̂ back as the module stored it."""
+        stored = self.weights.stored_finetuned(self.module.weight.device)
         write_full_(self.module.weight, stored, master=self.master_backup)
 
     def release_current_jacobian(self) -> None:
@@ -223,7 +301,7 @@ def _given_finetuned(finetuned: Mapping[str, Tensor], name: str, stored: Tensor)
 
 
 def build_target_layer(name: str, module: nn.Module, weights: WeightSource, model_storages: set,
-                       theta0_home: torch.device, current_home: torch.device) -> TargetLayer:
+                       reference_home: torch.device, current_home: torch.device) -> TargetLayer:
     """Read one layer's θ̂ and θ0 from ``weights`` (a collective under FSDP and ZeRO-3: every rank builds the same
     layers in the same order). ``model_storages``: the storages of the model's parameters, which a borrowed tensor
     must not share. A layer in ``weights.rebuilt`` has θ0 and θ̂ computed when needed, instead of read and held."""
@@ -246,7 +324,7 @@ def build_target_layer(name: str, module: nn.Module, weights: WeightSource, mode
     # with the model (θ0 = model.state_dict() itself), whose weights every trial overwrites. A reference model's
     # weights are copied: they can change under the result that holds them.
     borrowed = isinstance(reference, Mapping) and storage_of(ref) not in model_storages | {None}
-    ref_matrix = rule.to_matrix(ref).to(theta0_home, copy=not borrowed)
+    ref_matrix = rule.to_matrix(ref).to(reference_home, copy=not borrowed)
     exact = None
     if finetuned is not None:
         exact = rule.to_matrix(_given_finetuned(finetuned, name, stored)).to("cpu", torch.float32)
@@ -255,11 +333,11 @@ def build_target_layer(name: str, module: nn.Module, weights: WeightSource, mode
     # the backup is only copied where the exact θ̂ would not write the stored weight back bit for bit
     restores = exact is not None and torch.equal(rule.from_matrix(exact).to(stored.dtype), stored.cpu())
     backup = None if restores else stored.clone().cpu()
-    return TargetLayer(
-        name=name, module=module, rule=rule, finetuned_backup=backup, reference_matrix=ref_matrix,
-        current=ref_matrix.to(current_home, torch.float32, copy=True),
-        master_backup=full_master_weight(module.weight), finetuned_exact=exact,
-    )
+    held = (HeldWeights(rule, ref_matrix, backup) if exact is None
+            else ExactWeights(rule, ref_matrix, exact, backup))
+    return TargetLayer(name=name, module=module, rule=rule, weights=held,
+                       current=ref_matrix.to(current_home, torch.float32, copy=True),
+                       master_backup=full_master_weight(module.weight))
 
 
 def _rebuilt_target_layer(name: str, module: nn.Module, rule: LayerRule, rebuilt: RebuiltWeights,
@@ -278,9 +356,8 @@ def _rebuilt_target_layer(name: str, module: nn.Module, rule: LayerRule, rebuilt
     restores = torch.equal(rule.from_matrix(finetuned).to(stored.dtype), stored)
     del finetuned
     backup = None if restores else stored.clone().cpu()
-    return TargetLayer(name=name, module=module, rule=rule, finetuned_backup=backup, reference_matrix=None,
-                       current=reference.to(current_home, copy=True), master_backup=full_master_weight(module.weight),
-                       rebuilt=rebuilt)
+    return TargetLayer(name=name, module=module, rule=rule, weights=RebuiltLayerWeights(rule, rebuilt, backup),
+                       current=reference.to(current_home, copy=True), master_backup=full_master_weight(module.weight))
 
 
 #: ``TargetLayers.held``: the model holds θ_t, not a trial

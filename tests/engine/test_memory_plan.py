@@ -189,17 +189,17 @@ def test_qlora_7b_fits_a_24gb_card():
     in_use = {"device": QLORA_7B, "host": (4 << 30) + stand_ins}
     limits = {**GPU_MACHINE, "device": CARD_24GB}
     for rank, disk in ((32, None), (16, GPU_MACHINE["disk"])):
-        work = llama_7b(batch_size=4, rank=rank, theta0_held=False, backup_kept=False)
+        work = llama_7b(batch_size=4, rank=rank, reference_held=False, backup_kept=False)
         plan = plan_schedule(work, torch.device("cuda"), "/scratch/janus", in_use, {**limits, "disk": disk}, "auto",
                              "adaptive", "auto")
         assert plan.fits and plan.captures == "two", plan.notes
         assert plan.peak_device_bytes <= CARD_24GB and plan.peak_host_bytes <= GPU_MACHINE["host"]
         assert all(plan.placements[p] == "host" for p in ("current", "proj"))
     assert plan.factor_dtype == "bfloat16" and plan.disk_bytes <= GPU_MACHINE["disk"]
-    strict = plan_schedule(llama_7b(batch_size=4, theta0_held=False, backup_kept=False), torch.device("cuda"),
+    strict = plan_schedule(llama_7b(batch_size=4, reference_held=False, backup_kept=False), torch.device("cuda"),
                            "/scratch/janus", in_use, limits, "auto", "adaptive", "auto")
     assert not strict.fits and "GiB of disk" in strict.notes[0]
-    wide = plan_schedule(llama_7b(batch_size=8, rank=16, theta0_held=False, backup_kept=False), torch.device("cuda"),
+    wide = plan_schedule(llama_7b(batch_size=8, rank=16, reference_held=False, backup_kept=False), torch.device("cuda"),
                          "/scratch/janus", in_use, limits, "auto", "adaptive", "auto")
     assert not wide.fits and "replay_batch_size" in wide.notes[0]
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from testing_utils import VOCAB, build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
-from hf_janus.engine.capture import CaptureResult
+from hf_janus.engine.capture import ReplayLosses
 from hf_janus.engine.layers import resolve_target_modules, rule_for
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.observer import RunObserver
@@ -321,7 +321,7 @@ def test_target_modules_list_and_regex(tuned_llama):
 # ---- the multi-step loop's accept / shrink logic --------------------------------------------------------
 
 @dataclasses.dataclass
-class ScriptedLoss(CaptureResult):
+class ScriptedLoss(ReplayLosses):
     """A capture whose replay loss is the script's, not the one its per-sample losses give."""
 
     scripted: float = math.nan

@@ -11,7 +11,7 @@ import torch
 from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
-from hf_janus.engine.capture import CaptureResult, replay_losses
+from hf_janus.engine.capture import ReplayLosses, replay_losses
 from hf_janus.engine.ghost import eig_psd
 from hf_janus.engine.acceptance import acceptance_score
 from hf_janus.engine.rectifier import Rectifier
@@ -261,8 +261,8 @@ def test_an_undefined_cosine_fails_both_tests(tuned_llama):
     """acceptance='both': a trial whose c̄ is undefined (NaN: no constraint at either point) fails, whatever its loss."""
     model, reference = tuned_llama
     _, report, rectifier = run(model, reference, random_replay(6, seed=9), tau=0.99, acceptance="both", max_steps=2)
-    base = CaptureResult("c0", torch.tensor([2.0], dtype=torch.float64), torch.tensor([1]))
-    lower = CaptureResult("t", torch.tensor([1.0], dtype=torch.float64), torch.tensor([1]))
+    base = ReplayLosses("c0", torch.tensor([2.0], dtype=torch.float64), torch.tensor([1]))
+    lower = ReplayLosses("t", torch.tensor([1.0], dtype=torch.float64), torch.tensor([1]))
     config = rectifier.config
     assert acceptance_score(config, 1.0, 0.5, lower.loss, base.loss, rise=1.0) >= 0.5  # loss and cosine both pass
     assert not acceptance_score(config, math.nan, 0.5, lower.loss, base.loss, rise=1.0) >= 0.5

@@ -15,7 +15,7 @@ from hf_janus import JanusConfig, load_report
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates import (DampedJanus, DgHard, Janus, JanusToReference, Lines, ReplaySft,
                                             SpecContext, Wise, WiseThenJanus, candidates, kinds, parse_candidates)
-from hf_janus.evaluation.frontier import frontier, wise_margin
+from hf_janus.evaluation.frontier_search import frontier, wise_margin
 from hf_janus.evaluation.harness import TaskResult
 from testing_utils import build_tiny
 

@@ -15,7 +15,7 @@ from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
 from hf_janus import JanusConfig, load_report, rectify
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates import FINETUNED, REFERENCE, Cost, Janus, Wise, candidates
-from hf_janus.evaluation.frontier import FrontierPoint, FrontierResult, frontier, wise_margin
+from hf_janus.evaluation.frontier_search import FrontierPoint, FrontierResult, frontier, wise_margin
 from hf_janus.evaluation.harness import Scorer, resolve_tasks
 
 pytest.importorskip("lm_eval")
@@ -189,3 +189,16 @@ def test_cli_frontier_writes_table_plot_and_chosen_model(setting, tmp_path, caps
     # a second run may not write over the chosen model without --overwrite, and fails before any work
     assert main(argv) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_frontier_is_the_function_on_every_import_path():
+    """The module is ``frontier_search``; ``frontier`` is the function however it is imported, and the old module path
+    still gives the module's names."""
+    import hf_janus
+    import hf_janus.evaluation
+    from hf_janus.evaluation import frontier_search
+    from hf_janus.evaluation.frontier import wise_margin as old_path_margin
+
+    assert hf_janus.frontier is hf_janus.evaluation.frontier is frontier_search.frontier is frontier
+    assert old_path_margin is wise_margin
+    assert hf_janus.evaluation.frontier is frontier  # importing the old path did not rebind it to a module

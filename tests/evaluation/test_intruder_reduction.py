@@ -14,7 +14,7 @@ from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
 from hf_janus import JanusConfig, rectify
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates import candidates
-from hf_janus.evaluation.frontier import INTRUDER_CURVE, frontier, wise_margin
+from hf_janus.evaluation.frontier_search import INTRUDER_CURVE, frontier, wise_margin
 from hf_janus.evaluation.intruder_reduction import IntruderReduction, find_intruders, reduced_delta
 from testing_utils import build_tiny
 

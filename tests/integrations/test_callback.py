@@ -252,7 +252,7 @@ def test_the_rectifier_is_released_when_the_callback_is_done(tmp_path):
     rectifier = Rectifier(model, theta0, replay_data(), FAST, progress=False)
     rectifier.run()
     layer = rectifier.layers[0]
-    refs = [weakref.ref(t) for t in (layer.current, layer.finetuned_backup)]
+    refs = [weakref.ref(t) for t in (layer.current, layer.weights.backup)]
     before = _tensor_bytes_reachable(rectifier, model)
     assert before >= 2 * target_bytes  # θ_t in float32 and θ̂'s backup of every target layer, at least
     report = rectifier.result.report

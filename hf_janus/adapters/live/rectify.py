@@ -166,7 +166,7 @@ def _write_adapter(model: nn.Module, layers: dict[str, nn.Module], result: Recti
             originals[name] = LoraState.capture(module)
             written.append(write_lora(
                 module, name, layer.rectified.detach().float(), layer.reference, layer.rect_delta(),
-                output.rank, output.energy, jacobian=layer.jacobian, reference_norm=layer.reference_norm(),
+                output.rank, output.energy, jacobian=layer.jacobian, reference_norm=layer.jvp0_norm(),
             ))
         changed = {w.stats.name: w.stats.rank for w in written if w.rank_changed}
         if changed:
