@@ -95,7 +95,7 @@ class Workload:
     captures_alive: int = 4
     tempered: bool = False  # constraint_temperature != 1: one more logits-sized tensor
     randomized: bool = False  # randomized compression: sketches wait for their batched Ritz step (capture's budget)
-    rows_per_sample: int = 1  # Jacobian rows per replay sample (constraint="logit_projections": one per projection)
+    rows_per_sample: int = 1  # Jacobian rows per replay sample: the constraint's (engine/constraints), one per function
     # θ0 given as a state dict: the rectifier keeps the caller's tensors (already in memory) where they lie
     reference_borrowed: bool = False
     # False when the caller gives the exact θ̂ (adapters): the rectifier restores from it and keeps no backup
