@@ -20,12 +20,16 @@ variant then rectifies a fresh copy of θ̂ through the public ``rectify``.
   Repair figures are shares of what fine-tuning lost: NLL rise undone = (NLL_θ̂ − NLL)/(NLL_θ̂ − NLL_θ0), EM back =
   (EM − EM_θ̂)/(EM_θ0 − EM_θ̂).
 * **New task**: GSM8K worked answers' per-token NLL on test problems; AP2 = share of θ̂'s NLL reduction kept.
-* **Variants** (``--variants``): ``base`` (the defaults, 64 replayed answers, loss on the answer), ``m128`` (128
-  answers), ``token`` (each of the first 3 tokens of each of the 64 answers its own constraint row: one sample per
-  token, its loss alone), ``whole`` (loss on the whole sequence, prompt included), ``selfgen`` (data-free: hf_janus's
-  ``SelfReplay`` from its generic prompts, 64 samples), ``tau99`` (τ=0.99), ``logitproj``
-  (``constraint="logit_projections"``) and ``wise`` (WiSE-FT a = 0.25, 0.5, 0.75, 0.9: the curve the margins are
-  read against). Results: ``results/real_study_<run>.{json,md}``.
+* **Variants** (``--variants``, comma-separated): each is ``+``-joined levers (see :func:`levers`), for example
+  ``base`` (the defaults: 64 replayed answers, loss on the answer), ``m128`` (128 answers), ``tokenloss2``
+  (``constraint="token_loss"``, 2 tokens), ``tokenloss2+m128+r16`` (both, at compression rank 16), ``token`` (each
+  of the first 3 tokens of each answer its own sample), ``whole`` (loss on the whole sequence, prompt included),
+  ``selfgen`` (data-free: hf_janus's ``SelfReplay`` from its generic prompts), ``tau99``, ``steps20``,
+  ``logitproj``; ``corda`` and ``osf`` (issue 40's training-time peers, trained like the LoRA: PEFT's CorDA-KPM LoRA
+  and OSF), ``corda+janus`` (JANUS on top of the CorDA adapter); and ``wise`` (WiSE-FT a = 0.25, 0.5, 0.75, 0.9:
+  the curve the margins are read against). The
+  first 64 replayed answers are scored too (``replayed``): what stays lost there is not for want of replay.
+  Results: ``results/real_study_<run>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import json
 import os
 import platform
 import random
+import re
 import sys
 import tempfile
 import time
@@ -56,11 +61,13 @@ from hf_janus import JanusConfig, SelfReplay, rectify  # noqa: E402
 from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402
 
 log = bench.log
-DTYPES = {"full": torch.float32, "lora": torch.bfloat16}
+# the model's dtype per run; QLoRA's is its compute dtype (the base stays nf4 while it trains)
+DTYPES = {"full": torch.float32, "lora": torch.bfloat16, "qlora": torch.bfloat16}
 POOL_QUESTIONS = 150  # NQ-open questions θ0 answers for the replay (those with a word in the answer are kept)
 TOKEN_ROWS = 3  # answer tokens per replayed answer, each its own row (lost answers flip early: see flips)
-VARIANTS = ("base", "m128", "token", "tokenloss", "tokenloss2", "whole", "selfgen", "tau99", "logitproj", "wise")
 WISE_GRID = (0.25, 0.5, 0.75, 0.9)
+PEERS = ("corda", "osf")  # training-time peers (issue 40): a variant naming one starts from its θ̂ instead
+LINEAR_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # "all-linear" here
 
 
 # ---- θ0's answers as token ids ----------------------------------------------------------------------------------
@@ -245,6 +252,18 @@ def prepare(args, s, tok, work: str):
     dtype = DTYPES[args.run]
     data_path = os.path.join(work, "data.json")
     delta_path = os.path.join(work, "finetuned_exact.pt")
+    quantized = None
+    if args.run == "qlora":
+        # θ0 is the base as a QLoRA user has it: the nf4 weights dequantized, saved once as a plain folder
+        from transformers import BitsAndBytesConfig
+
+        reference = os.path.join(work, "base-nf4-dequantized")
+        if not os.path.isfile(delta_path):
+            quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+            quantized = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant, dtype=dtype)
+            if not os.path.isdir(reference):
+                bench.dequantized_base(quantized, reference, dtype)
+        base_dir = reference
     theta0 = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
     os.makedirs(work, exist_ok=True)
     if os.path.isfile(data_path):
@@ -267,19 +286,77 @@ def prepare(args, s, tok, work: str):
     else:
         from peft import get_peft_model
 
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype), bench.lora_config(s))
+        base = quantized if quantized is not None else AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+        model = get_peft_model(base, bench.lora_config(s))
         data["fine_tuning"] = bench.fine_tune(s, args.run, model, tok, train)
-        exact = {}
-        for name, module in model.named_modules():  # θ̂'s weights, not a graph: detached
-            with torch.no_grad():
-                if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
-                    a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
-                    w0 = module.base_layer.weight.float()
-                    exact[name.replace("base_model.model.", "") + ".weight"] = w0 + module.scaling["default"] * b @ a
+        exact = adapter_weights(model, theta0, quantized is not None)
     torch.save(exact, delta_path)
     with open(data_path, "w", encoding="utf-8") as fh:
         json.dump(data, fh)
     return theta0, exact, data
+
+
+def adapter_weights(model, theta0, quantized: bool = False) -> dict:
+    """θ̂'s weights of every adapted layer of a PEFT model, in float32: the base layer's weight plus PEFT's own
+    ``get_delta_weight`` (LoRA, CorDA's residual base, OSF); a quantized base reads θ0's dequantized weights."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    exact = {}
+    with torch.no_grad():  # θ̂'s weights, not a graph
+        for name, module in model.named_modules():
+            if isinstance(module, BaseTunerLayer) and "default" in module.active_adapters:
+                key = name.replace("base_model.model.", "") + ".weight"
+                w0 = theta0.get_parameter(key) if quantized else module.get_base_layer().weight
+                exact[key] = w0.float() + module.get_delta_weight("default").float()
+    return exact
+
+
+def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str) -> dict:
+    """A training-time peer's θ̂ (issue 40), trained with the LoRA run's data and steps from θ0 and cached in
+    ``work``: ``corda`` is a CorDA-KPM LoRA r=16 (PEFT's ``preprocess_corda``; the covariance from the 64 replayed
+    answers, the knowledge it keeps), ``osf`` an OSF model training the bottom 16 singular directions of each
+    layer (PEFT's ``OSFConfig``) at the full fine-tune's learning rate."""
+    from dataclasses import replace
+
+    from peft import get_peft_model
+
+    path = os.path.join(work, f"{kind}_exact.pt")
+    if os.path.isfile(path):
+        return {name: w.detach() for name, w in torch.load(path).items()}
+    model = copy.deepcopy(theta0).train()
+    if kind == "corda":
+        from peft.tuners.lora.config import CordaConfig
+        from peft.tuners.lora.corda import preprocess_corda
+
+        # preprocess_corda does not expand "all-linear": the LoRA's layers by name
+        config = replace(bench.lora_config(s), init_lora_weights="corda", target_modules=LINEAR_NAMES,
+                         corda_config=CordaConfig(corda_method="kpm"))
+
+        def run_model():  # one unpadded sequence per call: PEFT's covariance hook reads a batch of one
+            for r in data["pool"][:64]:
+                model(input_ids=torch.tensor([r["prompt_ids"] + r["answer_ids"]]))
+
+        t = time.perf_counter()
+        preprocess_corda(model, config, run_model=run_model)
+        data[f"{kind}_preprocess_seconds"] = time.perf_counter() - t
+        lr = s.lr["lora"]
+    elif kind == "osf":
+        from peft import OSFConfig
+
+        # trainable rank 16 in every layer, as the LoRA's: the rest of the spectrum frozen
+        ranks = {re.escape(name) + "$": min(m.weight.shape) - s.lora_r for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name.split(".")[-1] != "lm_head"}
+        config = OSFConfig(target_modules="all-linear", rank_pattern=ranks, task_type="CAUSAL_LM")
+        lr = s.lr["full"]
+    else:
+        raise SystemExit(f"unknown training-time peer {kind!r}: corda or osf")
+    model = get_peft_model(model, config)
+    train = [(bench.MATH_PROMPT.format(question=r["question"]), " " + solution(r))
+             for r in lib.read_jsonl("gsm8k_train_subset.jsonl")]
+    data[f"{kind}_fine_tuning"] = bench.fine_tune(replace(s, lr={**s.lr, kind: lr}), kind, model, tok, train)
+    exact = adapter_weights(model, theta0)
+    torch.save(exact, path)
+    return exact
 
 
 def solution(row: dict) -> str:
@@ -318,29 +395,67 @@ def finetuned_model(theta0, exact: dict):
     return model
 
 
-def variant_replay(name: str, data: dict, tok, theta0):
+def levers(name: str) -> dict:
+    """A variant's levers: ``+``-joined parts, each one of ``m<N>`` (replayed answers), ``r<N>`` (compression rank),
+    ``tau<NN>`` (τ = 0.NN), ``steps<N>`` (``max_steps``), ``tokenloss[k]`` (the ``token_loss`` constraint, k tokens),
+    ``token`` (one sample per early answer token), ``whole``, ``selfgen``, ``logitproj``; ``base`` and ``janus`` are
+    the defaults; ``corda``/``osf`` start from that training-time peer's θ̂ (alone: the peer, not rectified)."""
+    out: dict = {"m": 64}
+    for part in name.split("+"):
+        number = re.fullmatch(r"(m|r|tau|steps|tokenloss)(\d*)", part)
+        if part in ("base", "janus", "token", "whole", "selfgen", "logitproj") + PEERS:
+            out[part] = True
+        elif number and number.group(1) == "tokenloss":
+            out["tokenloss"] = int(number.group(2) or TOKEN_ROWS)
+        elif number and number.group(2):
+            key, value = number.group(1), int(number.group(2))
+            out[key] = value / 10 ** len(number.group(2)) if key == "tau" else value
+        else:
+            raise SystemExit(f"unknown lever {part!r} in variant {name!r}: see the docstring of levers()")
+    return out
+
+
+def replay_pool(data: dict, m: int, tok, theta0, save) -> list[dict]:
+    """The first ``m`` of θ0's answers to NQ-open questions outside the scored ones; more are generated (and cached
+    in ``data``) from the rest of the NQ-open subset when the pool is short."""
     pool = data["pool"]
-    if name == "m128":
-        return replay_samples(pool[:128])
-    if name == "token":
-        return replay_samples(pool[:64], "token", TOKEN_ROWS)
-    if name == "whole":
-        return replay_samples(pool[:64], "whole")
-    if name == "selfgen":
-        return SelfReplay(num_samples=64, progress=False, max_new_tokens=24).generate(theta0, tok)
-    return replay_samples(pool[:64])
+    if m > len(pool):
+        nq = lib.read_jsonl("nq_open_dev_subset.jsonl")
+        random.Random(bench.Settings().seed).shuffle(nq)  # own_behaviour's order
+        start = 160 + data.get("pool_questions", POOL_QUESTIONS)
+        while len(pool) < m and start < len(nq):
+            chunk = nq[start:start + 64]
+            t = time.perf_counter()
+            pool.extend(own_answers(theta0, tok, [r["question"] for r in chunk], bench.Settings().answer_tokens))
+            data["generation_seconds"] += time.perf_counter() - t
+            start += len(chunk)
+            data["pool_questions"] = start - 160
+            save()
+        if len(pool) < m:
+            raise SystemExit(f"only {len(pool)} replayable answers in the NQ-open subset, {m} asked")
+    return pool[:m]
 
 
-def variant_config(name: str) -> JanusConfig:
-    if name.startswith("tokenloss"):  # tokenloss: TOKEN_ROWS tokens, tokenloss2: 2 (the rest of the loss one more row)
+def variant_replay(lever: dict, pool: list[dict], tok, theta0):
+    if lever.get("selfgen"):
+        return SelfReplay(num_samples=lever["m"], progress=False, max_new_tokens=24).generate(theta0, tok)
+    if lever.get("token"):
+        return replay_samples(pool, "token", TOKEN_ROWS)
+    return replay_samples(pool, "whole" if lever.get("whole") else "answer")
+
+
+def variant_config(lever: dict) -> JanusConfig:
+    options = {}
+    if "tokenloss" in lever:
         # k + 1 rows per sample: the factors may not fit the host memory, and spill to disk beyond half of it
-        return JanusConfig(constraint="token_loss", constraint_tokens=int(name[9:] or TOKEN_ROWS),
-                           cache=os.path.join(tempfile.gettempdir(), "janus-real-study-factors"))
-    if name == "tau99":
-        return JanusConfig(tau=0.99)
-    if name == "logitproj":
-        return JanusConfig(constraint="logit_projections")
-    return JanusConfig()
+        options.update(constraint="token_loss", constraint_tokens=lever["tokenloss"],
+                       cache=os.path.join(tempfile.gettempdir(), "janus-real-study-factors"))
+    if lever.get("logitproj"):
+        options["constraint"] = "logit_projections"
+    for key, field in (("r", "rank"), ("tau", "tau"), ("steps", "max_steps")):
+        if key in lever:
+            options[field] = lever[key]
+    return JanusConfig(**options)
 
 
 def main() -> None:
@@ -361,6 +476,7 @@ def main() -> None:
     out_path = os.path.join(RESULTS, f"real_study_{args.label}.json")
     if args.summarize:
         print(write_markdown(out_path))
+        print(write_plot(out_path))
         return
     if args.margins:
         margins_only(args, out_path)
@@ -382,8 +498,15 @@ def main() -> None:
     if os.path.isfile(out_path):
         with open(out_path, encoding="utf-8") as fh:
             record["points"] = json.load(fh).get("points", {})
-    sets = {"nq": data["eval_nq"], "webq": data["eval_wq"]}
+    # the first 64 replayed answers, scored like the others: is what stays lost lost on the replay itself?
+    sets = {"nq": data["eval_nq"], "webq": data["eval_wq"], "replayed": data["pool"][:64]}
     scored = {}
+
+    def save_data():
+        path = os.path.join(args.work_dir, args.label, "data.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(path + ".tmp", path)
 
     def save():
         os.makedirs(RESULTS, exist_ok=True)
@@ -399,8 +522,6 @@ def main() -> None:
         record["points"][anchor] = {"past_summary": scored[anchor]["past_summary"],
                                     "gsm_nll": scored[anchor]["gsm_nll"]}
     for name in args.variants.split(","):
-        if name not in VARIANTS:
-            raise SystemExit(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
         if name == "wise":
             for a in WISE_GRID:
                 model = finetuned_model(theta0, {k: theta0.get_parameter(k).float()
@@ -414,14 +535,33 @@ def main() -> None:
                 log(f"[wise a={a:g}] {record['points'][f'wise a={a:g}']['repair']}")
             save()
             continue
+        lever = levers(name)
+        peer = next((kind for kind in PEERS if lever.get(kind)), None)
+        start = exact
+        if peer:
+            start = peer_weights(peer, args, s, tok, theta0, data, os.path.join(args.work_dir, args.label))
+            save_data()
+            if set(lever) == {"m", peer}:  # the peer alone, as trained
+                point = evaluate(finetuned_model(theta0, start), tok, sets, data["gsm"], pad)
+                record["points"][name] = {
+                    "past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
+                    "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
+                    "flips": flips(scored["theta0"], scored["finetuned"], point),
+                    "fine_tuning": data[f"{peer}_fine_tuning"],
+                    "preprocess_seconds": data.get(f"{peer}_preprocess_seconds")}
+                log(f"[{name}] {record['points'][name]['repair']}")
+                save()
+                continue
+        pool = replay_pool(data, lever["m"], tok, theta0, save_data)
         t = time.perf_counter()
-        replay = variant_replay(name, data, tok, theta0)
+        replay = variant_replay(lever, pool, tok, theta0)
         replay_s = time.perf_counter() - t
-        model = finetuned_model(theta0, exact)
+        config = variant_config(lever)
+        model = finetuned_model(theta0, start)
         t = time.perf_counter()
-        # a LoRA's θ̂ is known exactly in float32 (θ0 + s·BA), more exactly than its bf16 model holds it
-        report = rectify(model, theta0, replay, variant_config(name), progress=False,
-                         finetuned=exact if args.run == "lora" else None)
+        # an adapter's θ̂ is known exactly in float32 (θ0 + s·BA), more exactly than its bf16 model holds it
+        report = rectify(model, theta0, replay, config, progress=False,
+                         finetuned=start if args.run != "full" or peer else None)
         seconds = time.perf_counter() - t
         point = evaluate(model, tok, sets, data["gsm"], pad)
         record["points"][name] = {
@@ -431,11 +571,12 @@ def main() -> None:
             "replay_samples": len(replay), "replay_tokens": sum(len(r["input_ids"]) for r in replay),
             "replay_seconds": replay_s, "rectify_seconds": seconds,
             "jacobian_evaluations": report.num_jacobian_evals, "stop_reason": report.stop_reason,
-            "replay_loss": report.replay_loss, "config": variant_config(name).to_dict()}
+            "replay_loss": report.replay_loss, "config": config.to_dict()}
         log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
         save()
     save()
     print(write_markdown(out_path))
+    print(write_plot(out_path))
 
 
 def margins_only(args, out_path: str) -> None:
@@ -461,8 +602,9 @@ def write_markdown(path: str) -> str:
     with open(path, encoding="utf-8") as fh:
         rec = json.load(fh)
     lines = ["| point | NLL rise undone NQ / WebQ (%) | EM back NQ / WebQ (%) | token EM NQ / WebQ (%) | "
-             "first-token agreement NQ (%) | AP2 (%) | Jacobian evals | seconds | replay samples |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "first-token agreement NQ (%) | EM back, replayed (%) | AP2 (%) | Jacobian evals | seconds | "
+             "replay samples |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v, spec=".1f"):
         return "" if v is None else format(v, spec)
@@ -474,7 +616,7 @@ def write_markdown(path: str) -> str:
             f"| {name} | {f(r.get('nq', {}).get('nll_undone'))} / {f(r.get('webq', {}).get('nll_undone'))} "
             f"| {f(r.get('nq', {}).get('em_back'))} / {f(r.get('webq', {}).get('em_back'))} "
             f"| {f(ps['nq']['em'])} / {f(ps['webq']['em'])} | {f(ps['nq']['first_token_acc'])} "
-            f"| {f(r.get('ap2'))} | {p.get('jacobian_evaluations', '')} | {f(p.get('rectify_seconds'), '.0f')} "
+            f"| {f(r.get('replayed', {}).get('em_back'))} | {f(r.get('ap2'))} | {p.get('jacobian_evaluations', '')} | {f(p.get('rectify_seconds'), '.0f')} "
             f"| {p.get('replay_samples', '')} |")
     lines += ["", "Where the lost answers flip (NQ never replayed / WebQuestions): answers θ0 reproduces and θ̂ does not, "
               "how many of those θ̂ already misses at their first token, how many each point gives back (of those lost "
@@ -504,6 +646,43 @@ def write_markdown(path: str) -> str:
     with open(path[:-5] + ".md", "w", encoding="utf-8") as fh:
         fh.write(f"# The real-model study ({rec['run']}): benchmarks/forgetting/real_study.py\n\n" + text)
     return text
+
+
+def write_plot(path: str) -> str:
+    """``results/real_study_<run>.png``: each point's AP2 against what it gives back on the never-replayed NQ-open
+    questions, exact matches (left) and answer NLL (right), the WiSE-FT curve joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path, encoding="utf-8") as fh:
+        rec = json.load(fh)
+    points = {name: p["repair"] for name, p in rec["points"].items() if p.get("repair", {}).get("ap2") is not None}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, key, title in ((axes[0], "em_back", "exact matches with θ0's answers back (%)"),
+                           (axes[1], "nll_undone", "rise in θ0-answer NLL undone (%)")):
+        wise = sorted((r["ap2"], r["nq"][key]) for name, r in points.items() if name.startswith("wise"))
+        if wise:
+            ax.plot(*zip(*wise), "o-", color="0.6", label="WiSE-FT")
+        for name, r in points.items():
+            if name.startswith("wise"):
+                continue
+            ax.plot(r["ap2"], r["nq"][key], "s")
+            ax.annotate(name, (r["ap2"], r["nq"][key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axvline(95, color="0.85", lw=0.8)
+        ax.set_xlabel("AP2: share of the GSM8K NLL gain kept (%)")
+        ax.set_ylabel(title + ", NQ never replayed")
+        ax.grid(alpha=0.3)
+    axes[0].axhline(50, color="0.85", lw=0.8)
+    axes[1].axhline(70, color="0.85", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M-Instruct, {rec['run']} ({rec['dtype']}): JANUS settings against WiSE-FT")
+    fig.tight_layout()
+    out = path[:-5] + ".png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,90 @@
+"""The real-model study's training-time peers (issue 40 item 3) and its variant grammar, on a tiny Llama: θ̂ read
+from a LoRA, a CorDA-KPM LoRA and an OSF model is the model each PEFT model computes."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+from peft import LoraConfig, OSFConfig, get_peft_model  # noqa: E402
+from peft.tuners.lora.config import CordaConfig  # noqa: E402
+from peft.tuners.lora.corda import preprocess_corda  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from benchmarks.forgetting.real_study import (  # noqa: E402
+    LINEAR_NAMES,
+    adapter_weights,
+    finetuned_model,
+    levers,
+    variant_config,
+)
+
+
+@pytest.fixture
+def theta0():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def _trained(model):
+    """The PEFT model after a stand-in for training: every trainable tensor moved."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _assert_reproduces(model, theta0):
+    ids = torch.randint(0, 64, (2, 9))
+    exact = adapter_weights(model, theta0)
+    assert len(exact) == 14  # 7 linear layers in each of 2 blocks
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        got = finetuned_model(theta0, exact)(input_ids=ids).logits
+        untouched = theta0(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert (got - untouched).abs().max() > 1e-3
+
+
+def test_lora_weights(theta0):
+    _assert_reproduces(_trained(get_peft_model(copy.deepcopy(theta0), LoraConfig(r=4, target_modules="all-linear"))),
+                       theta0)
+
+
+def test_osf_weights(theta0):
+    model = copy.deepcopy(theta0)
+    ranks = {re.escape(name) + "$": min(m.weight.shape) - 4 for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and name.split(".")[-1] != "lm_head"}
+    _assert_reproduces(_trained(get_peft_model(model, OSFConfig(target_modules="all-linear", rank_pattern=ranks))),
+                       theta0)
+
+
+def test_corda_kpm_weights_start_at_theta0(theta0):
+    model = copy.deepcopy(theta0)
+    config = LoraConfig(r=4, target_modules=LINEAR_NAMES, init_lora_weights="corda",
+                        corda_config=CordaConfig(corda_method="kpm"))
+    preprocess_corda(model, config, run_model=lambda: [model(input_ids=torch.randint(0, 64, (1, 40)))
+                                                       for _ in range(8)])
+    model = get_peft_model(model, config)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():  # the KPM residual plus its adapter is θ0 before training
+        torch.testing.assert_close(model(input_ids=ids).logits, theta0(input_ids=ids).logits, rtol=0, atol=1e-5)
+    _assert_reproduces(_trained(model), theta0)
+
+
+def test_variant_levers():
+    assert levers("base") == {"m": 64, "base": True}
+    assert levers("tokenloss2+m128+r16") == {"m": 128, "tokenloss": 2, "r": 16}
+    assert levers("tau99")["tau"] == pytest.approx(0.99)
+    assert levers("corda+janus") == {"m": 64, "corda": True, "janus": True}
+    config = variant_config(levers("tokenloss2+r16+steps20"))
+    assert (config.constraint, config.constraint_tokens, config.rank, config.max_steps) == ("token_loss", 2, 16, 20)
+    with pytest.raises(SystemExit, match="unknown lever 'x1'"):
+        levers("base+x1")
