@@ -359,6 +359,27 @@ def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str) -> dict
     return exact
 
 
+def posthoc_points(spec: str, theta0, exact: dict, replay: list[dict], tok) -> list[tuple[str, object, dict]]:
+    """Issue 40's post-hoc peers on this run: each candidate of ``spec`` (``hf-janus frontier --candidates``
+    syntax, for example ``"replay-sft:passes=4,8 input-null regmean fisher lines"``) built by the frontier's own
+    weight builder from θ0, θ̂ and the replay; yields ``(label, model holding it, cost)`` one at a time."""
+    from hf_janus.engine.layers import resolve_target_modules
+    from hf_janus.evaluation.candidate_weights import WeightBuilder
+    from hf_janus.evaluation.candidates import BuildContext, parse_candidates
+
+    config = JanusConfig()
+    model = finetuned_model(theta0, exact)
+    start = {k: theta0.get_parameter(k).detach().float() for k in exact}
+    builder = WeightBuilder(model, start, {k: w.float() for k, w in exact.items()}, tok, None, replay)
+    builder.target_layers = frozenset(resolve_target_modules(model, config.target_modules, config.exclude_modules))
+    context = BuildContext(config=config, rectify_fn=rectify)
+    for candidate in parse_candidates(spec):
+        candidate.check(builder)
+        cost = candidate.prepare(builder, context)
+        builder.write(builder.weights(candidate))
+        yield candidate.label, model, asdict(cost)
+
+
 def solution(row: dict) -> str:
     """The worked answer without its calculator annotations, as run.py trains it."""
     return lib.Math(row["question"], row["answer"]).target[1:]
@@ -464,6 +485,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="the model's dtype (default: the run's; bf16 is slow on CPUs without AVX-512)")
     ap.add_argument("--variants", default="base,wise")
+    ap.add_argument("--posthoc", default="", metavar="SPEC",
+                    help="issue 40's post-hoc peers, in hf-janus frontier --candidates syntax (each point scored)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--summarize", action="store_true")
     ap.add_argument("--margins", action="store_true", help="only θ0's answer margins and what θ̂ keeps of each bin")
@@ -521,7 +544,7 @@ def main() -> None:
     for anchor in ("theta0", "finetuned"):
         record["points"][anchor] = {"past_summary": scored[anchor]["past_summary"],
                                     "gsm_nll": scored[anchor]["gsm_nll"]}
-    for name in args.variants.split(","):
+    for name in filter(None, args.variants.split(",")):
         if name == "wise":
             for a in WISE_GRID:
                 model = finetuned_model(theta0, {k: theta0.get_parameter(k).float()
@@ -574,6 +597,17 @@ def main() -> None:
             "replay_loss": report.replay_loss, "config": config.to_dict()}
         log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
         save()
+    if args.posthoc:
+        replay = replay_samples(data["pool"][:64])
+        for label, model, cost in posthoc_points(args.posthoc, theta0, exact, replay, tok):
+            point = evaluate(model, tok, sets, data["gsm"], pad)
+            record["points"][label] = {
+                "past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
+                "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
+                "flips": flips(scored["theta0"], scored["finetuned"], point), "posthoc_cost": cost,
+                "rectify_seconds": cost["seconds"], "replay_samples": len(replay)}
+            log(f"[{label}] {cost['seconds']:.0f}s: {record['points'][label]['repair']}")
+            save()
     save()
     print(write_markdown(out_path))
     print(write_plot(out_path))

@@ -20,6 +20,7 @@ from benchmarks.forgetting.real_study import (  # noqa: E402
     adapter_weights,
     finetuned_model,
     levers,
+    posthoc_points,
     variant_config,
 )
 
@@ -88,3 +89,22 @@ def test_variant_levers():
     assert (config.constraint, config.constraint_tokens, config.rank, config.max_steps) == ("token_loss", 2, 16, 20)
     with pytest.raises(SystemExit, match="unknown lever 'x1'"):
         levers("base+x1")
+
+
+def test_posthoc_peers_are_built_by_the_frontier_builder(theta0):
+    """LiNeS at a flat scale of 0.5 is the midpoint of θ0 and θ̂; replay fine-tuning moves θ̂ and reports its
+    passes."""
+    torch.manual_seed(1)
+    exact = {name: p.detach().float() + 0.05 * torch.randn_like(p) for name, p in theta0.named_parameters()
+             if name.endswith("proj.weight")}
+    replay = [{"input_ids": torch.randint(0, 64, (10,)).tolist(), "labels": torch.randint(0, 64, (10,)).tolist()}
+              for _ in range(4)]
+    seen = {}
+    for label, model, cost in posthoc_points("lines:alpha=0.5:beta=0 replay-sft:passes=2",
+                                             theta0, exact, replay, tok=None):
+        seen[label] = ({k: model.get_parameter(k).detach().clone() for k in exact}, cost)
+    (half, _), (sft, sft_cost) = seen.values()
+    for k, w in exact.items():
+        torch.testing.assert_close(half[k], (theta0.get_parameter(k).detach() + w) / 2, rtol=0, atol=1e-6)
+    assert any((sft[k] - exact[k]).abs().max() > 0 for k in exact)
+    assert sft_cost["forward_passes"] == 2 and sft_cost["backward_passes"] == 2
