@@ -202,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wise-only", action="store_true",
                     help="score only WiSE-FT (the anchors and the curve) before the variants, no JANUS candidates of "
                          "the frontier tool; writes results/frontier_<scenario>..._variants.*")
+    ap.add_argument("--candidates", default=None, metavar="SPEC",
+                    help="score these frontier candidates (hf-janus frontier --candidates syntax) instead of the "
+                         "default grids, and no variants; writes frontier_<scenario>..._peers")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", default=None, help="the questions θ0 (default: the benchmark's cache, lib.cache_dir)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -242,6 +245,8 @@ def main(argv=None) -> int:
                              seed=args.seed)
         main_replay = replays[MAIN_REPLAY]
         only_wise = dict(taus=(), hybrids=False, dampings=()) if args.wise_only else {}
+        if args.candidates:
+            only_wise = dict(candidates=args.candidates)
         result = frontier(theta0, finetuned, main_replay, past_tasks=past, new_tasks=new, config=config,
                           tokenizer=hf_tok, batch_size=64, progress=False, min_ap2=90.0, **only_wise)
         log(result.to_markdown())
@@ -251,7 +256,7 @@ def main(argv=None) -> int:
         anchors = result.points[0].scores, result.points[1].scores
         extra = []
         for label, replay_name, changes in VARIANTS:
-            if replay_name not in replays or label not in args.variants:
+            if replay_name not in replays or label not in args.variants or args.candidates:
                 continue
             model = copy.deepcopy(finetuned)
             t0 = time.perf_counter()
@@ -272,6 +277,7 @@ def main(argv=None) -> int:
     suffix = ("" if args.method == "full" else f"_{args.method}") + ("" if args.seed == 0 else f"_seed{args.seed}")
     suffix += "" if args.facts_replay == 256 else f"_replay{args.facts_replay}"
     suffix += "_variants" if args.wise_only else ""
+    suffix += "_peers" if args.candidates else ""
     stem = os.path.join(args.out_dir, f"frontier_{args.scenario}{suffix}")
     data = {"scenario": args.scenario, "method": args.method, "seed": args.seed, "facts_replay": args.facts_replay, "frontier": result.to_dict(), "variants": extra,
             "finetune_seconds": ft_seconds, "wall_seconds": time.perf_counter() - t_start,
