@@ -311,16 +311,17 @@ def adapter_weights(model, theta0, quantized: bool = False) -> dict:
     return exact
 
 
-def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str) -> dict:
+def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str, lr: Optional[float] = None) -> dict:
     """A training-time peer's θ̂ (issue 40), trained with the LoRA run's data and steps from θ0 and cached in
     ``work``: ``corda`` is a CorDA-KPM LoRA r=16 (PEFT's ``preprocess_corda``; the covariance from the 64 replayed
     answers, the knowledge it keeps), ``osf`` an OSF model training the bottom 16 singular directions of each
-    layer (PEFT's ``OSFConfig``) at the full fine-tune's learning rate."""
+    layer (PEFT's ``OSFConfig``) at the full fine-tune's learning rate; ``lr`` replaces the learning rate."""
     from dataclasses import replace
 
     from peft import get_peft_model
 
-    path = os.path.join(work, f"{kind}_exact.pt")
+    name = kind if lr is None else f"{kind}_lr{lr:g}"
+    path = os.path.join(work, f"{name}_exact.pt")
     if os.path.isfile(path):
         return {name: w.detach() for name, w in torch.load(path).items()}
     model = copy.deepcopy(theta0).train()
@@ -338,8 +339,8 @@ def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str) -> dict
 
         t = time.perf_counter()
         preprocess_corda(model, config, run_model=run_model)
-        data[f"{kind}_preprocess_seconds"] = time.perf_counter() - t
-        lr = s.lr["lora"]
+        data[f"{name}_preprocess_seconds"] = time.perf_counter() - t
+        lr = s.lr["lora"] if lr is None else lr
     elif kind == "osf":
         from peft import OSFConfig
 
@@ -347,13 +348,14 @@ def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str) -> dict
         ranks = {re.escape(name) + "$": min(m.weight.shape) - s.lora_r for name, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and name.split(".")[-1] != "lm_head"}
         config = OSFConfig(target_modules="all-linear", rank_pattern=ranks, task_type="CAUSAL_LM")
-        lr = s.lr["full"]
+        lr = s.lr["full"] if lr is None else lr
     else:
         raise SystemExit(f"unknown training-time peer {kind!r}: corda or osf")
     model = get_peft_model(model, config)
     train = [(bench.MATH_PROMPT.format(question=r["question"]), " " + solution(r))
              for r in lib.read_jsonl("gsm8k_train_subset.jsonl")]
-    data[f"{kind}_fine_tuning"] = bench.fine_tune(replace(s, lr={**s.lr, kind: lr}), kind, model, tok, train)
+    data[f"{name}_fine_tuning"] = {**bench.fine_tune(replace(s, lr={**s.lr, kind: lr}), kind, model, tok, train),
+                                   "lr": lr}
     exact = adapter_weights(model, theta0)
     torch.save(exact, path)
     return exact
@@ -420,11 +422,15 @@ def levers(name: str) -> dict:
     """A variant's levers: ``+``-joined parts, each one of ``m<N>`` (replayed answers), ``r<N>`` (compression rank),
     ``tau<NN>`` (τ = 0.NN), ``steps<N>`` (``max_steps``), ``tokenloss[k]`` (the ``token_loss`` constraint, k tokens),
     ``token`` (one sample per early answer token), ``whole``, ``selfgen``, ``logitproj``; ``base`` and ``janus`` are
-    the defaults; ``corda``/``osf`` start from that training-time peer's θ̂ (alone: the peer, not rectified)."""
+    the defaults; ``corda``/``osf`` start from that training-time peer's θ̂ (alone: the peer, not rectified), and
+    ``lr<X>e-<Y>`` sets the peer's learning rate."""
     out: dict = {"m": 64}
     for part in name.split("+"):
         number = re.fullmatch(r"(m|r|tau|steps|tokenloss)(\d*)", part)
-        if part in ("base", "janus", "token", "whole", "selfgen", "logitproj") + PEERS:
+        rate = re.fullmatch(r"lr(\d+(?:\.\d+)?e-\d+)", part)
+        if rate:
+            out["lr"] = float(rate.group(1))
+        elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj") + PEERS:
             out[part] = True
         elif number and number.group(1) == "tokenloss":
             out["tokenloss"] = int(number.group(2) or TOKEN_ROWS)
@@ -562,16 +568,18 @@ def main() -> None:
         peer = next((kind for kind in PEERS if lever.get(kind)), None)
         start = exact
         if peer:
-            start = peer_weights(peer, args, s, tok, theta0, data, os.path.join(args.work_dir, args.label))
+            start = peer_weights(peer, args, s, tok, theta0, data, os.path.join(args.work_dir, args.label),
+                                 lever.get("lr"))
             save_data()
-            if set(lever) == {"m", peer}:  # the peer alone, as trained
+            trained = peer if "lr" not in lever else f"{peer}_lr{lever['lr']:g}"
+            if set(lever) <= {"m", peer, "lr"}:  # the peer alone, as trained
                 point = evaluate(finetuned_model(theta0, start), tok, sets, data["gsm"], pad)
                 record["points"][name] = {
                     "past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
                     "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
                     "flips": flips(scored["theta0"], scored["finetuned"], point),
-                    "fine_tuning": data[f"{peer}_fine_tuning"],
-                    "preprocess_seconds": data.get(f"{peer}_preprocess_seconds")}
+                    "fine_tuning": data[f"{trained}_fine_tuning"],
+                    "preprocess_seconds": data.get(f"{trained}_preprocess_seconds")}
                 log(f"[{name}] {record['points'][name]['repair']}")
                 save()
                 continue

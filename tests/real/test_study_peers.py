@@ -85,6 +85,7 @@ def test_variant_levers():
     assert levers("tokenloss2+m128+r16") == {"m": 128, "tokenloss": 2, "r": 16}
     assert levers("tau99")["tau"] == pytest.approx(0.99)
     assert levers("corda+janus") == {"m": 64, "corda": True, "janus": True}
+    assert levers("corda+lr2e-4")["lr"] == pytest.approx(2e-4)
     config = variant_config(levers("tokenloss2+r16+steps20"))
     assert (config.constraint, config.constraint_tokens, config.rank, config.max_steps) == ("token_loss", 2, 16, 20)
     with pytest.raises(SystemExit, match="unknown lever 'x1'"):
