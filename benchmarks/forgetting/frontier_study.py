@@ -244,11 +244,12 @@ def main(argv=None) -> int:
         config = JanusConfig(tau=JANUS_TAU, beta=s.beta, rank=s.janus_rank, replay_batch_size=s.replay_batch,
                              seed=args.seed)
         main_replay = replays[MAIN_REPLAY]
-        only_wise = dict(taus=(), hybrids=False, dampings=()) if args.wise_only else {}
         if args.candidates:
-            only_wise = dict(candidates=args.candidates)
+            chosen = dict(candidates=args.candidates)
+        else:
+            chosen = dict(taus=(), hybrids=False, dampings=()) if args.wise_only else {}
         result = frontier(theta0, finetuned, main_replay, past_tasks=past, new_tasks=new, config=config,
-                          tokenizer=hf_tok, batch_size=64, progress=False, min_ap2=90.0, **only_wise)
+                          tokenizer=hf_tok, batch_size=64, progress=False, min_ap2=90.0, **chosen)
         log(result.to_markdown())
 
         # variants of JANUS(τ=0.95), on the same anchors and WiSE-FT curve

@@ -58,6 +58,7 @@ from benchmarks.forgetting import lib  # noqa: E402
 from benchmarks.forgetting import real_model as bench  # noqa: E402
 
 from hf_janus import JanusConfig, SelfReplay, rectify  # noqa: E402
+from hf_janus.io_utils import atomic_write_text  # noqa: E402
 from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402
 
 log = bench.log
@@ -271,8 +272,7 @@ def prepare(args, s, tok, work: str):
             data = json.load(fh)
     else:
         data = own_behaviour(s, tok, theta0)
-        with open(data_path, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
+        atomic_write_text(data_path, json.dumps(data))
     if os.path.isfile(delta_path):
         return theta0, {name: w.detach() for name, w in torch.load(delta_path).items()}, data
     train = [(bench.MATH_PROMPT.format(question=r["question"]), " " + solution(r))
@@ -291,8 +291,7 @@ def prepare(args, s, tok, work: str):
         data["fine_tuning"] = bench.fine_tune(s, args.run, model, tok, train)
         exact = adapter_weights(model, theta0, quantized is not None)
     torch.save(exact, delta_path)
-    with open(data_path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
+    atomic_write_text(data_path, json.dumps(data))
     return theta0, exact, data
 
 
@@ -387,13 +386,20 @@ def solution(row: dict) -> str:
     return lib.Math(row["question"], row["answer"]).target[1:]
 
 
+def shuffled_questions(s) -> tuple[random.Random, list[dict]]:
+    """The NQ-open subset in the study's order, and the generator that shuffled it (it shuffles WebQuestions next):
+    the scored questions, the replay pool and its extension all index this one order."""
+    rng = random.Random(s.seed)
+    nq = lib.read_jsonl("nq_open_dev_subset.jsonl")
+    rng.shuffle(nq)
+    return rng, nq
+
+
 def own_behaviour(s, tok, theta0) -> dict:
     """θ0's answers: the replay pool (other NQ-open questions), the scored NQ-open and WebQuestions questions; and
     the new task's test problems."""
-    rng = random.Random(s.seed)
-    nq = lib.read_jsonl("nq_open_dev_subset.jsonl")
+    rng, nq = shuffled_questions(s)
     wq = lib.read_jsonl("webquestions_val_subset.jsonl")
-    rng.shuffle(nq)
     rng.shuffle(wq)
     t = time.perf_counter()
     eval_nq = own_answers(theta0, tok, [r["question"] for r in nq[:130]], s.answer_tokens)[: s.n_nq_eval]
@@ -442,18 +448,17 @@ def levers(name: str) -> dict:
     return out
 
 
-def replay_pool(data: dict, m: int, tok, theta0, save) -> list[dict]:
+def replay_pool(s, data: dict, m: int, tok, theta0, save) -> list[dict]:
     """The first ``m`` of θ0's answers to NQ-open questions outside the scored ones; more are generated (and cached
     in ``data``) from the rest of the NQ-open subset when the pool is short."""
     pool = data["pool"]
     if m > len(pool):
-        nq = lib.read_jsonl("nq_open_dev_subset.jsonl")
-        random.Random(bench.Settings().seed).shuffle(nq)  # own_behaviour's order
+        _, nq = shuffled_questions(s)
         start = 160 + data.get("pool_questions", POOL_QUESTIONS)
         while len(pool) < m and start < len(nq):
             chunk = nq[start:start + 64]
             t = time.perf_counter()
-            pool.extend(own_answers(theta0, tok, [r["question"] for r in chunk], bench.Settings().answer_tokens))
+            pool.extend(own_answers(theta0, tok, [r["question"] for r in chunk], s.answer_tokens))
             data["generation_seconds"] += time.perf_counter() - t
             start += len(chunk)
             data["pool_questions"] = start - 160
@@ -532,16 +537,16 @@ def main() -> None:
     scored = {}
 
     def save_data():
-        path = os.path.join(args.work_dir, args.label, "data.json")
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(path + ".tmp", path)
+        atomic_write_text(os.path.join(args.work_dir, args.label, "data.json"), json.dumps(data))
 
     def save():
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(out_path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump(record, fh, indent=1)
-        os.replace(out_path + ".tmp", out_path)
+        atomic_write_text(out_path, json.dumps(record, indent=1))
+
+    def scored_point(point: dict, **extra) -> dict:
+        """A point's record: its summaries, what it gives back of θ̂'s losses, its flips, and ``extra``."""
+        return {"past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
+                "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
+                "flips": flips(scored["theta0"], scored["finetuned"], point), **extra}
 
     for anchor in ("theta0", "finetuned"):
         model = theta0 if anchor == "theta0" else finetuned_model(theta0, exact)
@@ -557,10 +562,7 @@ def main() -> None:
                                                  + a * (w - theta0.get_parameter(k).float())
                                                  for k, w in exact.items()})
                 point = evaluate(model, tok, sets, data["gsm"], pad)
-                record["points"][f"wise a={a:g}"] = {
-                    "past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
-                    "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
-                    "flips": flips(scored["theta0"], scored["finetuned"], point)}
+                record["points"][f"wise a={a:g}"] = scored_point(point)
                 log(f"[wise a={a:g}] {record['points'][f'wise a={a:g}']['repair']}")
             save()
             continue
@@ -574,16 +576,13 @@ def main() -> None:
             trained = peer if "lr" not in lever else f"{peer}_lr{lever['lr']:g}"
             if set(lever) <= {"m", peer, "lr"}:  # the peer alone, as trained
                 point = evaluate(finetuned_model(theta0, start), tok, sets, data["gsm"], pad)
-                record["points"][name] = {
-                    "past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
-                    "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
-                    "flips": flips(scored["theta0"], scored["finetuned"], point),
-                    "fine_tuning": data[f"{trained}_fine_tuning"],
-                    "preprocess_seconds": data.get(f"{trained}_preprocess_seconds")}
+                record["points"][name] = scored_point(
+                    point, fine_tuning=data[f"{trained}_fine_tuning"],
+                    preprocess_seconds=data.get(f"{trained}_preprocess_seconds"))
                 log(f"[{name}] {record['points'][name]['repair']}")
                 save()
                 continue
-        pool = replay_pool(data, lever["m"], tok, theta0, save_data)
+        pool = replay_pool(s, data, lever["m"], tok, theta0, save_data)
         t = time.perf_counter()
         replay = variant_replay(lever, pool, tok, theta0)
         replay_s = time.perf_counter() - t
@@ -595,25 +594,18 @@ def main() -> None:
                          finetuned=start if args.run != "full" or peer else None)
         seconds = time.perf_counter() - t
         point = evaluate(model, tok, sets, data["gsm"], pad)
-        record["points"][name] = {
-            "past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
-            "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
-            "flips": flips(scored["theta0"], scored["finetuned"], point),
-            "replay_samples": len(replay), "replay_tokens": sum(len(r["input_ids"]) for r in replay),
-            "replay_seconds": replay_s, "rectify_seconds": seconds,
-            "jacobian_evaluations": report.num_jacobian_evals, "stop_reason": report.stop_reason,
-            "replay_loss": report.replay_loss, "config": config.to_dict()}
+        record["points"][name] = scored_point(
+            point, replay_samples=len(replay), replay_tokens=sum(len(r["input_ids"]) for r in replay),
+            replay_seconds=replay_s, rectify_seconds=seconds, jacobian_evaluations=report.num_jacobian_evals,
+            stop_reason=report.stop_reason, replay_loss=report.replay_loss, config=config.to_dict())
         log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
         save()
     if args.posthoc:
         replay = replay_samples(data["pool"][:64])
         for label, model, cost in posthoc_points(args.posthoc, theta0, exact, replay, tok):
             point = evaluate(model, tok, sets, data["gsm"], pad)
-            record["points"][label] = {
-                "past_summary": point["past_summary"], "gsm_nll": point["gsm_nll"],
-                "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
-                "flips": flips(scored["theta0"], scored["finetuned"], point), "posthoc_cost": cost,
-                "rectify_seconds": cost["seconds"], "replay_samples": len(replay)}
+            record["points"][label] = scored_point(point, posthoc_cost=cost, rectify_seconds=cost["seconds"],
+                                                   replay_samples=len(replay))
             log(f"[{label}] {cost['seconds']:.0f}s: {record['points'][label]['repair']}")
             save()
     save()
@@ -634,9 +626,7 @@ def margins_only(args, out_path: str) -> None:
     with open(out_path, encoding="utf-8") as fh:
         record = json.load(fh)
     record["theta0_margins"] = table
-    with open(out_path + ".tmp", "w", encoding="utf-8") as fh:
-        json.dump(record, fh, indent=1)
-    os.replace(out_path + ".tmp", out_path)
+    atomic_write_text(out_path, json.dumps(record, indent=1))
     print(json.dumps(table, indent=1))
 
 
