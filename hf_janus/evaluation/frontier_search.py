@@ -314,6 +314,39 @@ class FrontierResult:
                                     repo_id=os.fspath(save_directory))
         return os.fspath(save_directory)
 
+    def add_adapter(self, peft_model: nn.Module, new_adapter_name: str = "frontier", *, rank: Any = "same",
+                    energy: float = 0.99) -> dict[str, Any]:
+        """Add the chosen point to ``peft_model`` (the LoRA adapter the frontier scored, loaded with PEFT) as a new
+        adapter beside the trained one, and activate it, as PEFT's ``reduce_intruder_dimension`` adds its result:
+        compare the two with ``peft_model.set_adapter(name)`` without reloading; ``save_pretrained`` writes both.
+
+        Each adapted layer gets the point's weight re-factorized at ``rank`` (``"same"``: the adapter's own, an int,
+        ``"auto"`` with ``energy``, or a float energy): a point whose update is not of the adapter's rank (JANUS,
+        Fisher interpolation, ...) is truncated, and the returned per-layer ``kept_energy`` says how much of its
+        update the adapter holds. Returns what was written (as a :class:`RectificationReport`'s ``output``)."""
+        from hf_janus.adapters.live.adapter_beside import add_adapter_beside, as_layer_matrices
+        from hf_janus.adapters.peft_layers import adapted_linear_layers, effective_weights, is_peft_model
+
+        builder = self._require_builder()
+        if not is_peft_model(peft_model):
+            raise JanusError(f"add_adapter adds an adapter to a PeftModel, got a {type(peft_model).__name__}; load "
+                             "the scored adapter with PeftModel.from_pretrained(base, adapter)")
+        weights = builder.weights(self.best)
+        tuned, start = as_layer_matrices(peft_model, builder.finetuned), as_layer_matrices(peft_model, builder.theta0)
+        outside = sorted(k for k in weights if k not in tuned and not torch.equal(weights[k], builder.finetuned[k]))
+        if outside:
+            raise JanusError(f"the chosen point ({self.best.label}) changes {outside[0]!r} (and {len(outside) - 1} "
+                             "more), which no adapted linear layer holds: save it in full with save_pretrained()")
+        live = effective_weights(adapted_linear_layers(peft_model))
+        for key, w in live.items():
+            # the scored θ̂ must be this adapter: another one would get the point's weights but not its scores
+            if key not in tuned or (w - tuned[key]).norm() > 1e-3 * (tuned[key] - start[key]).norm() + 1e-6:
+                raise JanusError(f"{key!r} of this PeftModel's active adapter is not the fine-tuned weight the "
+                                 "frontier scored: activate that adapter (model.set_adapter(name)), loaded on the "
+                                 "same base (unquantized) as the frontier's finetuned=")
+        chosen = as_layer_matrices(peft_model, {k: weights[k] for k in tuned})
+        return add_adapter_beside(peft_model, chosen, start, new_adapter_name, rank=rank, energy=energy)
+
     def push_to_hub(self, repo_id: str, *, private: Optional[bool] = None, token: Any = None,
                     commit_message: Optional[str] = None) -> str:
         """Upload the chosen model with its record in one commit; returns the commit URL."""

@@ -140,6 +140,12 @@ class JanusCallback(TrainerCallback):
         adapter_rank: rank of each re-factorized layer: ``"same"`` (the adapter's own rank), an int,
             ``"auto"`` (smallest rank keeping ``adapter_energy`` of the layer's update) or a float energy.
         adapter_energy: energy threshold for ``adapter_rank="auto"``.
+        new_adapter_name: with ``peft_output="adapter"``, write the rectified update into a new adapter of this
+            name, made active, and keep the trained adapter unchanged beside it (as PEFT's
+            ``reduce_intruder_dimension`` does): compare the two with ``model.set_adapter(name)`` without reloading;
+            ``save_pretrained``/``trainer.save_model()`` write both (PEFT puts an adapter not named ``"default"`` in a
+            subfolder of its name), and the record and card say which is which. Refused at train begin for an
+            adapter whose init rewrites the base (PiSSA, OLoRA, CorDA, ...), and for a name the model already has.
 
     After training, ``callback.report`` is the :class:`RectificationReport`; its publication record
     (:class:`~hf_janus.publish.record_file.PublishedReport`, the document every ``janus_rectification.json`` holds)
@@ -150,11 +156,11 @@ class JanusCallback(TrainerCallback):
 
     def __init__(self, replay: Any, config: Optional[JanusConfig] = None, snapshot: str = "cpu",
                  peft_output: str = "adapter", adapter_rank: Any = "same", adapter_energy: float = 0.99,
-                 on_error: str = "raise", trainer: Any = None):
+                 on_error: str = "raise", trainer: Any = None, new_adapter_name: Optional[str] = None):
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r} is invalid: expected 'raise' or 'warn'")
         self.snapshot = Theta0Snapshot(snapshot)
-        self.peft_output = PeftOutput(peft_output, adapter_rank, adapter_energy)
+        self.peft_output = PeftOutput(peft_output, adapter_rank, adapter_energy, new_adapter_name)
         self.replay = replay
         self.config = config if config is not None else JanusConfig()
         self.on_error = on_error

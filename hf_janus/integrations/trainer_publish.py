@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Callable, Iterator, Optional, Union
 
 from hf_janus.engine.report import RectificationReport
+from hf_janus.publish.card import rectified_adapter_subfolder
 from hf_janus.publish.files import detect_kind, write_publication_files
 from hf_janus.publish.hub import NEVER_PUBLISHED
 from hf_janus.publish.provenance import ReplayInfo, RepoRef, describe_model, describe_replay
@@ -102,9 +104,12 @@ class TrainerPublication:
         present, a report to publish; otherwise nothing)."""
         trainer = self.trainer
         folder = output_dir or trainer.args.output_dir
-        if self.provider() is None or not trainer.is_world_process_zero() or not weight_files_present(folder):
+        rect = self.provider()
+        # an adapter kept beside the trained one (new_adapter_name) is saved by PEFT in a subfolder of its name
+        weights_dir = os.path.join(folder, rectified_adapter_subfolder(rect.output) or "") if rect else folder
+        if rect is None or not trainer.is_world_process_zero() or not weight_files_present(weights_dir):
             return
-        published = self.record(detect_kind(folder))
+        published = self.record(detect_kind(weights_dir))
         repo_id = getattr(trainer, "hub_model_id", None) or trainer.args.hub_model_id
         write_publication_files(folder, published, repo_id=repo_id or folder, token=self.token)
 

@@ -20,7 +20,7 @@ import json
 import os
 import re
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from hf_janus.errors import JanusError
 
@@ -201,6 +201,14 @@ def _acceptance_variables(cfg: dict[str, Any]) -> dict[str, Any]:
             "trajectory_sentence": _plain(rule.card_sentence()), "tau_used": "tau" in rule.options}
 
 
+def rectified_adapter_subfolder(output: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """The folder (under the published one) of the rectified adapter when it was kept beside the trained one under
+    another name (a report ``output`` with ``adapter_name``): PEFT saves every adapter but ``"default"`` in a
+    subfolder of its name."""
+    name = (output or {}).get("adapter_name")
+    return name if isinstance(name, str) and name and name != "default" else None
+
+
 def template_variables(published: "PublishedReport", *, load_id: str) -> dict[str, Any]:
     """Everything the template shows, formatted."""
     rect = published.rectification
@@ -234,6 +242,7 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
             replay_line += f", fingerprint {_code(replay.fingerprint[:23])}"
     residuals = [layer.residual for layer in rect.layers if layer.residual is not None]
     base = published.base_model
+    subfolder = rectified_adapter_subfolder(rect.output) if published.kind == "adapter" else None
     name = (published.adapter or base).id if (published.adapter or base) else "model"
     return {
         "kind": _plain(published.kind),
@@ -262,6 +271,8 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
                                                     if rect.residual_jacobian else ""))
         if residuals else None,
         "load_id": _quoted(load_id),
+        "subfolder": _quoted(subfolder) if subfolder else None,
+        "trained_adapter": _quoted((rect.output or {}).get("trained_adapter", "default")),
         "base_load_id": _quoted(base.id) if base else "<base model id or path>",
     }
 

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_write_text, read_text
-from hf_janus.publish.card import CARD_NAME, render_card
+from hf_janus.publish.card import CARD_NAME, rectified_adapter_subfolder, render_card
 from hf_janus.publish.provenance import ReplayInfo, RepoRef, describe_model, describe_replay
 from hf_janus.publish.record_file import KINDS, REPORT_NAME, PublishedReport, build_report
 from hf_janus.publish.weights_meta import add_safetensors_metadata, safetensors_metadata, weight_files
@@ -98,7 +98,10 @@ def write_publication_files(
         The :class:`PublishedReport` written.
     """
     folder = os.fspath(folder)
-    weights, kind = _saved_weights(folder, kind)
+    # an adapter kept beside the trained one (new_adapter_name): PEFT saved it in a subfolder of its name
+    subfolder = rectified_adapter_subfolder(
+        (report.rectification if isinstance(report, PublishedReport) else report).output)
+    weights, kind = _saved_weights(os.path.join(folder, subfolder or ""), kind)
     if isinstance(report, PublishedReport):
         published = report
         if published.kind != kind:
@@ -111,18 +114,22 @@ def write_publication_files(
         published = build_report(report, kind=kind, base_model=base_model, adapter=adapter, replay_info=replay_info,
                                  merge=merge, frontier=frontier, token=token, online=online)
 
-    _write_files(folder, weights, published, load_id=repo_id or folder, kind=kind)
+    _write_files(folder, os.path.join(folder, subfolder or ""), weights, published, load_id=repo_id or folder,
+                 kind=kind)
     return published
 
 
-def _write_files(folder: str, weights: list[str], published: PublishedReport, *, load_id: str, kind: str) -> None:
-    """Stamp ``published`` into the safetensors ``weights`` of ``folder``, then write the record and the card."""
+def _write_files(folder: str, weights_dir: str, weights: list[str], published: PublishedReport, *, load_id: str,
+                 kind: str) -> None:
+    """Stamp ``published`` into the safetensors ``weights`` of the rectified output (``folder``, or the subfolder
+    of an adapter kept beside the trained one: the trained weights are not stamped), then write the record and the
+    card into ``folder``."""
     metadata = safetensors_metadata(published)
     for name in weights:
-        add_safetensors_metadata(os.path.join(folder, name), metadata)
+        add_safetensors_metadata(os.path.join(weights_dir, name), metadata)
     published.save(os.path.join(folder, REPORT_NAME))
     card_path = os.path.join(folder, CARD_NAME)
     existing = read_text(card_path)
-    card = render_card(published, load_id=load_id, existing=existing, pipeline_tag=pipeline_tag(folder, kind))
+    card = render_card(published, load_id=load_id, existing=existing, pipeline_tag=pipeline_tag(weights_dir, kind))
     atomic_write_text(card_path, str(card))
 

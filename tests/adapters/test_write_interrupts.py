@@ -86,12 +86,15 @@ def snapshot(model):
               if isinstance(m, BaseTunerLayer)}
     config = model.peft_config["default"]
     patterns = (dict(config.rank_pattern or {}), dict(config.alpha_pattern or {}))
+    adapters = (sorted(model.peft_config), list(model.active_adapters))
     with torch.no_grad():
-        return dict(tensors=tensors, layers=layers, patterns=patterns, logits=model(input_ids=IDS).logits)
+        return dict(tensors=tensors, layers=layers, patterns=patterns, adapters=adapters,
+                    logits=model(input_ids=IDS).logits)
 
 
 def same(a, b) -> bool:
-    return (a["layers"] == b["layers"] and a["patterns"] == b["patterns"] and a["tensors"].keys() == b["tensors"].keys()
+    return (a["layers"] == b["layers"] and a["patterns"] == b["patterns"] and a["adapters"] == b["adapters"]
+            and a["tensors"].keys() == b["tensors"].keys()
             and all(torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"])
             and torch.equal(a["logits"], b["logits"]))
 
@@ -104,7 +107,8 @@ def run_write(model, initial, output, at=None):
 
 
 @pytest.mark.parametrize("output", [PeftOutput("adapter", rank=2), PeftOutput("adapter", rank="same"),
-                                    PeftOutput("merged")], ids=["adapter-rank-2", "adapter-same", "merged"])
+                                    PeftOutput("adapter", rank=2, new_adapter_name="janus"), PeftOutput("merged")],
+                         ids=["adapter-rank-2", "adapter-same", "adapter-beside", "merged"])
 def test_interrupted_live_write_is_all_or_nothing(tmp_path, output):
     model = lora_model(lora_bias=True)
     initial = initial_state(adapted_linear_layers(model))

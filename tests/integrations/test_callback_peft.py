@@ -349,3 +349,71 @@ def test_resume_keeps_the_effective_theta0(tmp_path):
     first_state, second_state = merged_state(model), merged_state(resumed)
     for key, value in first_state.items():
         torch.testing.assert_close(second_state[key], value, rtol=0, atol=1e-4)
+
+
+def test_new_adapter_beside_the_trained_one(tmp_path):
+    """new_adapter_name: the rectified update goes into a new, active adapter (the same as writing in place); the
+    trained adapter stays as training left it; save_model writes both, and the record, the card and the weight
+    metadata describe the new one, in its subfolder."""
+    from hf_janus.publish.weights_meta import read_safetensors_metadata
+
+    model = peft_model()
+    probe = PeftProbe()
+    janus = JanusCallback(replay_data(), CONFIG, adapter_rank=FULL_RANK, new_adapter_name="janus")
+    trainer = make_trainer(tmp_path, model, [probe, janus])
+    trainer.train()
+    assert model.active_adapters == ["janus"] and set(model.peft_config) == {"default", "janus"}
+    assert janus.report.output["adapter_name"] == "janus" and janus.report.output["trained_adapter"] == "default"
+
+    twin = plain_twin(probe.finetuned)
+    expected = rectify(twin, merged_state_of_default_base(model), replay_data(),
+                       JanusConfig(**{**CONFIG.to_dict(), "target_modules": TARGETS}), progress=False)
+    assert janus.report.alphas == expected.alphas
+    got = merged_state(model)
+    for key in adapted_weight_keys(got):
+        torch.testing.assert_close(got[key], twin.state_dict()[key], rtol=0, atol=2e-5)
+    model.set_adapter("default")  # the trained adapter, bit for bit
+    assert all(torch.equal(v, probe.lora[k]) for k, v in model.state_dict().items() if k in probe.lora)
+    assert all(torch.equal(v, probe.finetuned[k]) for k, v in merged_state(model).items())
+    model.set_adapter("janus")
+
+    trainer.save_model()
+    out = trainer.args.output_dir
+    assert os.path.isfile(os.path.join(out, "adapter_model.safetensors"))  # the trained adapter, at the top
+    assert os.path.isfile(os.path.join(out, "janus", "adapter_model.safetensors"))
+    stamped = read_safetensors_metadata(os.path.join(out, "janus", "adapter_model.safetensors"))
+    assert set(stamped) - {"format"}  # the record's summary
+    assert set(read_safetensors_metadata(os.path.join(out, "adapter_model.safetensors"))) <= {"format"}
+    assert json.load(open(os.path.join(out, REPORT_NAME)))["output"]["adapter_name"] == "janus"
+    card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
+    assert 'subfolder="janus"' in card and "kept beside it" in card
+    batch = collate(replay_data())
+    rectified = PeftModel.from_pretrained(pretrained_llama(), out, subfolder="janus", adapter_name="janus")
+    torch.testing.assert_close(logits(rectified, batch), logits(twin, batch), rtol=1e-4, atol=1e-4)
+    trained = PeftModel.from_pretrained(pretrained_llama(), out)
+    torch.testing.assert_close(logits(trained, batch), logits(plain_twin(probe.finetuned), batch), rtol=1e-5,
+                               atol=1e-5)
+
+
+def merged_state_of_default_base(model):
+    """θ0 of a LoRA model: its base weights (the adapters start at zero)."""
+    return {k: v.clone() for k, v in copy.deepcopy(model).unload().state_dict().items()}
+
+
+@pytest.mark.parametrize("case", ["taken", "pissa", "merged"])
+def test_new_adapter_name_refusals(tmp_path, case):
+    if case == "taken":
+        model = peft_model()
+        model.add_adapter("janus", lora_config())
+        janus, match = JanusCallback(replay_data(), FAST, new_adapter_name="janus"), "already has an adapter"
+    elif case == "pissa":
+        model = peft_model(init_lora_weights="pissa")
+        janus, match = JanusCallback(replay_data(), FAST, new_adapter_name="janus"), "cannot share that base"
+    else:
+        with pytest.raises(ValueError, match="needs peft_output='adapter'"):
+            JanusCallback(replay_data(), FAST, peft_output="merged", new_adapter_name="janus")
+        return
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(JanusError, match=match):
+        make_trainer(tmp_path, model, [janus]).train()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # refused before any step

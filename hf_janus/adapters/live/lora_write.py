@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -77,8 +77,10 @@ class WrittenLayer:
 
 
 def write_lora(module: nn.Module, name: str, target: Tensor, reference: Tensor, delta_rect: Tensor, rank: RankSpec,
-               energy: float = 0.99, jacobian: Any = None, reference_norm: Optional[float] = None) -> WrittenLayer:
-    """Re-factorize one rectified layer into its LoRA adapter so the effective weight becomes ``target``.
+               energy: float = 0.99, jacobian: Any = None, reference_norm: Optional[float] = None,
+               adapter: Optional[str] = None) -> WrittenLayer:
+    """Re-factorize one rectified layer into its LoRA adapter (``adapter``; default the active one) so the effective
+    weight becomes ``target``.
 
     ``target``, ``reference`` and ``delta_rect`` are ``(d_out, d_in)`` float matrices: the rectified effective
     weight, θ0 and ``ΔW_rect``; ``offset = θ0 − W_base`` is zero for LoRA, ``s·B0A0`` for PiSSA-like inits. The
@@ -87,7 +89,7 @@ def write_lora(module: nn.Module, name: str, target: Tensor, reference: Tensor, 
     (truncated SVD), split evenly between ``B`` and ``A``. For DoRA the magnitude is then set to the row
     norms of ``W_base + D_k`` so that the effective weight is exactly ``W_base + D_k``.
     """
-    adapter = active_adapter(module)
+    adapter = adapter if adapter is not None else active_adapter(module)
     kind = _lora_kind(module, adapter)
     base = module.get_base_layer()
     w_base = rule_for(base).weight(base).to(device=target.device, dtype=torch.float64)
@@ -128,6 +130,44 @@ def write_lora(module: nn.Module, name: str, target: Tensor, reference: Tensor, 
             new_weight = w_base + d_k  # (d_out, d_in): DoRA's norm is per output row
             magnitude.copy_(new_weight.norm(dim=1).to(magnitude.dtype).reshape(magnitude.shape))
     return WrittenLayer(stats=stats, rank_changed=rank_changed)
+
+
+@dataclass
+class LayerTarget:
+    """One layer's write: the effective weight it should get, θ0 and the update between them (``(d_out, d_in)``
+    float matrices), and optionally the Jacobian factors to measure what truncation leaks (see :func:`write_lora`)."""
+
+    name: str
+    target: Tensor
+    reference: Tensor
+    delta: Tensor
+    jacobian: Any = None
+    reference_norm: Optional[float] = None
+
+
+def write_adapter_layers(peft_model: nn.Module, layers: dict[str, nn.Module], targets: Iterable[LayerTarget],
+                         adapter: str, rank: RankSpec, energy: float) -> list[WrittenLayer]:
+    """Write each of ``targets`` (taken one at a time) into ``adapter`` of its layer in ``layers`` and record the
+    changed ranks in the adapter's config. All or nothing: on any exception (Ctrl-C included) every written layer
+    and the config's patterns are put back."""
+    config = peft_model.peft_config[adapter]
+    patterns = (getattr(config, "rank_pattern", None), getattr(config, "alpha_pattern", None))
+    written, originals = [], []
+    try:
+        for t in targets:
+            module = layers[t.name]
+            originals.append(LoraState.capture(module, adapter))
+            written.append(write_lora(module, t.name, t.target, t.reference, t.delta, rank, energy,
+                                      jacobian=t.jacobian, reference_norm=t.reference_norm, adapter=adapter))
+        changed = {w.stats.name: w.stats.rank for w in written if w.rank_changed}
+        if changed:
+            record_rank_pattern(peft_model, adapter, changed)
+        return written
+    except BaseException:
+        for state in originals:
+            state.restore()
+        config.rank_pattern, config.alpha_pattern = patterns
+        raise
 
 
 def record_rank_pattern(peft_model: nn.Module, adapter: str, ranks: dict[str, int]) -> None:
@@ -212,8 +252,8 @@ class LoraState:
     magnitude: Optional[Tensor] = None
 
     @classmethod
-    def capture(cls, module: nn.Module) -> "LoraState":
-        adapter = active_adapter(module)
+    def capture(cls, module: nn.Module, adapter: Optional[str] = None) -> "LoraState":
+        adapter = adapter if adapter is not None else active_adapter(module)
         magnitude = getattr(module, "lora_magnitude_vector", {})
         return cls(module=module, adapter=adapter, lora_a=module.lora_A[adapter], lora_b=module.lora_B[adapter],
                    r=module.r[adapter], scaling=module.scaling[adapter],

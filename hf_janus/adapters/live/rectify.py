@@ -6,19 +6,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
+from hf_janus.adapters.live.adapter_beside import check_new_adapter_name, new_adapter_beside, single_active_adapter
 from hf_janus.adapters.live.lora_write import (
     BaseLayerState,
-    LoraState,
+    LayerTarget,
     check_adapter_writable,
-    record_rank_pattern,
     set_base_params,
     validate_peft_output,
-    write_lora,
+    write_adapter_layers,
 )
 from hf_janus.adapters.peft_layers import (
     adapted_linear_layers,
@@ -49,17 +49,22 @@ class PeftOutput:
 
     ``format="adapter"`` writes it back into the LoRA factors (truncated SVD per layer, at ``rank``: ``"same"``,
     an int, ``"auto"`` or a float energy, with ``energy`` for ``"auto"``); ``format="merged"`` writes the rectified
-    weights into the base layers and returns the plain merged model.
+    weights into the base layers and returns the plain merged model. With ``new_adapter_name`` the adapter output
+    goes into a new adapter of that name, made active, and the trained adapter is kept unchanged beside it.
     """
 
     format: str = "adapter"
     rank: Any = "same"
     energy: float = 0.99
+    new_adapter_name: Optional[str] = None
 
     def __post_init__(self) -> None:
         validate_peft_output(self.format, self.rank)
         if not 0.0 < self.energy <= 1.0:
             raise ValueError(f"adapter_energy={self.energy!r} is invalid: expected a float in (0, 1]")
+        if self.new_adapter_name is not None and self.format != "adapter":
+            raise ValueError(f"new_adapter_name={self.new_adapter_name!r} keeps the rectified update as a second "
+                             "adapter: it needs peft_output='adapter', not 'merged'")
 
 
 def check_live_peft(model: nn.Module, config: JanusConfig, output: PeftOutput) -> dict[str, nn.Module]:
@@ -87,6 +92,8 @@ def check_live_peft(model: nn.Module, config: JanusConfig, output: PeftOutput) -
                 "residual base that PEFT rebuilds at the adapter's own rank when loading, so its rank cannot "
                 "change. Keep adapter_rank='same', or use peft_output='merged'"
             )
+        if output.new_adapter_name is not None:
+            check_new_adapter_name(model, single_active_adapter(model), output.new_adapter_name)
     return layers
 
 
@@ -154,33 +161,27 @@ def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initi
 
 def _write_adapter(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult,
                    output: PeftOutput) -> dict[str, Any]:
-    """All or nothing: an interruption (Ctrl-C included) before the last line puts the adapter and its config back
-    as training left it; a half-written adapter would not even reload."""
-    adapter = next(iter(layers.values())).active_adapters[0]
-    config = model.peft_config[adapter]
-    patterns = (getattr(config, "rank_pattern", None), getattr(config, "alpha_pattern", None))
-    written, originals = [], {}
-    try:
-        for name, layer in result.layers.items():
-            module = layers[name]
-            originals[name] = LoraState.capture(module)
-            written.append(write_lora(
-                module, name, layer.rectified.detach().float(), layer.reference, layer.rect_delta(),
-                output.rank, output.energy, jacobian=layer.jacobian, reference_norm=layer.jvp0_norm(),
-            ))
-        changed = {w.stats.name: w.stats.rank for w in written if w.rank_changed}
-        if changed:
-            record_rank_pattern(model, adapter, changed)
-        kept = [w.stats.kept_energy for w in written]
-        logger.info("JANUS: rectified update written back into the adapter (%d layers, kept energy min %.4f)",
-                    len(written), min(kept) if kept else 1.0)
-        return {"format": "adapter", "adapter_rank": output.rank, "adapter_energy": output.energy,
-                "layers": [w.stats.to_dict() for w in written]}
-    except BaseException:
-        for state in originals.values():
-            state.restore()
-        config.rank_pattern, config.alpha_pattern = patterns
-        raise
+    """All or nothing: an interruption (Ctrl-C included) before the last line leaves the adapters and their configs
+    as training left them (a half-written adapter would not even reload): the trained adapter is put back, or the
+    new one beside it (``output.new_adapter_name``) is deleted."""
+    trained = next(iter(layers.values())).active_adapters[0]
+    if output.new_adapter_name is None:
+        return _write_into(model, layers, result, output, trained)
+    with new_adapter_beside(model, trained, output.new_adapter_name):
+        written = _write_into(model, layers, result, output, output.new_adapter_name)
+    return {**written, "adapter_name": output.new_adapter_name, "trained_adapter": trained}
+
+
+def _write_into(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult, output: PeftOutput,
+                adapter: str) -> dict[str, Any]:
+    targets = (LayerTarget(name, layer.rectified.detach().float(), layer.reference, layer.rect_delta(),
+                           layer.jacobian, layer.jvp0_norm()) for name, layer in result.layers.items())
+    written = write_adapter_layers(model, layers, targets, adapter, output.rank, output.energy)
+    kept = [w.stats.kept_energy for w in written]
+    logger.info("JANUS: rectified update written into the adapter %r (%d layers, kept energy min %.4f)",
+                adapter, len(written), min(kept) if kept else 1.0)
+    return {"format": "adapter", "adapter_rank": output.rank, "adapter_energy": output.energy,
+            "layers": [w.stats.to_dict() for w in written]}
 
 
 def _merge(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult) -> nn.Module:
