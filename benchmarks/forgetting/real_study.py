@@ -54,6 +54,7 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 from benchmarks import smollm2  # noqa: E402  (the offline SmolLM2 folder)
+from benchmarks.memory_probe import own_peak_bytes  # noqa: E402
 from benchmarks.forgetting import lib  # noqa: E402
 from benchmarks.forgetting import real_model as bench  # noqa: E402
 
@@ -376,9 +377,9 @@ def posthoc_points(spec: str, theta0, exact: dict, replay: list[dict], tok) -> l
     context = BuildContext(config=config, rectify_fn=rectify)
     for candidate in parse_candidates(spec):
         candidate.check(builder)
-        cost = candidate.prepare(builder, context)
+        peak, cost = own_peak_bytes(lambda: candidate.prepare(builder, context))
         builder.write(builder.weights(candidate))
-        yield candidate.label, model, asdict(cost)
+        yield candidate.label, model, {**asdict(cost), "peak_host_bytes": peak}
 
 
 def solution(row: dict) -> str:
@@ -590,13 +591,14 @@ def main() -> None:
         model = finetuned_model(theta0, start)
         t = time.perf_counter()
         # an adapter's θ̂ is known exactly in float32 (θ0 + s·BA), more exactly than its bf16 model holds it
-        report = rectify(model, theta0, replay, config, progress=False,
-                         finetuned=start if args.run != "full" or peer else None)
+        peak, report = own_peak_bytes(lambda: rectify(model, theta0, replay, config, progress=False,
+                                                      finetuned=start if args.run != "full" or peer else None))
         seconds = time.perf_counter() - t
         point = evaluate(model, tok, sets, data["gsm"], pad)
         record["points"][name] = scored_point(
             point, replay_samples=len(replay), replay_tokens=sum(len(r["input_ids"]) for r in replay),
-            replay_seconds=replay_s, rectify_seconds=seconds, jacobian_evaluations=report.num_jacobian_evals,
+            replay_seconds=replay_s, rectify_seconds=seconds, peak_host_bytes=peak,
+            jacobian_evaluations=report.num_jacobian_evals,
             stop_reason=report.stop_reason, replay_loss=report.replay_loss, config=config.to_dict())
         log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
         save()
@@ -634,9 +636,9 @@ def write_markdown(path: str) -> str:
     with open(path, encoding="utf-8") as fh:
         rec = json.load(fh)
     lines = ["| point | NLL rise undone NQ / WebQ (%) | EM back NQ / WebQ (%) | token EM NQ / WebQ (%) | "
-             "first-token agreement NQ (%) | EM back, replayed (%) | AP2 (%) | Jacobian evals | seconds | "
-             "replay samples |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "first-token agreement NQ (%) | EM back, replayed (%) | AP2 (%) | vs WiSE-FT, EM / NLL (NQ) | "
+             "Jacobian evals | replay passes fwd / bwd | seconds | peak host GiB | replay samples |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v, spec=".1f"):
         return "" if v is None else format(v, spec)
@@ -644,12 +646,20 @@ def write_markdown(path: str) -> str:
     for name, p in rec["points"].items():
         r = p.get("repair", {})
         ps = p["past_summary"]
+        cost = p.get("posthoc_cost") or {}
+        passes = (f"{cost['forward_passes']:g} / {cost['backward_passes']:g}"
+                  if cost.get("forward_passes") or cost.get("backward_passes") else "")
+        peak = p.get("peak_host_bytes", cost.get("peak_host_bytes"))
+        margin = ("" if name.startswith("wise") or r.get("ap2") is None else
+                  f"{f(wise_margin(rec['points'], r, 'em_back'), '+.1f')} / "
+                  f"{f(wise_margin(rec['points'], r, 'nll_undone'), '+.1f')}")
         lines.append(
             f"| {name} | {f(r.get('nq', {}).get('nll_undone'))} / {f(r.get('webq', {}).get('nll_undone'))} "
             f"| {f(r.get('nq', {}).get('em_back'))} / {f(r.get('webq', {}).get('em_back'))} "
             f"| {f(ps['nq']['em'])} / {f(ps['webq']['em'])} | {f(ps['nq']['first_token_acc'])} "
-            f"| {f(r.get('replayed', {}).get('em_back'))} | {f(r.get('ap2'))} | {p.get('jacobian_evaluations', '')} | {f(p.get('rectify_seconds'), '.0f')} "
-            f"| {p.get('replay_samples', '')} |")
+            f"| {f(r.get('replayed', {}).get('em_back'))} | {f(r.get('ap2'))} | {margin} "
+            f"| {p.get('jacobian_evaluations', '')} | {passes} | {f(p.get('rectify_seconds'), '.0f')} "
+            f"| {f(peak / 2**30 if peak else None, '.2f')} | {p.get('replay_samples', '')} |")
     lines += ["", "Where the lost answers flip (NQ never replayed / WebQuestions): answers θ0 reproduces and θ̂ does not, "
               "how many of those θ̂ already misses at their first token, how many each point gives back (of those lost "
               "at the first token), and answers θ̂ kept that the point loses.", "",
@@ -680,6 +690,20 @@ def write_markdown(path: str) -> str:
     return text
 
 
+def wise_margin(points: dict, repair: dict, key: str, subset: str = "nq") -> Optional[float]:
+    """How far a point's ``key`` (``em_back`` or ``nll_undone``) on ``subset`` lies above the WiSE-FT curve at its
+    AP2, the curve read linearly between its points, with θ0 (AP2 0, all back) and θ̂ (AP2 100, nothing back) as its
+    ends; None outside the curve's range."""
+    curve = sorted([(0.0, 100.0), (100.0, 0.0)] + [(p["repair"]["ap2"], p["repair"][subset][key])
+                                                    for name, p in points.items() if name.startswith("wise")])
+    x = repair["ap2"]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x0 <= x <= x1:
+            y = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            return repair[subset][key] - y
+    return None
+
+
 def write_plot(path: str) -> str:
     """``results/real_study_<run>.png``: each point's AP2 against what it gives back on the never-replayed NQ-open
     questions, exact matches (left) and answer NLL (right), the WiSE-FT curve joined."""
@@ -691,16 +715,24 @@ def write_plot(path: str) -> str:
     with open(path, encoding="utf-8") as fh:
         rec = json.load(fh)
     points = {name: p["repair"] for name, p in rec["points"].items() if p.get("repair", {}).get("ap2") is not None}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    # the post-hoc peers' grid points, one curve per kind and setting (their labels with the numbers taken out)
+    peers: dict[str, list[str]] = {}
+    for name, p in rec["points"].items():
+        if p.get("posthoc_cost") is not None and name in points:
+            peers.setdefault(re.sub(r"\s*[×=]?\d+(\.\d+)?(e-\d+)?", "", name), []).append(name)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for ax, key, title in ((axes[0], "em_back", "exact matches with θ0's answers back (%)"),
                            (axes[1], "nll_undone", "rise in θ0-answer NLL undone (%)")):
         wise = sorted((r["ap2"], r["nq"][key]) for name, r in points.items() if name.startswith("wise"))
         if wise:
             ax.plot(*zip(*wise), "o-", color="0.6", label="WiSE-FT")
+        for group, names in peers.items():
+            ax.plot(*zip(*sorted((points[n]["ap2"], points[n]["nq"][key]) for n in names)), "^--", ms=4, lw=0.8,
+                    label=group[:40])
         for name, r in points.items():
-            if name.startswith("wise"):
+            if name.startswith("wise") or any(name in names for names in peers.values()):
                 continue
-            ax.plot(r["ap2"], r["nq"][key], "s")
+            ax.plot(r["ap2"], r["nq"][key], "s", color="k")
             ax.annotate(name, (r["ap2"], r["nq"][key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.axvline(95, color="0.85", lw=0.8)
         ax.set_xlabel("AP2: share of the GSM8K NLL gain kept (%)")
@@ -708,7 +740,7 @@ def write_plot(path: str) -> str:
         ax.grid(alpha=0.3)
     axes[0].axhline(50, color="0.85", lw=0.8)
     axes[1].axhline(70, color="0.85", lw=0.8)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=6)
     fig.suptitle(f"SmolLM2-135M-Instruct, {rec['run']} ({rec['dtype']}): JANUS settings against WiSE-FT")
     fig.tight_layout()
     out = path[:-5] + ".png"
