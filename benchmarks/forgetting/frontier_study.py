@@ -61,6 +61,7 @@ MAIN_REPLAY = "m=256, every token"
 # --facts-replay 1024, a θ0 that memorized them; questions has no prompt/answer split). The issue-22 variants get a
 # budget: in the well-fit study they used all of 60 evaluations.
 VARIANTS = (
+    ("defaults", MAIN_REPLAY, {}),  # with --wise-only: the point the other variants are compared with
     ("m=64", "m=64, every token", {}),
     ("m=1024", "m=1024, every token", {}),
     ("m=256, answer-only labels", "m=256, answer only", {}),
@@ -70,6 +71,8 @@ VARIANTS = (
     ("damping 1", MAIN_REPLAY, {"damping": 1.0}),
     ("constraint=target_logit", MAIN_REPLAY, {"constraint": "target_logit", "max_evaluations": 60}),
     ("acceptance=loss", MAIN_REPLAY, {"acceptance": "loss", "max_evaluations": 60}),
+    # issue 43's lever on the real model (the first k labelled tokens of each sample, each its own row)
+    ("constraint=token_loss k=2", MAIN_REPLAY, {"constraint": "token_loss", "constraint_tokens": 2}),
     # single-step (τ=0) constraints of the well-fit study (issue 22; diagnose_first_order.py): the paper's loss,
     # the target logit, and k random logit projections (k Jacobian rows per sample, k backward passes per batch)
     ("single-step", MAIN_REPLAY, {"tau": 0.0}),
