@@ -289,7 +289,10 @@ def theta0_weights(layers: dict[str, nn.Module], state: dict[str, Tensor]) -> di
 def _adapter_set_to(module: nn.Module, name: str, state: dict[str, Tensor]) -> Iterator[None]:
     """The tuner layer's adapter tensors hold their values from ``state`` (``"<name>.<local name>"``, as
     :func:`initial_state` takes them) inside, their own again on exit."""
-    current = _adapter_tensors(module)
+    # only the active adapter's tensors enter the effective weight; another adapter may have been added since the
+    # snapshot (JanusCallback's new_adapter_name writes into one while θ0 and θ̂ are still read)
+    active = set(module.active_adapters)
+    current = {local: p for local, p in _adapter_tensors(module).items() if active & set(local.split("."))}
     missing = [local for local in current if f"{name}.{local}" not in state]
     if missing:
         raise JanusError(f"the θ0 snapshot has no initial {missing[0]} of layer {name!r}: it was taken of "

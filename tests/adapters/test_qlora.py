@@ -178,6 +178,34 @@ def test_qlora_adapter_reloads_on_a_freshly_quantized_base(base_dir, tmp_path):
                                    rtol=0, atol=1e-5)
 
 
+def test_qlora_new_adapter_beside_the_trained_one(base_dir, tmp_path):
+    """new_adapter_name on a 4-bit base: the new adapter is the in-place write's, the trained one stays, and both
+    reload on a freshly quantized base."""
+    from peft import PeftModel
+
+    ids = torch.tensor([samples(1, seed=9)[0]["input_ids"]])
+    runs = {}
+    for name in (None, "janus"):
+        model = lora_model(base_dir, "nf4")
+        janus = JanusCallback(samples(6, seed=2), EXACT, new_adapter_name=name)
+        trainer = train(model, tmp_path / str(name), [janus])
+        with torch.no_grad():
+            runs[name] = model.eval()(input_ids=ids).logits
+            if name:
+                model.set_adapter("default")
+                trained = model(input_ids=ids).logits
+                model.set_adapter(name)
+        trainer.save_model(str(tmp_path / f"saved-{name}"))
+    torch.testing.assert_close(runs["janus"], runs[None], rtol=0, atol=1e-6)
+    assert not torch.equal(trained, runs["janus"])
+    reloaded = PeftModel.from_pretrained(quantized_base(base_dir, "nf4"), str(tmp_path / "saved-janus"))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
+        reloaded.load_adapter(str(tmp_path / "saved-janus" / "janus"), adapter_name="janus")
+        reloaded.set_adapter("janus")
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, runs["janus"], rtol=0, atol=1e-5)
+
+
 def test_qlora_snapshot_dequantizes_nothing(base_dir, tmp_path, monkeypatch):
     """The θ0 snapshot at train begin holds the adapter's tensors only: it dequantizes no base weight. (What the
     rectification at train end holds densely is tracked, tensor by tensor, in test_qlora_memory.py.)"""

@@ -400,6 +400,22 @@ def merged_state_of_default_base(model):
     return {k: v.clone() for k, v in copy.deepcopy(model).unload().state_dict().items()}
 
 
+def test_new_adapter_copies_the_layers_janus_leaves_alone(tmp_path):
+    """Narrowed targets: the new adapter's other layers hold the trained adapter's tensors (PEFT's add_adapter alone
+    would leave them at their init, a zero update), and the rectified layers hold the write."""
+    model = peft_model()
+    probe = PeftProbe()
+    config = JanusConfig(**{**FAST.to_dict(), "target_modules": ["q_proj"]})
+    make_trainer(tmp_path, model, [probe, JanusCallback(replay_data(), config, new_adapter_name="janus")]).train()
+    state = model.state_dict()
+    for key, value in probe.lora.items():
+        copied = state[key.replace(".default.", ".janus.")]
+        if "q_proj" in key:
+            assert copied.shape != value.shape or not torch.equal(copied, value)
+        else:
+            assert torch.equal(copied, value), key
+
+
 @pytest.mark.parametrize("case", ["taken", "pissa", "merged"])
 def test_new_adapter_name_refusals(tmp_path, case):
     if case == "taken":
