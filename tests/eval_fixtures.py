@@ -44,3 +44,35 @@ def train_on_texts(model, texts: list[str], tok, steps: int, lr: float, seed: in
         opt.step()
         opt.zero_grad()
     model.eval()
+
+
+PAST = [f"the cat sat on mat {i}" for i in range(12)]
+NEW = [f"{i} plus {i} is {2 * i}" for i in range(12)]
+
+
+def saved_lora_setting(folder, target_modules, base_steps: int = 40, lora_steps: int = 25) -> dict:
+    """A tiny Llama θ0 that learned PAST and a LoRA r=4 trained from it on NEW, both saved under ``folder``
+    (``base``, ``adapter``), the JSONL past and new tasks (``past``, ``new``), the replay (PAST[6:]) and the tokenizer;
+    ``lora`` is the trained PeftModel."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from testing_utils import build_tiny
+
+    tok = char_tokenizer()
+    base = build_tiny("llama", seed=0, vocab=len(tok))
+    train_on_texts(base, PAST, tok, steps=base_steps, lr=1e-2)
+    base_dir = os.path.join(folder, "base")
+    base.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
+    lora.peft_config["default"].base_model_name_or_path = base_dir
+    train_on_texts(lora, NEW, tok, steps=lora_steps, lr=1e-2, seed=1)
+    adapter_dir = os.path.join(folder, "adapter")
+    lora.save_pretrained(adapter_dir)
+    return {"tok": tok, "base_dir": base_dir, "adapter_dir": adapter_dir, "lora": lora,
+            "past": write_jsonl(os.path.join(folder, "past.jsonl"),
+                                [{"prompt": t[:8], "completion": t[9:]} for t in PAST[:6]]),
+            "new": write_jsonl(os.path.join(folder, "new.jsonl"),
+                               [{"prompt": t[:6], "completion": t[7:]} for t in NEW[:6]]),
+            "replay": [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]}

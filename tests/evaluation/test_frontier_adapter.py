@@ -4,45 +4,29 @@ unchanged, both save and reload; a model that is not the scored adapter is refus
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
 import torch
-from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
-from peft import LoraConfig, PeftModel, get_peft_model
-from testing_utils import build_tiny
+from eval_fixtures import saved_lora_setting
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from hf_janus import JanusConfig, JanusError, frontier
 from hf_janus.adapters.peft_layers import adapted_linear_layers, effective_weights
 
-PAST = [f"the cat sat on mat {i}" for i in range(12)]
-NEW = [f"{i} plus {i} is {2 * i}" for i in range(12)]
 FULL_RANK = 64  # ≥ every tiny layer's smaller side: the re-factorization is exact
 
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
     """A base that learned PAST, a LoRA trained on NEW from it (both saved), and the frontier over the adapter."""
-    folder = tmp_path_factory.mktemp("frontier-adapter")
-    tok = char_tokenizer()
-    base = build_tiny("llama", seed=0, vocab=len(tok))
-    train_on_texts(base, PAST, tok, steps=30, lr=1e-2)
-    base_dir = os.fspath(folder / "base")
-    base.save_pretrained(base_dir)
-    tok.save_pretrained(base_dir)
-    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    train_on_texts(lora, NEW, tok, steps=20, lr=1e-2, seed=1)
-    adapter_dir = os.fspath(folder / "adapter")
-    lora.save_pretrained(adapter_dir)
-    past = write_jsonl(str(folder / "past.jsonl"), [{"prompt": t[:8], "completion": t[9:]} for t in PAST[:6]])
-    new = write_jsonl(str(folder / "new.jsonl"), [{"prompt": t[:6], "completion": t[7:]} for t in NEW[:6]])
-    replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]
-    result = frontier(base_dir, adapter_dir, replay, past_tasks=[past], new_tasks=[new],
-                      config=JanusConfig(tau=0.9, max_steps=2), candidates="wise:0.5 janus:tau=0.9", tokenizer=tok,
-                      batch_size=2, progress=False)
-    return result, base_dir, adapter_dir
+    s = saved_lora_setting(os.fspath(tmp_path_factory.mktemp("frontier-adapter")), ["q_proj", "v_proj"],
+                           base_steps=30, lora_steps=20)
+    result = frontier(s["base_dir"], s["adapter_dir"], s["replay"], past_tasks=[s["past"]], new_tasks=[s["new"]],
+                      config=JanusConfig(tau=0.9, max_steps=2), candidates="wise:0.5 janus:tau=0.9",
+                      tokenizer=s["tok"], batch_size=2, progress=False)
+    return result, s["base_dir"], s["adapter_dir"]
 
 
 def load(base_dir, adapter_dir):

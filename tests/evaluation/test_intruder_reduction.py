@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
+from eval_fixtures import saved_lora_setting
 from hf_janus import JanusConfig, rectify
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates import candidates
@@ -18,8 +18,6 @@ from hf_janus.evaluation.frontier_search import INTRUDER_CURVE, frontier, wise_m
 from hf_janus.evaluation.intruder_reduction import IntruderReduction, find_intruders, reduced_delta
 from testing_utils import build_tiny
 
-PAST = [f"the cat sat on mat {i}" for i in range(12)]
-NEW = [f"{i} plus {i} is {2 * i}" for i in range(12)]
 
 
 def _lora_model(seed: int = 0, scale: float = 0.3):
@@ -130,27 +128,11 @@ def test_reduction_edge_cases():
 @pytest.fixture(scope="module")
 def lora_setting(tmp_path_factory):
     """θ0 that learned PAST (saved), a LoRA trained on NEW from it (saved), tasks and replay."""
-    from peft import LoraConfig, get_peft_model
-
-    folder = tmp_path_factory.mktemp("frontier-lora")
-    tok = char_tokenizer()
-    base = build_tiny("llama", seed=0, vocab=len(tok))
-    train_on_texts(base, PAST, tok, steps=40, lr=1e-2)
-    base_dir = os.fspath(folder / "base")
-    base.save_pretrained(base_dir)
-    tok.save_pretrained(base_dir)
-    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    lora.peft_config["default"].base_model_name_or_path = base_dir
-    train_on_texts(lora, NEW, tok, steps=25, lr=1e-2, seed=1)
-    adapter_dir = os.fspath(folder / "adapter")
-    lora.save_pretrained(adapter_dir)
-    past = write_jsonl(str(folder / "past.jsonl"), [{"prompt": t[:8], "completion": t[9:]} for t in PAST[:6]])
-    new = write_jsonl(str(folder / "new.jsonl"), [{"prompt": t[:6], "completion": t[7:]} for t in NEW[:6]])
-    replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]
+    s = saved_lora_setting(os.fspath(tmp_path_factory.mktemp("frontier-lora")), "all-linear")
     exact = {f"{n}.weight": (m.get_base_layer().weight.detach().clone(),
                              m.get_base_layer().weight.detach() + m.get_delta_weight("default").detach())
-             for n, m in lora.base_model.model.named_modules() if hasattr(m, "get_delta_weight")}
-    return tok, base_dir, adapter_dir, past, new, replay, exact
+             for n, m in s["lora"].base_model.model.named_modules() if hasattr(m, "get_delta_weight")}
+    return s["tok"], s["base_dir"], s["adapter_dir"], s["past"], s["new"], s["replay"], exact
 
 
 def test_frontier_offers_intruder_reduction_on_a_bf16_lora(lora_setting):
