@@ -285,7 +285,7 @@ def _floats(text: str) -> list[float]:
 
 def _add_frontier(sub: argparse._SubParsersAction) -> None:
     from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
-                                               DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
+                                               DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
                                                DEFAULT_TAUS, DEFAULT_WISE_GRID)
 
     def kinds_shown() -> list[str]:
@@ -323,6 +323,9 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
                            "janus:tau=0.95 replay-sft:passes=4,8:loss=kl input-null fisher lines dg-hard': "
                            "space-separated NAME[:KEY=V,V...]...; kinds: " + ", ".join(kinds_shown()) + " (see "
                            "the evaluate-and-frontier guide)")
+    grid.add_argument("--peers", default=DEFAULT_PEERS, metavar="SPEC",
+                      help="the post-hoc peers scored after the grids below, in --candidates syntax; '' for none "
+                           f"(default: '{DEFAULT_PEERS}', those that beat JANUS on a benchmark run)")
     grid.add_argument("--wise-grid", type=_floats, default=list(DEFAULT_WISE_GRID), metavar="A,A,...",
                       help=f"WiSE-FT coefficients a in (0, 1) (default: {shown(DEFAULT_WISE_GRID)})")
     grid.add_argument("--taus", type=_floats, default=list(DEFAULT_TAUS), metavar="T,T,...",
@@ -380,6 +383,7 @@ def _run_frontier(args: argparse.Namespace) -> int:
                       dampings=args.dampings, hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid,
                       pre_janus_grid=args.pre_janus_grid, intruder_lambdas=args.intruder_lambdas,
                       pre_janus_intruder_lambdas=args.pre_janus_intruder_lambdas, candidates=args.candidates,
+                      peers=args.peers,
                       min_ap2=args.min_ap2, min_ap1=args.min_ap1,
                       replay_options=options, progress=not args.no_progress,
                       **evaluation_settings(args))

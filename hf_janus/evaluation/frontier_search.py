@@ -46,7 +46,7 @@ from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidate_weights import WeightBuilder, differing_parameters
 from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
-                                            DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS,
+                                            DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS,
                                             DEFAULT_WISE_GRID, FINETUNED, INTRUDER_CURVE_SPEC, REFERENCE,
                                             WISE_CURVE_SPEC, BuildContext, Candidate, Cost, Curve, SpecContext, kinds,
                                             parse_candidates)
@@ -376,6 +376,7 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
              progress: bool = True, allow_pickle: bool = False,
              rectify_fn: Callable[..., RectificationReport] = rectify,
              candidates: Optional[Union[SpecLike, Sequence[SpecLike]]] = None,
+             peers: SpecLike = DEFAULT_PEERS,
              scorer: Optional[Callable[[nn.Module], Mapping[str, TaskResult]]] = None) -> FrontierResult:
     """Score WiSE-FT, JANUS, hybrids and the post-hoc peers on the user's tasks and choose a point.
 
@@ -404,6 +405,10 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
             :mod:`hf_janus.evaluation.candidates.registry` for the syntax and the kinds). JANUS kinds that leave
             ``tau`` out take ``config.tau``. A kind that is not defined for this fine-tuning (intruder reduction on
             full weights, DG-Hard on an adapter) is refused, where the keyword grids leave it out.
+        peers: with the keyword grids, the post-hoc peers scored after them, as a spec (``""`` for none). The
+            default, :data:`~hf_janus.evaluation.candidates.DEFAULT_PEERS`, names those that beat JANUS on a
+            benchmark run (replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, Fisher interpolation), so
+            that the frontier can choose them.
         scorer: scores a model on the tasks, ``model -> {task name: TaskResult}`` with the names of
             ``past_tasks`` and ``new_tasks`` (default: lm-evaluation-harness, :class:`~hf_janus.evaluation.
             harness.Scorer`, with ``batch_size``, ``limit`` and ``include_path``).
@@ -422,7 +427,7 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         cands = keyword_candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None,
                                    hybrid_grid=hybrid_grid, pre_janus_grid=pre_janus_grid, dampings=dampings,
                                    damped_tau=config.tau, intruder_lambdas=intruder_lambdas,
-                                   pre_janus_intruder_lambdas=pre_janus_intruder_lambdas)
+                                   pre_janus_intruder_lambdas=pre_janus_intruder_lambdas, peers=peers)
     else:
         chosen = parse_candidates(candidates, SpecContext(tau=config.tau))
         cands = [REFERENCE, FINETUNED] + [c for c in chosen if not c.is_anchor]

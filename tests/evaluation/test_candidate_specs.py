@@ -13,7 +13,7 @@ import torch
 from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
 from hf_janus import JanusConfig, load_report
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.candidates import (DampedJanus, DgHard, Janus, JanusToReference, Lines, ReplaySft,
+from hf_janus.evaluation.candidates import (DEFAULT_PEERS, DampedJanus, DgHard, Janus, JanusToReference, Lines, ReplaySft,
                                             SpecContext, Wise, WiseThenJanus, candidates, kinds, parse_candidates)
 from hf_janus.evaluation.frontier_search import frontier, wise_margin
 from hf_janus.evaluation.harness import TaskResult
@@ -124,7 +124,7 @@ def comparable(point) -> dict:
 
 def test_keywords_and_spec_give_the_same_frontier(setting):
     by_keywords = run(setting, wise_grid=(0.3, 0.6), taus=(0.9,), dampings=(0.1,), hybrid_grid=(0.5,),
-                      pre_janus_grid=(0.5,))
+                      pre_janus_grid=(0.5,), peers="")
     by_spec = run(setting, candidates="wise:0.3,0.6 janus:tau=0.9 damped-janus:damping=0.1 "
                                       "janus-to-reference:b=0.5 janus-to-finetuned:b=0.5 wise-then-janus:a=0.5")
     assert len(by_keywords.points) == len(by_spec.points) == 9
@@ -135,6 +135,19 @@ def test_keywords_and_spec_give_the_same_frontier(setting):
     assert by_keywords.best.label == by_spec.best.label
     assert by_keywords.reports.keys() == by_spec.reports.keys() == {"tau=0.9", "tau=0.9,damping=0.1",
                                                                     "tau=0.9,a=0.5"}
+
+
+def test_the_keyword_grids_end_with_the_default_peers(setting):
+    """The frontier scores the peers that beat JANUS on a benchmark run by default, so that it can choose them: the
+    same points as naming them in a spec after the grids."""
+    by_default = run(setting, wise_grid=(0.5,), taus=(0.9,), dampings=(), hybrids=False)
+    by_spec = run(setting, candidates="wise:0.5 janus:tau=0.9 " + DEFAULT_PEERS)
+    assert [p.kind for p in by_default.points][-2:] == ["replay_sft", "fisher"]
+    assert [comparable(p) for p in by_default.points] == [comparable(p) for p in by_spec.points]
+    sft = by_default.points[-2]
+    assert sft.cost.backward_passes == 4 * by_default.reports["tau=0.9"]["num_jacobian_evals"]
+    assert [p.kind for p in run(setting, wise_grid=(0.5,), taus=(), dampings=(), hybrids=False,
+                                peers="").points] == ["anchor", "anchor", "wise"]
 
 
 def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):

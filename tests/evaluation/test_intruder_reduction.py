@@ -189,6 +189,6 @@ def test_no_intruder_points_for_full_weights(lora_setting, tmp_path):
 
     merged = load_model(adapter_dir)  # full weights: intruder reduction is defined for LoRA adapters only
     result = frontier(base_dir, merged, replay, past_tasks=[past], new_tasks=[new], wise_grid=(0.5,), taus=(),
-                      dampings=(), hybrids=False, tokenizer=tok, batch_size=2, progress=False)
+                      dampings=(), hybrids=False, peers="", tokenizer=tok, batch_size=2, progress=False)
     assert [p.kind for p in result.points] == ["anchor", "anchor", "wise"]
     assert "AP1 vs intruder" not in result.to_markdown() and result.intruder_layers is None

@@ -20,6 +20,7 @@ from hf_janus.evaluation.candidates.janus import Janus, JanusBased
 from hf_janus.evaluation.candidates.janus_to_finetuned import JanusToFinetuned
 from hf_janus.evaluation.candidates.janus_to_reference import JanusToReference
 from hf_janus.evaluation.candidates.keywords import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
+                                                     DEFAULT_PEERS,
                                                      DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
                                                      DEFAULT_TAUS, DEFAULT_WISE_GRID, candidates, check_grids)
 from hf_janus.evaluation.candidates.lines import Lines
@@ -36,7 +37,7 @@ for _kind in (Wise, Intruder, Janus, DampedJanus, JanusToReference, JanusToFinet
 del _kind
 
 __all__ = [
-    "DEFAULT_DAMPINGS", "DEFAULT_HYBRID_GRID", "DEFAULT_INTRUDER_LAMBDAS", "DEFAULT_PRE_JANUS_GRID",
+    "DEFAULT_DAMPINGS", "DEFAULT_HYBRID_GRID", "DEFAULT_PEERS", "DEFAULT_INTRUDER_LAMBDAS", "DEFAULT_PRE_JANUS_GRID",
     "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID", "FINETUNED", "INTRUDER_CURVE_SPEC",
     "REFERENCE", "WISE_CURVE_SPEC", "Anchor", "BuildContext", "Candidate", "Cost", "Curve", "DampedJanus", "DgHard",
     "Fisher", "InputNull", "Intruder", "IntruderThenJanus", "Janus", "JanusBased", "JanusToFinetuned",

@@ -1,6 +1,7 @@
 """The frontier's candidates from its keyword grids (``wise_grid``, ``taus``, ``dampings``, the hybrids' grids,
 ``intruder_lambdas``): the same candidates, in the same order and with the same labels, as before candidates were
-objects, so that results made through the keywords stay comparable."""
+objects, so that results made through the keywords stay comparable; then the post-hoc peers ``peers`` names
+(:data:`DEFAULT_PEERS`: the ones that beat JANUS somewhere in the benchmarks, so that the frontier can choose them)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,23 @@ from typing import Optional, Sequence
 
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.anchor import FINETUNED, REFERENCE
-from hf_janus.evaluation.candidates.base import Candidate
+from hf_janus.evaluation.candidates.base import Candidate, SpecContext
 from hf_janus.evaluation.candidates.damped_janus import DEFAULT_DAMPINGS, DampedJanus
 from hf_janus.evaluation.candidates.intruder import DEFAULT_INTRUDER_LAMBDAS, Intruder
 from hf_janus.evaluation.candidates.intruder_then_janus import DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, IntruderThenJanus
 from hf_janus.evaluation.candidates.janus import DEFAULT_TAUS, Janus
 from hf_janus.evaluation.candidates.janus_to_finetuned import JanusToFinetuned
 from hf_janus.evaluation.candidates.janus_to_reference import DEFAULT_HYBRID_GRID, JanusToReference
+from hf_janus.evaluation.candidates.registry import SpecLike, parse_candidates
 from hf_janus.evaluation.candidates.wise import DEFAULT_WISE_GRID, Wise
 from hf_janus.evaluation.candidates.wise_then_janus import DEFAULT_PRE_JANUS_GRID, WiseThenJanus
 
-__all__ = ["DEFAULT_DAMPINGS", "DEFAULT_HYBRID_GRID", "DEFAULT_INTRUDER_LAMBDAS", "DEFAULT_PRE_JANUS_GRID",
+# Replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, and Fisher-weighted interpolation: each lies above
+# JANUS at its defaults on a benchmark run (benchmarks/forgetting/README.md, issue 40), at a cost of the order of one
+# JANUS run (replay SFT) or one Jacobian evaluation (Fisher).
+DEFAULT_PEERS = "replay-sft:budget=4:loss=kl fisher:strength=1"
+
+__all__ = ["DEFAULT_DAMPINGS", "DEFAULT_PEERS", "DEFAULT_HYBRID_GRID", "DEFAULT_INTRUDER_LAMBDAS", "DEFAULT_PRE_JANUS_GRID",
            "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID", "candidates", "check_grids"]
 
 
@@ -45,10 +52,11 @@ def candidates(wise_grid: Sequence[float] = DEFAULT_WISE_GRID, taus: Sequence[fl
                hybrid_tau: Optional[float] = None, hybrid_grid: Sequence[float] = DEFAULT_HYBRID_GRID,
                pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID, dampings: Sequence[float] = (),
                damped_tau: float = 0.95, intruder_lambdas: Sequence[float] = (),
-               pre_janus_intruder_lambdas: Sequence[float] = ()) -> list[Candidate]:
+               pre_janus_intruder_lambdas: Sequence[float] = (), peers: SpecLike = "") -> list[Candidate]:
     """The candidates in scoring order: θ0 and θ̂ first (AP needs them), then WiSE-FT, PEFT's intruder reduction
     (at ``intruder_lambdas``; LoRA adapters only), JANUS, damped JANUS (at ``damped_tau``) and the hybrids (at
-    ``hybrid_tau``; none when it is ``None``), intruder reduction then JANUS among them."""
+    ``hybrid_tau``; none when it is ``None``), intruder reduction then JANUS among them, and last the candidates of
+    the spec ``peers`` (``""``: none; a JANUS budget it counts is JANUS at ``damped_tau``, the frontier's τ)."""
     check_grids(wise_grid, taus, hybrid_grid, pre_janus_grid, dampings,
                 tuple(intruder_lambdas) + tuple(pre_janus_intruder_lambdas))
     out: list[Candidate] = [REFERENCE, FINETUNED]
@@ -62,4 +70,7 @@ def candidates(wise_grid: Sequence[float] = DEFAULT_WISE_GRID, taus: Sequence[fl
         out += [JanusToFinetuned(b=float(b), tau=t) for b in hybrid_grid]
         out += [WiseThenJanus(a=float(a), tau=t) for a in pre_janus_grid]
         out += [IntruderThenJanus(mitigation_lambda=float(lam), tau=t) for lam in pre_janus_intruder_lambdas]
+    if peers:
+        out += [c for c in parse_candidates(peers, SpecContext(tau=float(damped_tau)))
+                if not c.is_anchor and c not in out]
     return out
