@@ -407,8 +407,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
             full weights, DG-Hard on an adapter) is refused, where the keyword grids leave it out.
         peers: with the keyword grids, the post-hoc peers scored after them, as a spec (``""`` for none). The
             default, :data:`~hf_janus.evaluation.candidates.DEFAULT_PEERS`, names those that beat JANUS on a
-            benchmark run (replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, Fisher interpolation), so
-            that the frontier can choose them.
+            benchmark run (replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, Fisher interpolation, the
+            input-covariance null space at energies 0.5 and 0.9), so that the frontier can choose them.
         scorer: scores a model on the tasks, ``model -> {task name: TaskResult}`` with the names of
             ``past_tasks`` and ``new_tasks`` (default: lm-evaluation-harness, :class:`~hf_janus.evaluation.
             harness.Scorer`, with ``batch_size``, ``limit`` and ``include_path``).

@@ -142,9 +142,9 @@ def test_the_keyword_grids_end_with_the_default_peers(setting):
     same points as naming them in a spec after the grids."""
     by_default = run(setting, wise_grid=(0.5,), taus=(0.9,), dampings=(), hybrids=False)
     by_spec = run(setting, candidates="wise:0.5 janus:tau=0.9 " + DEFAULT_PEERS)
-    assert [p.kind for p in by_default.points][-2:] == ["replay_sft", "fisher"]
+    assert [p.kind for p in by_default.points][-4:] == ["replay_sft", "fisher", "input_null", "input_null"]
     assert [comparable(p) for p in by_default.points] == [comparable(p) for p in by_spec.points]
-    sft = by_default.points[-2]
+    sft = by_default.points[-4]
     assert sft.cost.backward_passes == 4 * by_default.reports["tau=0.9"]["num_jacobian_evals"]
     assert [p.kind for p in run(setting, wise_grid=(0.5,), taus=(), dampings=(), hybrids=False,
                                 peers="").points] == ["anchor", "anchor", "wise"]

@@ -20,10 +20,11 @@ from hf_janus.evaluation.candidates.registry import SpecLike, parse_candidates
 from hf_janus.evaluation.candidates.wise import DEFAULT_WISE_GRID, Wise
 from hf_janus.evaluation.candidates.wise_then_janus import DEFAULT_PRE_JANUS_GRID, WiseThenJanus
 
-# Replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, and Fisher-weighted interpolation: each lies above
-# JANUS at its defaults on a benchmark run (benchmarks/forgetting/README.md, issue 40), at a cost of the order of one
-# JANUS run (replay SFT) or one Jacobian evaluation (Fisher).
-DEFAULT_PEERS = "replay-sft:budget=4:loss=kl fisher:strength=1"
+# Replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, Fisher-weighted interpolation and the input-covariance
+# null space: each lies above JANUS at its defaults, or level with it, on a benchmark run (benchmarks/forgetting/
+# README.md, issue 40), at a cost of the order of one JANUS run (replay SFT), one Jacobian evaluation (Fisher) or one
+# forward pass over the replay (the null space, shared by its two points).
+DEFAULT_PEERS = "replay-sft:budget=4:loss=kl fisher:strength=1 input-null:energy=0.5,0.9"
 
 __all__ = ["DEFAULT_DAMPINGS", "DEFAULT_PEERS", "DEFAULT_HYBRID_GRID", "DEFAULT_INTRUDER_LAMBDAS", "DEFAULT_PRE_JANUS_GRID",
            "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID", "candidates", "check_grids"]
