@@ -46,7 +46,8 @@ from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidate_weights import WeightBuilder, differing_parameters
 from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
-                                            DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS,
+                                            DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
+                                            DEFAULT_TAUS,
                                             DEFAULT_WISE_GRID, FINETUNED, INTRUDER_CURVE_SPEC, REFERENCE,
                                             WISE_CURVE_SPEC, BuildContext, Candidate, Cost, Curve, SpecContext, kinds,
                                             parse_candidates)

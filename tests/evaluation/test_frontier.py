@@ -175,7 +175,8 @@ def test_cli_frontier_writes_table_plot_and_chosen_model(setting, tmp_path, caps
     out, chosen = str(tmp_path / "frontier"), str(tmp_path / "chosen")
     argv = ["frontier", "--reference", dirs["base"], "--finetuned", dirs["tuned"], "--replay", replay,
             "--text-field", "text", "--past-task", past, "--new-task", new, "--wise-grid", "0.5", "--taus", "0.9",
-            "--no-hybrids", "--dampings", "", "--peers", "fisher:strength=1", "--max-steps", "3", "--batch-size", "2", "--min-ap1", "10", "--output", out,
+            "--no-hybrids", "--dampings", "", "--peers", "fisher:strength=1",
+            "--max-steps", "3", "--batch-size", "2", "--min-ap1", "10", "--output", out,
             "--save", chosen, "--no-progress"]
     assert main(argv) == 0
     assert "Chosen (max AP2 with AP1 ≥ 10)" in capsys.readouterr().out

@@ -26,7 +26,8 @@ from hf_janus.evaluation.candidates.wise_then_janus import DEFAULT_PRE_JANUS_GRI
 # forward pass over the replay (the null space, shared by its two points).
 DEFAULT_PEERS = "replay-sft:budget=4:loss=kl fisher:strength=1 input-null:energy=0.5,0.9"
 
-__all__ = ["DEFAULT_DAMPINGS", "DEFAULT_PEERS", "DEFAULT_HYBRID_GRID", "DEFAULT_INTRUDER_LAMBDAS", "DEFAULT_PRE_JANUS_GRID",
+__all__ = ["DEFAULT_DAMPINGS", "DEFAULT_PEERS", "DEFAULT_HYBRID_GRID", "DEFAULT_INTRUDER_LAMBDAS",
+           "DEFAULT_PRE_JANUS_GRID",
            "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID", "candidates", "check_grids"]
 
 
