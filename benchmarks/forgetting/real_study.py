@@ -57,6 +57,7 @@ from benchmarks import smollm2  # noqa: E402  (the offline SmolLM2 folder)
 from benchmarks.memory_probe import own_peak_bytes  # noqa: E402
 from benchmarks.forgetting import lib  # noqa: E402
 from benchmarks.forgetting import real_model as bench  # noqa: E402
+from benchmarks.forgetting.variants import above_wise  # noqa: E402
 
 from hf_janus import JanusConfig, SelfReplay, rectify  # noqa: E402
 from hf_janus.io_utils import atomic_write_text  # noqa: E402
@@ -692,16 +693,11 @@ def write_markdown(path: str) -> str:
 
 def wise_margin(points: dict, repair: dict, key: str, subset: str = "nq") -> Optional[float]:
     """How far a point's ``key`` (``em_back`` or ``nll_undone``) on ``subset`` lies above the WiSE-FT curve at its
-    AP2, the curve read linearly between its points, with θ0 (AP2 0, all back) and θ̂ (AP2 100, nothing back) as its
-    ends; None outside the curve's range."""
-    curve = sorted([(0.0, 100.0), (100.0, 0.0)] + [(p["repair"]["ap2"], p["repair"][subset][key])
-                                                    for name, p in points.items() if name.startswith("wise")])
-    x = repair["ap2"]
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-        if x0 <= x <= x1:
-            y = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-            return repair[subset][key] - y
-    return None
+    AP2, as the frontier measures it (:func:`benchmarks.forgetting.variants.above_wise`: linear between the curve's
+    points, θ0 at AP2 0 with all back and θ̂ at AP2 100 with nothing back its ends); None outside the curve's range."""
+    wise = [(float(name.split("=")[1]), p["repair"]["ap2"], p["repair"][subset][key])
+            for name, p in points.items() if name.startswith("wise a=")]
+    return above_wise((repair["ap2"], repair[subset][key]), (0.0, 100.0), (100.0, 0.0), wise)
 
 
 def write_plot(path: str) -> str:

@@ -333,19 +333,19 @@ class FrontierResult:
             raise JanusError(f"add_adapter adds an adapter to a PeftModel, got a {type(peft_model).__name__}; load "
                              "the scored adapter with PeftModel.from_pretrained(base, adapter)")
         weights = builder.weights(self.best)
-        tuned, start = as_layer_matrices(peft_model, builder.finetuned), as_layer_matrices(peft_model, builder.theta0)
+        layers = adapted_linear_layers(peft_model)
+        tuned, start = as_layer_matrices(layers, builder.finetuned), as_layer_matrices(layers, builder.theta0)
         outside = sorted(k for k in weights if k not in tuned and not torch.equal(weights[k], builder.finetuned[k]))
         if outside:
             raise JanusError(f"the chosen point ({self.best.label}) changes {outside[0]!r} (and {len(outside) - 1} "
                              "more), which no adapted linear layer holds: save it in full with save_pretrained()")
-        live = effective_weights(adapted_linear_layers(peft_model))
-        for key, w in live.items():
+        for key, w in effective_weights(layers).items():
             # the scored θ̂ must be this adapter: another one would get the point's weights but not its scores
             if key not in tuned or (w - tuned[key]).norm() > 1e-3 * (tuned[key] - start[key]).norm() + 1e-6:
                 raise JanusError(f"{key!r} of this PeftModel's active adapter is not the fine-tuned weight the "
                                  "frontier scored: activate that adapter (model.set_adapter(name)), loaded on the "
                                  "same base (unquantized) as the frontier's finetuned=")
-        chosen = as_layer_matrices(peft_model, {k: weights[k] for k in tuned})
+        chosen = as_layer_matrices(layers, {k: weights[k] for k in tuned})
         return add_adapter_beside(peft_model, chosen, start, new_adapter_name, rank=rank, energy=energy)
 
     def push_to_hub(self, repo_id: str, *, private: Optional[bool] = None, token: Any = None,

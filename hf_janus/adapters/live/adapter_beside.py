@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from hf_janus.adapters.live.lora_write import LayerTarget, check_adapter_writable, write_adapter_layers
 from hf_janus.adapters.low_rank import RankSpec
-from hf_janus.adapters.peft_layers import adapted_linear_layers, is_mutating_init
+from hf_janus.adapters.peft_layers import active_adapter, adapted_linear_layers, is_mutating_init
 from hf_janus.engine.layers import rule_for
 from hf_janus.errors import JanusError
 
@@ -44,18 +44,16 @@ def new_adapter_beside(peft_model: nn.Module, trained: str, new: str) -> Iterato
     included) ``new`` is deleted and ``trained`` stays active: the model is as it was."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    check_new_adapter_name(peft_model, trained, new)
-    added = False
+    check_new_adapter_name(peft_model, trained, new)  # so ``new`` in the configs below is the one added here
     try:
         # a deep copy: the rank and alpha patterns the write records must not reach the trained adapter's config
         peft_model.add_adapter(new, copy.deepcopy(peft_model.peft_config[trained]))
-        added = True
         state = get_peft_model_state_dict(peft_model, adapter_name=trained)
         set_peft_model_state_dict(peft_model, state, adapter_name=new)
         yield
         peft_model.set_adapter(new)
     except BaseException:
-        if added or new in peft_model.peft_config:
+        if new in peft_model.peft_config:
             peft_model.delete_adapter(new)
         peft_model.set_adapter(trained)
         raise
@@ -68,7 +66,7 @@ def add_adapter_beside(peft_model: nn.Module, weights: Mapping[str, Tensor], ref
     :class:`~hf_janus.JanusCallback` is; ``reference`` holds θ0 of the same layers. Layers ``weights`` does not
     name keep the trained adapter's factors. Returns what was written (per layer: rank, kept energy)."""
     layers = adapted_linear_layers(peft_model)
-    trained = single_active_adapter(peft_model)
+    trained = active_adapter(peft_model)
     unknown = sorted(k for k in weights if k.removesuffix(".weight") not in layers)
     if unknown:
         raise JanusError(f"{unknown[0]!r} (and {len(unknown) - 1} more) is not the weight of a linear layer the "
@@ -82,21 +80,10 @@ def add_adapter_beside(peft_model: nn.Module, weights: Mapping[str, Tensor], ref
             "adapter_rank": rank, "adapter_energy": energy, "layers": [w.stats.to_dict() for w in written]}
 
 
-def single_active_adapter(peft_model: nn.Module) -> str:
-    """The model's one active adapter, or a clear error when several are active."""
-    active = getattr(peft_model, "active_adapters", None) or [getattr(peft_model, "active_adapter", None)]
-    if len(active) != 1 or active[0] is None:
-        raise JanusError(f"{len(active)} adapters are active ({', '.join(map(str, active))}); activate the trained "
-                         "one alone with model.set_adapter(name)")
-    return active[0]
-
-
-
-def as_layer_matrices(peft_model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def as_layer_matrices(layers: Mapping[str, nn.Module], params: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The entries of ``params`` (``"<layer>.weight"`` of the plain model, in its stored layout: a GPT-2 ``Conv1D``
-    stores ``(d_in, d_out)``) that belong to adapted linear layers of ``peft_model``, as ``(d_out, d_in)`` float32
-    matrices, the layout :func:`add_adapter_beside` and ``effective_weights`` use."""
-    layers = adapted_linear_layers(peft_model)
+    stores ``(d_in, d_out)``) that belong to the adapted linear layers ``layers`` (from ``adapted_linear_layers``),
+    as ``(d_out, d_in)`` float32 matrices, the layout :func:`add_adapter_beside` and ``effective_weights`` use."""
     out = {}
     for key, value in params.items():
         module = layers.get(key.removesuffix(".weight"))

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from hf_janus.adapters.live.adapter_beside import check_new_adapter_name, new_adapter_beside, single_active_adapter
+from hf_janus.adapters.live.adapter_beside import check_new_adapter_name, new_adapter_beside
 from hf_janus.adapters.live.lora_write import (
     BaseLayerState,
     LayerTarget,
@@ -21,6 +21,7 @@ from hf_janus.adapters.live.lora_write import (
     write_adapter_layers,
 )
 from hf_janus.adapters.peft_layers import (
+    active_adapter,
     adapted_linear_layers,
     check_lora_bias,
     check_quantized_layers,
@@ -93,7 +94,7 @@ def check_live_peft(model: nn.Module, config: JanusConfig, output: PeftOutput) -
                 "change. Keep adapter_rank='same', or use peft_output='merged'"
             )
         if output.new_adapter_name is not None:
-            check_new_adapter_name(model, single_active_adapter(model), output.new_adapter_name)
+            check_new_adapter_name(model, active_adapter(model), output.new_adapter_name)
     return layers
 
 
