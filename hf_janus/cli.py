@@ -324,7 +324,8 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
                            "space-separated NAME[:KEY=V,V...]...; kinds: " + ", ".join(kinds_shown()) + " (see "
                            "the evaluate-and-frontier guide)")
     grid.add_argument("--peers", default=DEFAULT_PEERS, metavar="SPEC",
-                      help="the post-hoc peers scored after the grids below, in --candidates syntax; '' for none "
+                      help="the post-hoc peers scored after the grids below, in --candidates syntax; '' for none; "
+                           "one that is not defined here or does not fit in memory is left out with a warning "
                            f"(default: '{DEFAULT_PEERS}', those that beat JANUS on a benchmark run)")
     grid.add_argument("--wise-grid", type=_floats, default=list(DEFAULT_WISE_GRID), metavar="A,A,...",
                       help=f"WiSE-FT coefficients a in (0, 1) (default: {shown(DEFAULT_WISE_GRID)})")

@@ -492,6 +492,15 @@ def measure_in_use_and_capacity(device: torch.device, cache: str = "memory",
     return {"device": 0, "host": rss}, {"device": None, "host": host_capacity, "disk": disk_capacity}
 
 
+def free_bytes(device: torch.device, cgroup_root: str = CGROUP_ROOT) -> Optional[int]:
+    """Bytes that work on ``device`` may still allocate there: the device's share (the host's, for the CPU) of
+    :func:`measure_in_use_and_capacity` less what is in use; ``None`` where it cannot be measured."""
+    device = torch.device(device)
+    in_use, capacity = measure_in_use_and_capacity(device, cgroup_root=cgroup_root)
+    where = "device" if device.type == "cuda" else "host"
+    return None if capacity[where] is None else max(0, capacity[where] - in_use[where])
+
+
 def cuda_in_use_and_capacity(device: torch.device) -> tuple[int, int]:
     """Bytes this process has allocated on a CUDA device and the most it may fill there: what is free or held idle
     by the caching allocator, capped by ``torch.cuda.set_per_process_memory_fraction`` (how a shared card, or a

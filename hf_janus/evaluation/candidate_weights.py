@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
 
+from hf_janus.engine.memory_plan import free_bytes
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import BuildContext, Candidate
@@ -27,7 +28,8 @@ class WeightBuilder:
 
     def __init__(self, model: nn.Module, theta0: dict[str, Tensor], finetuned: dict[str, Tensor],
                  tokenizer: Any, base_name: Any, replay: Any, *, intruders: Optional[IntruderReduction] = None,
-                 adapter_ranks: Optional[dict[str, int]] = None):
+                 adapter_ranks: Optional[dict[str, int]] = None,
+                 free_memory: Callable[[torch.device], Optional[int]] = free_bytes):
         self.model = model
         self.params = dict(model.named_parameters())
         # θ0 and θ̂ of the changed parameters; float32 where known more exactly than the model holds them (an
@@ -44,6 +46,8 @@ class WeightBuilder:
         self.target_layers: Optional[frozenset[str]] = None
         #: what candidates prepared once for all of their kind (replay batches, input Grams, a Fisher, trained weights)
         self.artifacts: dict[Any, Any] = {}
+        #: bytes a device may still take (``None``: unknown), asked by candidates that hold large state there
+        self.free_memory = free_memory
         self.tokenizer, self.base_name, self.replay = tokenizer, base_name, replay
 
     @staticmethod

@@ -409,7 +409,9 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         peers: with the keyword grids, the post-hoc peers scored after them, as a spec (``""`` for none). The
             default, :data:`~hf_janus.evaluation.candidates.DEFAULT_PEERS`, names those that beat JANUS on a
             benchmark run (replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, Fisher interpolation, the
-            input-covariance null space at energies 0.5 and 0.9), so that the frontier can choose them.
+            input-covariance null space at energies 0.5 and 0.9), so that the frontier can choose them. A peer
+            that is not defined here, or does not fit (replay fine-tuning's optimizer state on the model's device),
+            is left out with a logged warning.
         scorer: scores a model on the tasks, ``model -> {task name: TaskResult}`` with the names of
             ``past_tasks`` and ``new_tasks`` (default: lm-evaluation-harness, :class:`~hf_janus.evaluation.
             harness.Scorer`, with ``batch_size``, ``limit`` and ``include_path``).
@@ -444,8 +446,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     if any(c.uses_target_layers for c in cands):
         builder.target_layers = frozenset(resolve_target_modules(builder.model, config.target_modules,
                                                                  config.exclude_modules))
-    for c in cands:
-        c.check(builder)
+    cands = _checked(cands, builder, optional=set(parse_candidates(peers, SpecContext(tau=config.tau)))
+                     if candidates is None and peers else set())
     if scorer is None:
         scorer = Scorer(past + new, tok, batch_size=batch_size, limit=limit, include_path=include_path)
     past_names, new_names = [t.name for t in past], [t.name for t in new]
@@ -462,6 +464,23 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
                                 "layers": len(builder.intruders.layers)})
     result.select(min_ap2=min_ap2, min_ap1=min_ap1)
     return result
+
+
+def _checked(cands: list[Candidate], builder: WeightBuilder, optional: set[Candidate]) -> list[Candidate]:
+    """The candidates defined for this fine-tuning and this machine; one that is not raises its JanusError, unless it
+    is ``optional`` (a peer the keyword grids add): that one is dropped with a warning, so that the default peers
+    never stop a frontier they cannot run on (replay fine-tuning's optimizer state on a 7B model's GPU)."""
+    kept = []
+    for c in cands:
+        try:
+            c.check(builder)
+        except JanusError as err:
+            if c not in optional:
+                raise
+            logger.warning("frontier: %s is left out: %s", c.label, err)
+            continue
+        kept.append(c)
+    return kept
 
 
 def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok: Any, replay_options: Any, *,

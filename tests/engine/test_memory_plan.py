@@ -18,7 +18,7 @@ from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.observer import RunObserver
-from hf_janus.engine.memory_plan import (HOST_FILL, LayerShape, Workload, container_available_memory,
+from hf_janus.engine.memory_plan import (HOST_FILL, LayerShape, Workload, container_available_memory, free_bytes,
                                          free_disk_bytes, measure_in_use_and_capacity, plan_memory, plan_schedule,
                                          plan_with_captures)
 from hf_janus.engine.rectifier import Rectifier
@@ -254,6 +254,8 @@ def test_host_capacity_is_the_container_limit_when_it_is_lower(tmp_path, version
     assert container_available_memory(root) == limit - usage + inactive
     in_use, capacity = measure_in_use_and_capacity(torch.device("cpu"), cgroup_root=root)
     assert capacity["host"] == in_use["host"] + int(HOST_FILL * (limit - usage + inactive))
+    # what work on the CPU may still allocate (replay fine-tuning's optimizer state asks this)
+    assert free_bytes(torch.device("cpu"), cgroup_root=root) == int(HOST_FILL * (limit - usage + inactive))
     unlimited = _fake_cgroup(tmp_path / "max", {"memory.max": "max\n", "memory.current": f"{usage}\n"})
     assert container_available_memory(unlimited) is None
     assert container_available_memory(str(tmp_path / "absent")) is None

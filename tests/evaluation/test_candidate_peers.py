@@ -269,6 +269,35 @@ def test_replay_fine_tuning_budget_counts_janus_evaluations():
     assert runs == [0.9]
 
 
+def test_replay_fine_tuning_is_refused_where_its_optimizer_state_does_not_fit():
+    """Before any work: the float32 master copy, its gradient and Adam's moments (SGD: no moments) of every changed
+    parameter, and autograd's gradient in the parameter's dtype, against what the model's device has free."""
+    model, theta0 = tiny_pair(seed=3)
+    changed = sum(p.numel() for p in model.parameters())
+    adam, sgd = changed * (16 + 4), changed * (8 + 4)
+    asked = []
+
+    def free(amount):
+        def measure(device):
+            asked.append(device)
+            return amount
+        return measure
+
+    for amount, refused in ((adam - 1, ("adam",)), (sgd - 1, ("adam", "sgd")), (adam, ()), (None, ())):
+        builder = builder_for(model, theta0, replay=EQUAL, free_memory=free(amount))
+        for optimizer in ("adam", "sgd"):
+            candidate = ReplaySft(passes=1, optimizer=optimizer)
+            assert candidate.state_bytes(builder) == (adam if optimizer == "adam" else sgd)
+            if optimizer in refused:
+                with pytest.raises(JanusError, match=rf"replay-sft needs .* GiB on cpu for its {optimizer} state "
+                                                     rf"over the {changed:,} changed parameters.*optimizer=sgd"):
+                    candidate.check(builder)
+            else:
+                candidate.check(builder)
+    assert asked and all(d == torch.device("cpu") for d in asked)
+    assert all(torch.equal(p.detach(), builder.finetuned[k]) for k, p in model.named_parameters())
+
+
 # ---- LiNeS, each block's scale written out -----------------------------------------------------------------------
 @pytest.mark.parametrize("alpha,beta", [(0.0, 1.0), (0.3, 0.5)])
 def test_lines_scales_each_block_by_depth(alpha, beta):

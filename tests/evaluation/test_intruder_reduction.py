@@ -192,3 +192,19 @@ def test_no_intruder_points_for_full_weights(lora_setting, tmp_path):
                       dampings=(), hybrids=False, peers="", tokenizer=tok, batch_size=2, progress=False)
     assert [p.kind for p in result.points] == ["anchor", "anchor", "wise"]
     assert "AP1 vs intruder" not in result.to_markdown() and result.intruder_layers is None
+
+
+def test_frontier_leaves_out_a_peer_not_defined_here_and_refuses_it_when_named(lora_setting, caplog):
+    """The keyword grids' peers are optional: DG-Hard, defined for full fine-tuning only, is left out of an
+    adapter's frontier with a warning; named among the candidates, it is refused before any model is scored."""
+    tok, base_dir, adapter_dir, past, new, replay, _ = lora_setting
+    common = dict(tokenizer=tok, batch_size=2, progress=False)
+    with caplog.at_level("WARNING", logger="hf_janus.evaluation.frontier_search"):
+        result = frontier(base_dir, adapter_dir, replay, past_tasks=[past], new_tasks=[new], wise_grid=(0.5,),
+                          taus=(), dampings=(), hybrids=False, intruder_lambdas=(), pre_janus_intruder_lambdas=(),
+                          peers="dg-hard lines", **common)
+    assert [p.kind for p in result.points] == ["anchor", "anchor", "wise", "lines"]
+    assert any("DG-Hard is left out: DG-Hard is for full fine-tuning" in r.getMessage() for r in caplog.records)
+    with pytest.raises(JanusError, match="DG-Hard is for full fine-tuning"):
+        frontier(base_dir, adapter_dir, replay, past_tasks=[past], new_tasks=[new], candidates="wise:0.5 dg-hard",
+                 scorer=lambda model: pytest.fail("scored a model before refusing"), **common)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hf_janus.engine.capture import model_device
+from hf_janus.engine.memory_plan import GIB
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle, SpecContext,
                                                  finite_positive, grid_product, measured, parse_float, parse_int,
@@ -39,6 +40,9 @@ DEFAULT_BUDGETS = (1.0, 2.0, 4.0)
 LOSSES = ("ce", "kl")
 OPTIMIZERS = ("adam", "sgd")
 DEFAULT_LR = 1e-5
+#: float32 bytes per changed parameter the optimizer keeps on the model's device: the master copy and its gradient,
+#: and Adam's two moments
+STATE_BYTES = {"adam": 16, "sgd": 8}
 
 REPLAY_SFT_CURVE = Curve("replay-sft", "replay SFT", PlotStyle("o", "C1", "replay fine-tuning", line="--"))
 
@@ -178,6 +182,23 @@ class ReplaySft(Candidate):
 
     def artifact_key(self) -> str:
         return "replay_sft:" + repr(self)
+
+    def state_bytes(self, builder: "WeightBuilder") -> int:
+        """What training keeps on the model's device besides the model: float32 optimizer state for each changed
+        parameter, and the gradient autograd returns in the parameter's dtype."""
+        return sum(p.numel() * (STATE_BYTES[self.optimizer] + builder.params[k].element_size())
+                   for k, p in builder.finetuned.items())
+
+    def check(self, builder: "WeightBuilder") -> None:
+        super().check(builder)
+        device = model_device(builder.model)
+        need, free = self.state_bytes(builder), builder.free_memory(device)
+        if free is not None and need > free:
+            raise JanusError(
+                f"{self.name} needs {need / GIB:.1f} GiB on {device} for its {self.optimizer} state over the "
+                f"{sum(p.numel() for p in builder.finetuned.values()):,} changed parameters but {free / GIB:.1f} GiB "
+                "are free there; drop it from the candidates (or --peers), use optimizer=sgd (half the state), or "
+                "run the frontier where more memory is free")
 
     def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
         key = self.artifact_key()
