@@ -18,7 +18,7 @@ for layer; other parameters keep θ̂.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, Optional
 
 import torch
 from torch import Tensor
@@ -100,19 +100,23 @@ class InputNull(Candidate):
         return spectra_cost(builder, context, self.tokens)
 
     def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
-        spectra = spectra_for(builder, self.tokens)
-        deltas = {}
-        for layer in linear_weights(builder):
-            values, vectors = spectra[layer.key]
-            top = vectors[:, :energy_rank(values, self.energy)]
-            delta = delta_matrix(builder, layer)
-            deltas[layer.key] = delta - (delta @ top) @ top.T
-        return with_deltas(builder, deltas)
+        def kept(values: Tensor) -> Tensor:
+            removed = energy_rank(values, self.energy)
+            return (torch.arange(len(values), device=values.device) >= removed).to(values.dtype)
+
+        return filtered_by_spectra(builder, self.tokens, kept)
 
 
-def spectra_for(builder: "WeightBuilder", tokens: str) -> dict[str, tuple[Tensor, Tensor]]:
-    """The spectra ``prepare`` captured for ``tokens``."""
+def filtered_by_spectra(builder: "WeightBuilder", tokens: str,
+                        kept: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+    """θ̂ with each changed linear layer's update filtered along its input Gram's eigenvectors,
+    ``ΔW U diag(kept(s)) Uᵀ`` (``G = U diag(s) Uᵀ``, ``s`` descending, as ``prepare`` captured them for
+    ``tokens``): the null-space projection keeps 0 or 1 of each direction, RegMean a share."""
     spectra = builder.artifacts.get(spectra_key(tokens))
     if spectra is None:
         raise JanusError("the input Grams were not captured: call prepare() before weights()")
-    return spectra
+    deltas = {}
+    for layer in linear_weights(builder):
+        values, vectors = spectra[layer.key]
+        deltas[layer.key] = ((delta_matrix(builder, layer) @ vectors) * kept(values)) @ vectors.T
+    return with_deltas(builder, deltas)

@@ -19,8 +19,7 @@ from torch import Tensor
 
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle,
                                                  finite_positive, parse_float, require)
-from hf_janus.evaluation.candidates.input_null import check_tokens, spectra_cost, spectra_for, tokens_option
-from hf_janus.evaluation.candidates.replay_statistics import delta_matrix, linear_weights, with_deltas
+from hf_janus.evaluation.candidates.input_null import check_tokens, filtered_by_spectra, spectra_cost, tokens_option
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -64,12 +63,8 @@ class RegMean(Candidate):
         return spectra_cost(builder, context, self.tokens)
 
     def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
-        spectra = spectra_for(builder, self.tokens)
-        deltas = {}
-        for layer in linear_weights(builder):
-            values, vectors = spectra[layer.key]
+        def kept(values: Tensor) -> Tensor:
             lam = self.lam * float(values[0]) if float(values[0]) > 0 else 1.0
-            kept = lam / (values + lam)
-            delta = delta_matrix(builder, layer)
-            deltas[layer.key] = ((delta @ vectors) * kept) @ vectors.T
-        return with_deltas(builder, deltas)
+            return lam / (values + lam)
+
+        return filtered_by_spectra(builder, self.tokens, kept)
