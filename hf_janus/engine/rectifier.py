@@ -108,6 +108,7 @@ class Rectifier:
         # an explicit dtype wins over config.factor_dtype (the memory plan resolves "auto")
         factor_dtype = (self.config.factor_dtype if factor_dtype is None
                         else str(factor_dtype).replace("torch.", ""))
+        self.world = World.detect(self.device)
         weights = WeightSource.of(reference)  # not kept: the layers hold what they need of it
         #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
         self.memory_plan = self._plan_memory(modules, factor_dtype, reference_borrowed=weights.reference_borrowed,
@@ -125,7 +126,6 @@ class Rectifier:
         self.jacobians = JacobianSource(self.store, self.device, self.config, self.workspace, self.timer,
                                         self.observer)
         # Under data parallelism each rank captures its share of the replay; factors are then gathered.
-        self.world = World.detect(self.device)
         self.local_batches = self.world.shard(self.batches)
         # FSDP and ZeRO-3 all-gather weights inside every forward and backward, so all ranks must run as many
         # passes: a rank with a shorter share repeats a batch and discards what it measured.
@@ -156,6 +156,7 @@ class Rectifier:
             **model_dimensions(self.model, shapes))
         check_cache_directory(cfg.cache)
         in_use, capacity = self.observer.measure_memory(self.device, cfg.cache)
+        capacity = self.world.shared_capacity(in_use, capacity)
         plan = plan_schedule(work, self.device, cfg.cache, in_use, capacity, cfg.captures, cfg.step_control,
                              factor_dtype)
         logger.info(plan.summary())

@@ -11,6 +11,8 @@ weight, but JANUS gathers and writes whole matrices (:mod:`.sharding`), so every
 
 from __future__ import annotations
 
+import socket
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,6 +25,11 @@ def _dist():
 
     return dist
 
+
+#: Memory shared by the processes of one machine: each rank's share of its headroom there is the headroom over the
+#: ranks on that machine (a device is one rank's own).
+_SHARED_BY_HOST = ("host", "disk")
+_UNKNOWN = torch.iinfo(torch.int64).max
 
 #: Dtypes that travel through :meth:`World._all_gather_padded`, by their index on the wire.
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
@@ -58,6 +65,25 @@ class World:
         if not self.active:
             return 0
         return -(-len(items) // self.size) - len(self.shard(items))
+
+    def shared_capacity(self, in_use: dict[str, int], capacity: dict[str, Optional[int]]) -> dict[str, Optional[int]]:
+        """The capacities the memory plan may fill on this rank (each ``None``: not measured), so that the ranks'
+        plans together fit and agree: the host's and the disk's headroom (``capacity − in_use``) is split among
+        the ranks on this machine, which each measured all of it, and every rank plans with the smallest share of
+        any rank, so that all choose the same placements and factor dtype."""
+        if not self.active:
+            return capacity
+        dist = _dist()
+        here = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.long, device=self.device)
+        hosts = [torch.zeros_like(here) for _ in range(self.size)]
+        dist.all_gather(hosts, here, group=self.group)
+        local = sum(int(h) == int(here) for h in hosts)
+        keys = sorted(capacity)
+        shares = torch.tensor([_UNKNOWN if capacity[k] is None else
+                               max(0, capacity[k] - in_use.get(k, 0)) // (local if k in _SHARED_BY_HOST else 1)
+                               for k in keys], dtype=torch.long, device=self.device)
+        dist.all_reduce(shares, op=dist.ReduceOp.MIN, group=self.group)
+        return {k: None if int(v) == _UNKNOWN else in_use.get(k, 0) + int(v) for k, v in zip(keys, shares.tolist())}
 
     def _all_gather_padded(self, tensor: Tensor) -> list[Tensor]:
         """All-gather tensors whose leading two dims may differ per rank (zero-padded on the wire).

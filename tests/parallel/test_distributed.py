@@ -13,6 +13,7 @@ from testing_utils import build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
+from hf_janus.parallel.distributed import World
 
 pytestmark = pytest.mark.distributed  # several processes; see pyproject.toml's markers
 
@@ -85,6 +86,30 @@ def test_a_rank_without_replay_batches_with_bfloat16_factors(tmp_path, captures)
                                                                           rel=1e-4, abs=1e-9)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
+
+
+def _capacity_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        # rank 1 measured less headroom on the host and more on the disk; neither measured a device (CPU)
+        in_use = {"device": 0, "host": 1000 + rank}
+        capacity = {"device": None, "host": 1000 + rank + (800 if rank == 0 else 600),
+                    "disk": 5000 if rank == 0 else 9000}
+        shared = World.detect().shared_capacity(in_use, capacity)
+        torch.save(shared, os.path.join(out_dir, f"capacity{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_on_one_machine_split_its_memory_and_plan_alike(tmp_path):
+    """Each rank measures the whole machine's free memory; planning with all of it, two ranks would together fill
+    twice what is there. The host's and the disk's headroom is split among the ranks on the machine, and every
+    rank takes the smallest share, so that their plans (placements, factor dtype) agree."""
+    mp.spawn(_capacity_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    shared = [torch.load(tmp_path / f"capacity{r}.pt", weights_only=False) for r in range(2)]
+    for rank, capacity in enumerate(shared):
+        assert capacity == {"device": None, "host": 1000 + rank + 600 // 2, "disk": 5000 // 2}
+    assert World().shared_capacity({"host": 1}, {"host": 9, "disk": None}) == {"host": 9, "disk": None}
 
 
 def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bool) -> None:
