@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -398,6 +399,37 @@ def current_host_bytes() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+class HostPeak:
+    """The largest resident set size of this process inside a ``with`` block (``peak``, bytes; ``None`` where it
+    cannot be read), sampled every ``interval`` seconds by a thread: the host's counterpart of
+    ``torch.cuda.max_memory_allocated``, without resetting the kernel's peak mark, which other tools may read.
+    A spike shorter than the interval can be missed."""
+
+    def __init__(self, interval: float = 0.01):
+        self.interval, self.peak = interval, None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak or 0, current_host_bytes())
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> "HostPeak":
+        if current_host_bytes() == 0:
+            return self
+        self._thread = threading.Thread(target=self._sample, name="hf-janus-host-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak or 0, current_host_bytes())
 
 
 def free_disk_bytes(cache: str, disk_usage: Callable[[str], Any] = shutil.disk_usage) -> Optional[int]:

@@ -41,6 +41,7 @@ from torch import nn
 
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.layers import resolve_target_modules
+from hf_janus.engine.memory_plan import GIB
 from hf_janus.engine.rectifier import rectify
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
@@ -228,6 +229,8 @@ class FrontierResult:
         head = ["", "candidate"] + tasks + ["AP1 (%)", "AP2 (%)", "AP (%)"]
         head += [f"AP1 vs {c.title}" for c in curves]
         head += ["Jacobian evals", "replay passes (fwd/bwd)", "s"]
+        peaks = any(p.cost.peak_memory_bytes is not None for p in self.points)
+        head += ["build peak GiB"] if peaks else []
         lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
         for i, p in enumerate(self.points):
             mark = "**→**" if i == self.chosen else ""
@@ -237,6 +240,9 @@ class FrontierResult:
             passes = (f"{p.cost.forward_passes:g}/{p.cost.backward_passes:g}"
                       if p.cost.forward_passes or p.cost.backward_passes else "")
             cells += [str(p.jacobian_evaluations or ""), passes, f"{p.seconds:.0f}"]
+            if peaks:
+                peak = p.cost.peak_memory_bytes
+                cells.append("" if peak is None else f"{peak / GIB:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
         if self.best is not None:
             lines.append(f"\nChosen ({self.criterion}): **{self.best.label}**.")

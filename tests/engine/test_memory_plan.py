@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,9 @@ from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.observer import RunObserver
-from hf_janus.engine.memory_plan import (HOST_FILL, LayerShape, Workload, container_available_memory, free_bytes,
-                                         free_disk_bytes, measure_in_use_and_capacity, plan_memory, plan_schedule,
-                                         plan_with_captures)
+from hf_janus.engine.memory_plan import (HOST_FILL, HostPeak, LayerShape, Workload, container_available_memory,
+                                         current_host_bytes, free_bytes, free_disk_bytes, measure_in_use_and_capacity,
+                                         plan_memory, plan_schedule, plan_with_captures)
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.errors import JanusError
 
@@ -237,6 +238,19 @@ def _fake_cgroup(root: Path, files: dict[str, str]) -> str:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     return str(root)
+
+
+def test_host_peak_sees_memory_held_inside_the_block_and_released_before_its_end():
+    """The CPU's counterpart of CUDA's peak allocation, which frontier candidates report as their build's peak: a
+    buffer allocated, touched and freed inside the block shows in the peak, not in the resident size after it."""
+    size = 256 << 20
+    with HostPeak(interval=0.005) as peak:
+        before = current_host_bytes()
+        buffer = torch.ones(size // 4)  # written, so resident
+        time.sleep(0.05)
+        del buffer
+    assert peak.peak is not None and peak.peak >= before + 0.9 * size
+    assert current_host_bytes() < peak.peak - 0.5 * size
 
 
 @pytest.mark.parametrize("version", ["v2", "v1"])

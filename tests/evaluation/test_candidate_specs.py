@@ -119,7 +119,7 @@ def run(setting, **kwargs):
 
 
 def comparable(point) -> dict:
-    return {k: v for k, v in point.to_dict().items() if k not in ("seconds", "build_seconds")}
+    return {k: v for k, v in point.to_dict().items() if k not in ("seconds", "build_seconds", "peak_memory_bytes")}
 
 
 def test_keywords_and_spec_give_the_same_frontier(setting):
@@ -167,6 +167,9 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     assert costs["replay_sft"] == (0, 2.0, 2.0) and costs["regmean"] == (0, 0.0, 0.0)  # the Grams were shared
     assert costs["fisher"] == (0, 1.0, 1.0) and costs["janus"][0] > 0 and costs["lines"] == (0, 0.0, 0.0)
     assert [p.cost.forward_passes for p in result.points if p.kind == "input_null"] == [1.0, 0.0]
+    # what building took at its peak, on the CPU the process's resident memory (a kind that builds nothing: none)
+    assert all(by[k].cost.peak_memory_bytes > 0 for k in ("janus", "replay_sft", "fisher", "input_null"))
+    assert by["wise"].cost.peak_memory_bytes is None and "build peak GiB" in result.to_markdown()
     # the layer-by-layer peers touch the layers JANUS rectifies: the output head keeps θ̂, as under JANUS
     assert "lm_head.weight" in builder.theta0 and "lm_head" not in builder.target_layers
     for kind in ("input_null", "regmean", "dg_hard", "janus"):

@@ -9,6 +9,7 @@ and the card ask the object instead of dispatching on a string.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import math
 import time
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from hf_janus.engine.capture import model_device
+from hf_janus.engine.memory_plan import HostPeak
 from hf_janus.errors import JanusError
 
 if TYPE_CHECKING:  # the weight builder imports the candidates
@@ -57,7 +59,8 @@ class Cost:
 
     ``forward_passes`` and ``backward_passes`` count passes over the whole replay (a pass over m samples is one,
     whatever the batch size); a Jacobian evaluation of JANUS is one per-sample-Jacobian capture over the replay.
-    ``peak_memory_bytes`` is the accelerator's peak while building (``None`` on the CPU, where it is not measured).
+    ``peak_memory_bytes`` is the peak while building: of the accelerator's allocated memory, or on the CPU of the
+    process's resident memory (sampled; ``None`` where it cannot be read).
     """
 
     jacobian_evaluations: int = 0
@@ -203,16 +206,19 @@ class Candidate(abc.ABC):
 
 
 def measured(builder: "WeightBuilder", work: Callable[[], Cost]) -> Cost:
-    """Run ``work`` and fill in its seconds and (on an accelerator) its peak memory."""
+    """Run ``work`` and fill in its seconds and its peak memory (the accelerator's, or on the CPU the host's)."""
     device = model_device(builder.model)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    cost = work()
+    with HostPeak() if device.type == "cpu" else contextlib.nullcontext() as host:
+        cost = work()
     cost.seconds = time.perf_counter() - start
     if cuda:
         cost.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
+    elif host is not None:
+        cost.peak_memory_bytes = host.peak
     return cost
 
 
