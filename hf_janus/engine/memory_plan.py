@@ -9,8 +9,8 @@ either fits (pieces moved to the host or to disk) or is refused at once with wha
 The figures are arithmetic on the model's shapes, the replay (samples m, batch size, longest sequence T), the
 compression rank r and the dtypes. ``tests/engine/test_memory_plan.py`` checks the predicted host bytes of whole
 rectifications on the CPU against those measured (peak RSS above the RSS before the run, within 15%); they model
-live bytes, not what the C allocator keeps after a free. On a GPU the performance benchmarks log the prediction next
-to ``torch.cuda.max_memory_allocated`` (docs/benchmarks.md).
+live bytes, plus on the CPU a share for what glibc's malloc keeps after a free (:data:`HEAP_RETENTION`). On a GPU
+the performance benchmarks log the prediction next to ``torch.cuda.max_memory_allocated`` (docs/benchmarks.md).
 
 Pieces (all bytes, summed over the target layers):
 
@@ -33,7 +33,9 @@ Pieces (all bytes, summed over the target layers):
 from __future__ import annotations
 
 import logging
+import math
 import os
+import platform
 import shutil
 import threading
 from dataclasses import asdict, dataclass, field, replace
@@ -55,6 +57,11 @@ GIB = float(1 << 30)
 DEVICE_FILL = 0.92
 # Share of the host memory available at planning time the plan may fill (the OS, other processes, page cache).
 HOST_FILL = 0.85
+# Host bytes glibc's malloc keeps beyond the live ones, as a share of the plan's own bytes, while its mmap threshold
+# is dynamic (the default). Each large free raises the threshold, after which a replay batch's freed activations
+# and the factors' per-batch pieces stay in the heap, interleaved, and count in the RSS: the rectification's own peak
+# RSS runs over the live bytes by up to this much (tests/engine/test_memory_plan.py, docs/concepts/how-it-works.md).
+HEAP_RETENTION = 0.35
 # Share of the cache directory's free disk the factors may fill (other writers, the file system's own reserve).
 DISK_FILL = 0.9
 # Captures alive at the peak: θ0's, the current point's, and the trial's; the adaptive controller may also hold a
@@ -103,6 +110,8 @@ class Workload:
     backup_kept: bool = True
     # False when θ0 and θ̂ are rebuilt when needed (an adapter on a quantized base): neither is held
     reference_held: bool = True
+    # host bytes the C allocator keeps beyond the live ones, as a share of the work's host bytes (heap_retention())
+    heap_retention: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -204,6 +213,8 @@ class MemoryPlan:
     captures_alive: int = 4
     # the factors' storage dtype (JanusConfig.factor_dtype as chosen)
     factor_dtype: str = "float32"
+    # the share added to the host phases for what the C allocator keeps (Workload.heap_retention)
+    heap_retention: float = 0.0
 
     @property
     def peak_device_bytes(self) -> int:
@@ -223,6 +234,8 @@ class MemoryPlan:
         shared = self.device == "cpu"
         peaks = (f"peak host {self.peak_host_bytes / GIB:.2f} GiB" if shared else
                  f"peak {self.device} {self.peak_device_bytes / GIB:.2f} GiB, peak host {self.peak_host_bytes / GIB:.2f} GiB")
+        if self.heap_retention:
+            peaks += f", {self.heap_retention:.0%} of its own host bytes added for what the C allocator keeps"
         return f"JANUS memory plan: {peaks} (factors {self.pieces['factors'] / GIB:.2f} GiB); {where}"
 
 
@@ -257,7 +270,8 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
         if not host_full and capacity.get("host") is not None:
             # the store keeps what still fits in host memory and spills only the rest
             room = capacity["host"] - in_use["host"] - max(p["host"] for p in plan.values())
-            held = max(0, min(pieces["factors"], room))
+            # the held factors are host bytes of the work too: the allocator's share applies to them
+            held = max(0, min(pieces["factors"], int(room / (1.0 + _retention(work, shared)))))
             plan = _phase_bytes(work, pieces, placements, shared, held)
     fits = not host_full and (shared or not _exceeds("device", plan, in_use, capacity))
     notes = [] if fits else [_refusal(work, pieces, plan, in_use, capacity, shared, cache)]
@@ -272,7 +286,8 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
     return MemoryPlan(device=str(device), placements=placements, pieces=pieces, phases=plan, in_use=dict(in_use),
                       capacity=dict(capacity), fits=fits, notes=notes, disk_bytes=disk,
                       factor_host_budget=(held if placements["factors"] == "disk"
-                                          else pieces["factors"] if directory else None))
+                                          else pieces["factors"] if directory else None),
+                      heap_retention=_retention(work, shared))
 
 
 def plan_with_captures(work: Workload, device: torch.device, cache: str, in_use: dict[str, int],
@@ -360,7 +375,30 @@ def _phase_bytes(work: Workload, pieces: dict[str, int], placements: dict[str, s
     # a trial's capture runs while the current point's materialized gradients wait for its comparison
     capture[work_on] += pieces["activations"] + work.kept_gradient_bytes()
     ghost[work_on] += pieces["ghost"]
+    share = _retention(work, shared)
+    if share:
+        for phase in (capture, ghost):
+            phase["host"] = math.ceil(phase["host"] * (1.0 + share))
     return {"capture": capture, "ghost": ghost}
+
+
+def _retention(work: Workload, shared: bool) -> float:
+    """The allocator's share on the host where the work runs there; on an accelerator the host holds only pieces
+    allocated once per capture (pinned by torch's caching host allocator), and the plan held there as modelled."""
+    return work.heap_retention if shared else 0.0
+
+
+def heap_retention(environ: Optional[dict[str, str]] = None, libc: Optional[str] = None) -> float:
+    """:data:`HEAP_RETENTION` where the C allocator is glibc's malloc with its dynamic mmap threshold, else 0: with
+    the threshold fixed (``MALLOC_MMAP_THRESHOLD_`` or the ``glibc.malloc.mmap_threshold`` tunable) freed blocks
+    beyond it go back to the system and the RSS follows the live bytes; other C libraries are not modelled."""
+    environ = os.environ if environ is None else environ
+    libc = platform.libc_ver()[0] if libc is None else libc
+    if libc != "glibc":
+        return 0.0
+    if "MALLOC_MMAP_THRESHOLD_" in environ or "glibc.malloc.mmap_threshold" in environ.get("GLIBC_TUNABLES", ""):
+        return 0.0
+    return HEAP_RETENTION
 
 
 def _exceeds(where: str, plan: dict[str, dict[str, int]], in_use: dict[str, int],

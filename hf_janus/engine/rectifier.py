@@ -39,6 +39,7 @@ from hf_janus.engine.memory_plan import (
     MemoryPlan,
     Workload,
     check_cache_directory,
+    heap_retention,
     model_dimensions,
     plan_schedule,
 )
@@ -153,7 +154,7 @@ class Rectifier:
             tempered=cfg.constraint_temperature != 1.0,
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
             reference_borrowed=reference_borrowed, backup_kept=backup_kept, reference_held=reference_held,
-            **model_dimensions(self.model, shapes))
+            heap_retention=heap_retention(), **model_dimensions(self.model, shapes))
         check_cache_directory(cfg.cache)
         in_use, capacity = self.observer.measure_memory(self.device, cfg.cache)
         capacity = self.world.shared_capacity(in_use, capacity)
