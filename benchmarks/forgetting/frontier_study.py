@@ -11,8 +11,9 @@ JANUS(τ=0.95) at damping 0.01 and 0.1, JANUS(τ=0.95) → θ0 and → θ̂ at b
 a ∈ {0.5, 0.75} → JANUS(τ=0.95). Then variants of JANUS(τ=0.95) on the same anchors and WiSE-FT curve
 (VARIANTS, or those --variants names): other replays (m=64; m=1024 on questions and with --facts-replay 1024;
 answer-only labels on facts), other dampings (0.001, 0.3, 1), issue 22's target-logit constraint and loss
-acceptance test (each capped at 60 evaluations), and single-step JANUS with the paper's, the target-logit and the
-random-logit-projection constraints (k = 2, 8). ``--wise-only`` leaves out the frontier tool's JANUS candidates
+acceptance test (each capped at 60 evaluations), compression rank 8, and single-step JANUS with the paper's, the
+target-logit and the random-logit-projection constraints (k = 2, 8). ``--wise-only`` leaves out the frontier tool's
+JANUS candidates
 (WiSE-FT alone makes the curve the variants are measured against).
 
 * **facts**: the forgetting benchmark's θ0 (768 memorized NQ-open/WebQuestions pairs, cached checkpoint). Past
@@ -73,6 +74,9 @@ VARIANTS = (
     ("acceptance=loss", MAIN_REPLAY, {"acceptance": "loss", "max_evaluations": 60}),
     # issue 43's lever on the real model (the first k labelled tokens of each sample, each its own row)
     ("constraint=token_loss k=2", MAIN_REPLAY, {"constraint": "token_loss", "constraint_tokens": 2}),
+    # issue 43's compression lever: the real model's replay is short, where r=8 matched r=32 in less time
+    ("rank 8", MAIN_REPLAY, {"rank": 8}),
+    ("constraint=token_loss k=2, rank 8", MAIN_REPLAY, {"constraint": "token_loss", "constraint_tokens": 2, "rank": 8}),
     # single-step (τ=0) constraints of the well-fit study (issue 22; diagnose_first_order.py): the paper's loss,
     # the target logit, and k random logit projections (k Jacobian rows per sample, k backward passes per batch)
     ("single-step", MAIN_REPLAY, {"tau": 0.0}),
