@@ -39,7 +39,7 @@ import platform
 import shutil
 import threading
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -388,7 +388,7 @@ def _retention(work: Workload, shared: bool) -> float:
     return work.heap_retention if shared else 0.0
 
 
-def heap_retention(environ: Optional[dict[str, str]] = None, libc: Optional[str] = None) -> float:
+def heap_retention(environ: Optional[Mapping[str, str]] = None, libc: Optional[str] = None) -> float:
     """:data:`HEAP_RETENTION` where the C allocator is glibc's malloc with its dynamic mmap threshold, else 0: with
     the threshold fixed (``MALLOC_MMAP_THRESHOLD_`` or the ``glibc.malloc.mmap_threshold`` tunable) freed blocks
     beyond it go back to the system and the RSS follows the live bytes; other C libraries are not modelled."""
