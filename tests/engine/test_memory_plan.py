@@ -310,9 +310,15 @@ def test_activations_that_cannot_fit_the_device_are_refused():
     assert not plan.fits and "device memory" in plan.notes[0] and "replay_batch_size" in plan.notes[0]
 
 
-def test_on_the_cpu_everything_counts_against_the_host():
-    work = llama_7b(layers=[LayerShape(64, 32, 4)] * 3, num_samples=16, seq_len=32, rank=8, vocab=100, hidden=32,
+def small_work(**overrides) -> Workload:
+    settings = dict(layers=[LayerShape(64, 32, 4)] * 3, num_samples=16, seq_len=32, rank=8, vocab=100, hidden=32,
                     intermediate=64, blocks=1, activation_itemsize=4, factor_itemsize=4)
+    settings.update(overrides)
+    return llama_7b(**settings)
+
+
+def test_on_the_cpu_everything_counts_against_the_host():
+    work = small_work()
     roomy = plan_memory(work, torch.device("cpu"), "memory", {"device": 0, "host": 1 << 30}, {"device": None, "host": 8 << 30})
     assert roomy.fits and set(roomy.placements.values()) <= {"device", "host"}
     resident = sum(roomy.pieces[p] for p in ("backup", "theta0", "current", "proj", "factors", "eigendecompositions"))
@@ -331,13 +337,6 @@ def test_on_the_cpu_everything_counts_against_the_host():
 ])
 def test_the_allocators_share_is_counted_only_under_glibcs_dynamic_mmap_threshold(environ, libc, share):
     assert heap_retention(environ, libc) == share
-
-
-def small_work(**overrides) -> Workload:
-    settings = dict(layers=[LayerShape(64, 32, 4)] * 3, num_samples=16, seq_len=32, rank=8, vocab=100, hidden=32,
-                    intermediate=64, blocks=1, activation_itemsize=4, factor_itemsize=4)
-    settings.update(overrides)
-    return llama_7b(**settings)
 
 
 def test_the_allocators_share_is_added_to_the_host_phases_of_a_cpu_run_only():
