@@ -60,6 +60,7 @@ from benchmarks.forgetting import real_model as bench  # noqa: E402
 from benchmarks.forgetting.variants import above_wise  # noqa: E402
 
 from hf_janus import JanusConfig, SelfReplay, rectify  # noqa: E402
+from hf_janus.engine.constraints import Constraint, ReplayLogits, constraint_names, register  # noqa: E402
 from hf_janus.io_utils import atomic_write_text  # noqa: E402
 from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402
 
@@ -429,19 +430,28 @@ def finetuned_model(theta0, exact: dict):
 def levers(name: str) -> dict:
     """A variant's levers: ``+``-joined parts, each one of ``m<N>`` (replayed answers), ``r<N>`` (compression rank),
     ``tau<NN>`` (τ = 0.NN), ``steps<N>`` (``max_steps``), ``tokenloss[k]`` (the ``token_loss`` constraint, k tokens),
-    ``token`` (one sample per early answer token), ``whole``, ``selfgen``, ``logitproj``; ``base`` and ``janus`` are
-    the defaults; ``corda``/``osf`` start from that training-time peer's θ̂ (alone: the peer, not rectified), and
+    ``token`` (one sample per early answer token), ``whole``, ``selfgen``, ``logitproj``, ``targetlogit``,
+    ``damp<N>`` (``damping`` = 0.N); ``ref<N>`` and ``hat<N>`` (repeatable) also score the frontier's hybrids of
+    the JANUS point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``base`` and
+    ``janus`` are the defaults; ``corda``/``osf`` start from that training-time peer's θ̂ (alone: the peer, not rectified), and
     ``lr<X>e-<Y>`` sets the peer's learning rate."""
     out: dict = {"m": 64}
     for part in name.split("+"):
-        number = re.fullmatch(r"(m|r|tau|steps|tokenloss)(\d*)", part)
+        number = re.fullmatch(r"(m|r|tau|steps|tokenloss|margin|marginonly)(\d*)", part)
+        fraction = re.fullmatch(r"(damp|ref|hat)(\d+)", part)
         rate = re.fullmatch(r"lr(\d+(?:\.\d+)?e-\d+)", part)
         if rate:
             out["lr"] = float(rate.group(1))
-        elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj") + PEERS:
+        elif fraction:
+            value = int(fraction.group(2)) / 10 ** len(fraction.group(2))
+            if fraction.group(1) == "damp":
+                out["damp"] = value
+            else:  # the frontier's hybrids, scored after the JANUS point: several b per variant
+                out.setdefault(fraction.group(1), []).append(value)
+        elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj", "targetlogit") + PEERS:
             out[part] = True
-        elif number and number.group(1) == "tokenloss":
-            out["tokenloss"] = int(number.group(2) or TOKEN_ROWS)
+        elif number and number.group(1) in ("tokenloss", "margin", "marginonly"):
+            out[number.group(1)] = int(number.group(2) or TOKEN_ROWS)
         elif number and number.group(2):
             key, value = number.group(1), int(number.group(2))
             out[key] = value / 10 ** len(number.group(2)) if key == "tau" else value
@@ -478,6 +488,45 @@ def variant_replay(lever: dict, pool: list[dict], tok, theta0):
     return replay_samples(pool, "whole" if lever.get("whole") else "answer")
 
 
+class TokenMargin(Constraint):
+    """A prototype (issue 43): each of a replayed answer's first k tokens keeps its lead over the runner-up
+    (target logit minus the largest other logit) to first order, with its own loss too when ``with_loss``, and the
+    rest of the answer's loss is one more row. θ0's answers are near-ties, and a token loss held fixed leaves the
+    runner-up free to overtake the target."""
+
+    def __init__(self, tokens: int, with_loss: bool):
+        self.tokens, self.with_loss = tokens, with_loss
+
+    @classmethod
+    def register(cls, tokens: int, with_loss: bool) -> str:
+        name = f"study-token-margin{'-loss' if with_loss else ''}-{tokens}"
+        if name not in constraint_names():
+            register(type(name, (cls,), {"name": name, "summary": cls.__doc__.splitlines()[0],
+                                         "from_config": classmethod(lambda c, _: c(tokens, with_loss))}))
+        return name
+
+    @property
+    def rows_per_sample(self) -> int:
+        return self.tokens * (2 if self.with_loss else 1) + 1
+
+    def functions(self, batch: ReplayLogits) -> torch.Tensor:
+        counted = batch.counted
+        order = counted.long().cumsum(dim=1) - 1
+        targets = batch.targets.clamp(min=0).unsqueeze(-1)
+        picked = batch.scores.gather(-1, targets).squeeze(-1)
+        runner_up = batch.scores.scatter(-1, targets, float("-inf")).amax(dim=-1)
+        margin = picked - runner_up
+        zero = torch.zeros((), dtype=batch.per_token.dtype, device=batch.per_token.device)
+        rows = []
+        for j in range(self.tokens):
+            at = counted & (order == j)
+            rows.append(torch.where(at, margin, zero).sum(dim=1))
+            if self.with_loss:
+                rows.append(torch.where(at, batch.per_token, zero).sum(dim=1))
+        rows.append(torch.where(counted & (order >= self.tokens), batch.per_token, zero).sum(dim=1))
+        return torch.stack(rows, dim=1)
+
+
 def variant_config(lever: dict) -> JanusConfig:
     options = {}
     if "tokenloss" in lever:
@@ -486,10 +535,27 @@ def variant_config(lever: dict) -> JanusConfig:
                        cache=os.path.join(tempfile.gettempdir(), "janus-real-study-factors"))
     if lever.get("logitproj"):
         options["constraint"] = "logit_projections"
-    for key, field in (("r", "rank"), ("tau", "tau"), ("steps", "max_steps")):
+    if lever.get("targetlogit"):
+        options["constraint"] = "target_logit"
+    for kind in ("margin", "marginonly"):
+        if kind in lever:
+            options.update(constraint=TokenMargin.register(lever[kind], with_loss=kind == "margin"),
+                           cache=os.path.join(tempfile.gettempdir(), "janus-real-study-factors"))
+    for key, field in (("r", "rank"), ("tau", "tau"), ("steps", "max_steps"), ("damp", "damping")):
         if key in lever:
             options[field] = lever[key]
     return JanusConfig(**options)
+
+
+def hybrids(name: str, lever: dict, theta0, rectified, finetuned: dict):
+    """The frontier's hybrids of a JANUS point the variant asks for, as (label, weights): no more rectification."""
+    for key, title in (("ref", "→ θ0"), ("hat", "→ θ̂")):
+        for b in lever.get(key, ()):
+            weights = {}
+            for k, w in finetuned.items():
+                janus, origin = rectified.get_parameter(k).float(), theta0.get_parameter(k).float()
+                weights[k] = origin + b * (janus - origin) if key == "ref" else janus + b * (w.float() - janus)
+            yield f"{name} {title} b={b:g}", weights
 
 
 def main() -> None:
@@ -603,6 +669,11 @@ def main() -> None:
             stop_reason=report.stop_reason, replay_loss=report.replay_loss, config=config.to_dict())
         log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
         save()
+        for label, weights in hybrids(name, lever, theta0, model, start):
+            record["points"][label] = scored_point(evaluate(finetuned_model(theta0, weights), tok, sets,
+                                                            data["gsm"], pad), hybrid_of=name)
+            log(f"[{label}] {record['points'][label]['repair']}")
+            save()
     if args.posthoc:
         replay = replay_samples(data["pool"][:64])
         for label, model, cost in posthoc_points(args.posthoc, theta0, exact, replay, tok):
@@ -648,7 +719,7 @@ def write_markdown(path: str) -> str:
         r = p.get("repair", {})
         ps = p["past_summary"]
         cost = p.get("posthoc_cost") or {}
-        passes = (f"{cost['forward_passes']:g} / {cost['backward_passes']:g}"
+        passes = ("shared" if cost.get("reused") else f"{cost['forward_passes']:g} / {cost['backward_passes']:g}"
                   if cost.get("forward_passes") or cost.get("backward_passes") else "")
         peak = p.get("peak_host_bytes", cost.get("peak_host_bytes"))
         margin = ("" if name.startswith("wise") or r.get("ap2") is None else

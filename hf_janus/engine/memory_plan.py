@@ -420,8 +420,16 @@ def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, i
         knobs.insert(0, "cache=<a directory> (factors spill to disk)")
     if work.factor_itemsize > 2:
         knobs.insert(1, "factor_dtype='bfloat16' (halves the factors)")
+    allocator = ""
+    if where == "host" and _retention(work, shared):
+        # the one share of the figure that no JanusConfig knob lowers, so the refusal names how to remove it
+        allocator = (f" (this includes {_retention(work, shared):.0%} of its own host bytes for what glibc's malloc "
+                     "keeps after a free; setting MALLOC_MMAP_THRESHOLD_ in the environment before Python starts, "
+                     "for example to 1048576, returns those blocks to the system and drops that share, at some "
+                     "speed)")
     return (f"the rectification needs about {need / GIB:.1f} GiB of {'host' if where == 'host' else 'device'} memory "
-            f"at its peak but {capacity[where] / GIB:.1f} GiB can be used; lower one of: " + "; ".join(knobs))
+            f"at its peak{allocator} but {capacity[where] / GIB:.1f} GiB can be used; lower one of: "
+            + "; ".join(knobs))
 
 
 # ---- reading a workload off a model ---------------------------------------------------------------------------------

@@ -125,6 +125,7 @@ class FrontierPoint:
                 "jacobian_evaluations": self.cost.jacobian_evaluations,
                 "forward_passes": self.cost.forward_passes, "backward_passes": self.cost.backward_passes,
                 "build_seconds": self.cost.seconds, "peak_memory_bytes": self.cost.peak_memory_bytes,
+                "build_reused": self.cost.reused,
                 "seconds": self.seconds, "description": self.candidate.describe()}
 
 
@@ -237,7 +238,7 @@ class FrontierResult:
             cells = [mark, p.label] + [fmt(p.scores.get(t), ".4f") for t in tasks]
             cells += [fmt(p.ap1, ".1f"), fmt(p.ap2, ".1f"), fmt(p.ap, ".1f")]
             cells += [fmt(p.above.get(c.name), "+.1f") for c in curves]
-            passes = (f"{p.cost.forward_passes:g}/{p.cost.backward_passes:g}"
+            passes = ("shared" if p.cost.reused else f"{p.cost.forward_passes:g}/{p.cost.backward_passes:g}"
                       if p.cost.forward_passes or p.cost.backward_passes else "")
             cells += [str(p.jacobian_evaluations or ""), passes, f"{p.seconds:.0f}"]
             if peaks:

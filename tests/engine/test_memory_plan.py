@@ -339,6 +339,18 @@ def test_the_allocators_share_is_counted_only_under_glibcs_dynamic_mmap_threshol
     assert heap_retention(environ, libc) == share
 
 
+def test_a_cpu_refusal_names_the_allocators_share_and_how_to_remove_it():
+    """The share is the one part of a CPU refusal's figure that no JanusConfig knob lowers: the refusal says it is
+    there and names the environment variable that removes it; without the share, the refusal does not mention it."""
+    in_use, tight = {"device": 0, "host": 1 << 30}, {"device": None, "host": (1 << 30) + 1000}
+    kept = plan_memory(small_work(heap_retention=HEAP_RETENTION), torch.device("cpu"), "memory", in_use, tight)
+    live = plan_memory(small_work(), torch.device("cpu"), "memory", in_use, tight)
+    assert not kept.fits and not live.fits
+    assert f"{HEAP_RETENTION:.0%} of its own host bytes" in kept.notes[0], kept.notes[0]
+    assert "MALLOC_MMAP_THRESHOLD_" in kept.notes[0] and "lower one of" in kept.notes[0]
+    assert "MALLOC_MMAP_THRESHOLD_" not in live.notes[0] and "malloc" not in live.notes[0]
+
+
 def test_the_allocators_share_is_added_to_the_host_phases_of_a_cpu_run_only():
     in_use, roomy = {"device": 0, "host": 1 << 30}, {"device": 8 << 30, "host": 8 << 30}
     for device in ("cpu", "cuda"):

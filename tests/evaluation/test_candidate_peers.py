@@ -102,6 +102,7 @@ def test_input_null_space_projection_matches_numpy(tokens, energy):
     builder = builder_for(model, theta0)
     weights, cost = built(InputNull(energy, tokens=tokens), builder)
     assert cost.forward_passes == 1 and cost.backward_passes == 0 and cost.jacobian_evaluations == 0
+    assert not cost.reused
     for key, x in layer_inputs(theta0, tokens).items():
         gram = x.T @ x
         values, vectors = np.linalg.eigh(gram)
@@ -113,9 +114,10 @@ def test_input_null_space_projection_matches_numpy(tokens, energy):
     # parameters that are not linear-layer weights keep θ̂
     for key in ("embed.weight", "hidden.bias"):
         assert torch.equal(weights[key], builder.finetuned[key].float())
-    # θ̂ again in the model, and the Grams are shared: a second energy costs no pass
+    # θ̂ again in the model, and the Grams are shared: a second energy costs no pass, and says its cost is elsewhere
     assert all(torch.equal(builder.params[k].detach(), v) for k, v in builder.finetuned.items())
-    assert InputNull(0.5, tokens=tokens).prepare(builder, context()).forward_passes == 0
+    again = InputNull(0.5, tokens=tokens).prepare(builder, context())
+    assert again.forward_passes == 0 and again.seconds == 0 and again.reused
 
 
 @pytest.mark.parametrize("lam", [1.0, 0.01])
@@ -194,7 +196,8 @@ def test_fisher_interpolation_matches_hand_derived_gradients(strength):
     model, theta0 = tiny_pair(seed=2)
     builder = builder_for(model, theta0)
     weights, cost = built(Fisher(strength), builder)
-    assert (cost.forward_passes, cost.backward_passes) == (1.0, 1.0)
+    assert (cost.forward_passes, cost.backward_passes) == (1.0, 1.0) and not cost.reused
+    assert Fisher(2 * strength).prepare(builder, context()).reused  # the same Fisher, charged to the first point
     for key, fisher in fisher_by_hand(theta0).items():
         normalized = fisher / fisher.mean()
         back = strength * normalized / (strength * normalized + 1)

@@ -131,6 +131,12 @@ def test_frontier_end_to_end(setting, tmp_path):
     result.save(tmp_path / "frontier.json")
     assert json.load(open(tmp_path / "frontier.json"))["criterion"] == "max AP1 with AP2 ≥ 50"
     assert "**→**" in result.to_markdown()
+    # a hybrid reuses its JANUS run: its cost is marked as charged there, in the point, the table and the JSON
+    by_label = {p.label: p for p in result.points}
+    assert not by_label["JANUS τ=0.9"].cost.reused and by_label["JANUS τ=0.9 → θ0 b=0.5"].cost.reused
+    assert "| shared |" in next(line for line in result.to_markdown().splitlines() if "τ=0.9 → θ0 b=0.5" in line)
+    saved = {p["label"]: p for p in json.load(open(tmp_path / "frontier.json"))["points"]}
+    assert saved["JANUS τ=0.9 → θ0 b=0.5"]["build_reused"] and not saved["JANUS τ=0.9"]["build_reused"]
     result.plot(tmp_path / "frontier.png")
     assert open(tmp_path / "frontier.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     out = result.save_pretrained(tmp_path / "chosen")

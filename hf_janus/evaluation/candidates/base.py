@@ -60,7 +60,9 @@ class Cost:
     ``forward_passes`` and ``backward_passes`` count passes over the whole replay (a pass over m samples is one,
     whatever the batch size); a Jacobian evaluation of JANUS is one per-sample-Jacobian capture over the replay.
     ``peak_memory_bytes`` is the peak while building: of the accelerator's allocated memory, or on the CPU of the
-    process's resident memory (sampled; ``None`` where it cannot be read).
+    process's resident memory (sampled; ``None`` where it cannot be read). ``reused`` marks a candidate built from
+    what an earlier one already computed (a JANUS run, the replay's Fisher or input Grams, a replay fine-tune): its
+    zeros mean "charged to that candidate", not "free".
     """
 
     jacobian_evaluations: int = 0
@@ -68,6 +70,7 @@ class Cost:
     backward_passes: float = 0.0
     seconds: float = 0.0
     peak_memory_bytes: Optional[int] = None
+    reused: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,7 @@ class Candidate(abc.ABC):
 
     def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
         """The expensive part, done once and kept in ``builder`` (a JANUS run, replay training, statistics of the
-        replay); returns what it cost (nothing when an earlier candidate already did it)."""
+        replay); returns what it cost (``Cost(reused=True)`` when an earlier candidate already did it)."""
         return Cost()
 
     @abc.abstractmethod

@@ -89,7 +89,7 @@ class Fisher(Candidate):
 
     def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
         if FISHER_KEY in builder.artifacts:
-            return Cost()
+            return Cost(reused=True)
 
         def work() -> Cost:
             builder.artifacts[FISHER_KEY] = fisher_diagonal(builder, context.config.replay_batch_size)

@@ -48,10 +48,13 @@ def check_tokens(kind: str, tokens: str) -> None:
 
 
 def spectra_cost(builder: "WeightBuilder", context: BuildContext, tokens: str) -> Cost:
-    """Capture the Grams if no candidate did yet: one forward pass over the replay, or nothing."""
+    """Capture the Grams if no candidate did yet: one forward pass over the replay, or nothing (reused)."""
+    if spectra_key(tokens) in builder.artifacts:
+        return Cost(reused=True)
+
     def work() -> Cost:
-        _, captured = input_spectra(builder, tokens, context.config.replay_batch_size)
-        return Cost(forward_passes=1.0 if captured else 0.0)
+        input_spectra(builder, tokens, context.config.replay_batch_size)
+        return Cost(forward_passes=1.0)
 
     return measured(builder, work)
 

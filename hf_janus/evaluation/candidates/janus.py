@@ -48,7 +48,7 @@ class JanusBased(Candidate):
 
         key = self.run_key()
         if key in builder.janus:
-            return Cost()
+            return Cost(reused=True)
 
         def work() -> Cost:
             report = run_janus(builder, key, self.start().weights(builder), self.changes(), context)

@@ -203,7 +203,7 @@ class ReplaySft(Candidate):
     def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
         key = self.artifact_key()
         if key in builder.artifacts:
-            return Cost()
+            return Cost(reused=True)
 
         def work() -> Cost:
             cost = Cost()
