@@ -432,10 +432,10 @@ def levers(name: str) -> dict:
     ``tau<NN>`` (τ = 0.NN), ``steps<N>`` (``max_steps``), ``tokenloss[k]`` (the ``token_loss`` constraint, k tokens),
     ``token`` (one sample per early answer token), ``whole``, ``selfgen``, ``logitproj``, ``targetlogit``,
     ``marginonly[k]`` / ``margin[k]`` (:class:`TokenMargin` without / with the token losses), ``damp<N>``
-    (``damping`` = 0.N); ``ref<N>`` and ``hat<N>`` (repeatable) also score the frontier's hybrids of
-    the JANUS point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``base`` and
-    ``janus`` are the defaults; ``corda``/``osf`` start from that training-time peer's θ̂ (alone: the peer, not rectified), and
-    ``lr<X>e-<Y>`` sets the peer's learning rate."""
+    (``damping`` = 0.N); ``ref<N>`` and ``hat<N>`` (repeatable) also score the frontier's hybrids of the JANUS
+    point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``base`` and ``janus``
+    are the defaults; ``corda``/``osf`` start from that training-time peer's θ̂ (alone: the peer, not rectified),
+    and ``lr<X>e-<Y>`` sets the peer's learning rate."""
     out: dict = {"m": 64}
     for part in name.split("+"):
         number = re.fullmatch(r"(m|r|tau|steps|tokenloss|margin|marginonly)(\d*)", part)

@@ -19,10 +19,18 @@ from benchmarks.forgetting.real_study import (  # noqa: E402
     LINEAR_NAMES,
     adapter_weights,
     finetuned_model,
+    hybrids,
     levers,
     posthoc_points,
     variant_config,
 )
+from hf_janus.engine.constraints import (  # noqa: E402
+    ReplayLogits,
+    constraint_names,
+    make_constraint,
+    per_token_cross_entropy,
+)
+from hf_janus.replay.prepare import IGNORE_INDEX  # noqa: E402
 
 
 @pytest.fixture
@@ -90,6 +98,49 @@ def test_variant_levers():
     assert (config.constraint, config.constraint_tokens, config.rank, config.max_steps) == ("token_loss", 2, 16, 20)
     with pytest.raises(SystemExit, match="unknown lever 'x1'"):
         levers("base+x1")
+    assert levers("tokenloss2+r8+ref75+ref8+hat1") == {"m": 64, "tokenloss": 2, "r": 8, "ref": [0.75, 0.8],
+                                                       "hat": [0.1]}
+    assert variant_config(levers("damp01")).damping == pytest.approx(0.01)
+    assert variant_config(levers("targetlogit")).constraint == "target_logit"
+
+
+def test_hybrids_are_the_frontiers(theta0):
+    """JANUS → θ0 at b is θ0 + b(θ_J − θ0), JANUS → θ̂ at b is θ_J + b(θ̂ − θ_J), labelled after the variant."""
+    torch.manual_seed(2)
+    names = [n for n, _ in theta0.named_parameters() if n.endswith("proj.weight")]
+    finetuned = {n: theta0.get_parameter(n).detach() + torch.randn_like(theta0.get_parameter(n)) for n in names}
+    rectified = finetuned_model(theta0, {n: theta0.get_parameter(n).detach() + 0.3 * (w - theta0.get_parameter(n))
+                                         for n, w in finetuned.items()})
+    out = dict(hybrids("v", levers("base+ref8+hat25"), theta0, rectified, finetuned))
+    assert list(out) == ["v → θ0 b=0.8", "v → θ̂ b=0.25"]
+    for n, w in finetuned.items():
+        w0, wj = theta0.get_parameter(n).detach(), rectified.get_parameter(n).detach()
+        torch.testing.assert_close(out["v → θ0 b=0.8"][n], w0 + 0.8 * (wj - w0))
+        torch.testing.assert_close(out["v → θ̂ b=0.25"][n], wj + 0.25 * (w - wj))
+
+
+def test_token_margin_rows():
+    """The prototype's rows, by hand: each early answer token's target logit minus the largest other logit (with
+    that token's loss after it when asked), then the loss of the rest of the answer; registered once per setting."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 5, 7, generator=gen)
+    targets = torch.randint(0, 7, (2, 5), generator=gen)
+    targets[0, :2] = IGNORE_INDEX  # a prompt, then 3 answer tokens
+    view = ReplayLogits(scores, targets, per_token_cross_entropy(scores, targets))
+
+    def lead(b, t):
+        others = torch.cat([scores[b, t, :targets[b, t]], scores[b, t, targets[b, t] + 1:]])
+        return scores[b, t, targets[b, t]] - others.max()
+
+    only = make_constraint(variant_config(levers("marginonly2")))
+    both = make_constraint(variant_config(levers("margin2")))
+    assert (only.rows_per_sample, both.rows_per_sample) == (3, 5)
+    name = variant_config(levers("marginonly2")).constraint  # a second config reuses the registered class
+    assert variant_config(levers("marginonly2")).constraint == name and constraint_names().count(name) == 1
+    rows, full = only.functions(view), both.functions(view)
+    torch.testing.assert_close(rows[0], torch.stack([lead(0, 2), lead(0, 3), view.per_token[0, 4]]))
+    torch.testing.assert_close(full[1], torch.stack([lead(1, 0), view.per_token[1, 0], lead(1, 1),
+                                                     view.per_token[1, 1], view.per_token[1, 2:].sum()]))
 
 
 def test_posthoc_peers_are_built_by_the_frontier_builder(theta0):
