@@ -167,8 +167,12 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     assert costs["replay_sft"] == (0, 2.0, 2.0) and costs["regmean"] == (0, 0.0, 0.0)  # the Grams were shared
     assert costs["fisher"] == (0, 1.0, 1.0) and costs["janus"][0] > 0 and costs["lines"] == (0, 0.0, 0.0)
     assert [p.cost.forward_passes for p in result.points if p.kind == "input_null"] == [1.0, 0.0]
-    # what building took at its peak, on the CPU the process's resident memory (a kind that builds nothing: none)
-    assert all(by[k].cost.peak_memory_bytes > 0 for k in ("janus", "replay_sft", "fisher", "input_null"))
+    # what building took at its peak, on the CPU the process's resident memory (a kind that builds nothing, or a
+    # point built from an earlier one's Grams: none, and the latter says its cost is that point's)
+    first_null, second_null = [p for p in result.points if p.kind == "input_null"]
+    assert all(p.cost.peak_memory_bytes > 0 for p in (by["janus"], by["replay_sft"], by["fisher"], first_null))
+    assert not first_null.cost.reused and second_null.cost.reused and by["regmean"].cost.reused
+    assert second_null.cost.peak_memory_bytes is None and not by["fisher"].cost.reused
     assert by["wise"].cost.peak_memory_bytes is None and "build peak GiB" in result.to_markdown()
     # the layer-by-layer peers touch the layers JANUS rectifies: the output head keeps θ̂, as under JANUS
     assert "lm_head.weight" in builder.theta0 and "lm_head" not in builder.target_layers
