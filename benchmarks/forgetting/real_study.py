@@ -44,7 +44,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Optional
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -60,7 +60,14 @@ from benchmarks.forgetting import real_model as bench  # noqa: E402
 from benchmarks.forgetting.variants import above_wise  # noqa: E402
 
 from hf_janus import JanusConfig, SelfReplay, rectify  # noqa: E402
-from hf_janus.engine.constraints import Constraint, ReplayLogits, constraint_names, register  # noqa: E402
+from hf_janus.engine.constraints import (  # noqa: E402
+    Constraint,
+    ReplayLogits,
+    TokenLossConstraint,
+    constraint_names,
+    register,
+)
+from hf_janus.evaluation.candidates.base import interpolate  # noqa: E402
 from hf_janus.io_utils import atomic_write_text  # noqa: E402
 from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402
 
@@ -71,6 +78,8 @@ POOL_QUESTIONS = 150  # NQ-open questions θ0 answers for the replay (those with
 TOKEN_ROWS = 3  # answer tokens per replayed answer, each its own row (lost answers flip early: see flips)
 WISE_GRID = (0.25, 0.5, 0.75, 0.9)
 PEERS = ("corda", "osf")  # training-time peers (issue 40): a variant naming one starts from its θ̂ instead
+# multi-row constraints keep k + 1 rows of factors per sample: beyond the memory plan's share they spill here
+FACTOR_CACHE = os.path.join(tempfile.gettempdir(), "janus-real-study-factors")
 LINEAR_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # "all-linear" here
 
 
@@ -511,29 +520,23 @@ class TokenMargin(Constraint):
         return self.tokens * (2 if self.with_loss else 1) + 1
 
     def functions(self, batch: ReplayLogits) -> torch.Tensor:
-        counted = batch.counted
-        order = counted.long().cumsum(dim=1) - 1
         targets = batch.targets.clamp(min=0).unsqueeze(-1)
         picked = batch.scores.gather(-1, targets).squeeze(-1)
         runner_up = batch.scores.scatter(-1, targets, float("-inf")).amax(dim=-1)
-        margin = picked - runner_up
-        zero = torch.zeros((), dtype=batch.per_token.dtype, device=batch.per_token.device)
+        # the margins through the token-loss rows' own selection of each early token, and their rest-of-answer row
+        margins = TokenLossConstraint(self.tokens).functions(replace(batch, per_token=picked - runner_up))
+        losses = TokenLossConstraint(self.tokens).functions(batch)
         rows = []
         for j in range(self.tokens):
-            at = counted & (order == j)
-            rows.append(torch.where(at, margin, zero).sum(dim=1))
-            if self.with_loss:
-                rows.append(torch.where(at, batch.per_token, zero).sum(dim=1))
-        rows.append(torch.where(counted & (order >= self.tokens), batch.per_token, zero).sum(dim=1))
-        return torch.stack(rows, dim=1)
+            rows += [margins[:, j], losses[:, j]] if self.with_loss else [margins[:, j]]
+        return torch.stack(rows + [losses[:, self.tokens]], dim=1)
 
 
 def variant_config(lever: dict) -> JanusConfig:
     options = {}
     if "tokenloss" in lever:
         # k + 1 rows per sample: the factors may not fit the host memory, and spill to disk beyond half of it
-        options.update(constraint="token_loss", constraint_tokens=lever["tokenloss"],
-                       cache=os.path.join(tempfile.gettempdir(), "janus-real-study-factors"))
+        options.update(constraint="token_loss", constraint_tokens=lever["tokenloss"], cache=FACTOR_CACHE)
     if lever.get("logitproj"):
         options["constraint"] = "logit_projections"
     if lever.get("targetlogit"):
@@ -541,7 +544,7 @@ def variant_config(lever: dict) -> JanusConfig:
     for kind in ("margin", "marginonly"):
         if kind in lever:
             options.update(constraint=TokenMargin.register(lever[kind], with_loss=kind == "margin"),
-                           cache=os.path.join(tempfile.gettempdir(), "janus-real-study-factors"))
+                           cache=FACTOR_CACHE)
     for key, field in (("r", "rank"), ("tau", "tau"), ("steps", "max_steps"), ("damp", "damping")):
         if key in lever:
             options[field] = lever[key]
@@ -550,13 +553,12 @@ def variant_config(lever: dict) -> JanusConfig:
 
 def hybrids(name: str, lever: dict, theta0, rectified, finetuned: dict):
     """The frontier's hybrids of a JANUS point the variant asks for, as (label, weights): no more rectification."""
-    for key, title in (("ref", "→ θ0"), ("hat", "→ θ̂")):
-        for b in lever.get(key, ()):
-            weights = {}
-            for k, w in finetuned.items():
-                janus, origin = rectified.get_parameter(k).float(), theta0.get_parameter(k).float()
-                weights[k] = origin + b * (janus - origin) if key == "ref" else janus + b * (w.float() - janus)
-            yield f"{name} {title} b={b:g}", weights
+    janus = {k: rectified.get_parameter(k).detach() for k in finetuned}
+    origin = {k: theta0.get_parameter(k).detach() for k in finetuned}
+    for b in lever.get("ref", ()):
+        yield f"{name} → θ0 b={b:g}", interpolate(origin, janus, b)
+    for b in lever.get("hat", ()):
+        yield f"{name} → θ̂ b={b:g}", interpolate(janus, finetuned, b)
 
 
 def main() -> None:

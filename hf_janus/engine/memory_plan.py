@@ -420,10 +420,10 @@ def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, i
         knobs.insert(0, "cache=<a directory> (factors spill to disk)")
     if work.factor_itemsize > 2:
         knobs.insert(1, "factor_dtype='bfloat16' (halves the factors)")
-    allocator = ""
-    if where == "host" and _retention(work, shared):
+    allocator, share = "", _retention(work, shared)
+    if where == "host" and share:
         # the one share of the figure that no JanusConfig knob lowers, so the refusal names how to remove it
-        allocator = (f" (this includes {_retention(work, shared):.0%} of its own host bytes for what glibc's malloc "
+        allocator = (f" (this includes {share:.0%} of its own host bytes for what glibc's malloc "
                      "keeps after a free; setting MALLOC_MMAP_THRESHOLD_ in the environment before Python starts, "
                      "for example to 1048576, returns those blocks to the system and drops that share, at some "
                      "speed)")

@@ -156,16 +156,13 @@ def spectra_key(tokens: str) -> tuple[str, str]:
     return ("input_spectra", tokens)
 
 
-def input_spectra(builder: "WeightBuilder", tokens: str, batch_size: int) -> tuple[dict[str, tuple[Tensor, Tensor]],
-                                                                                    bool]:
-    """Each layer's input Gram as ``(eigenvalues descending, eigenvectors as columns)``, and whether this call
-    captured them (False: an earlier candidate did, at no cost now)."""
-    key = spectra_key(tokens)  # the Gram does not depend on the batching
-    if key in builder.artifacts:
-        return builder.artifacts[key], False
+def input_spectra(builder: "WeightBuilder", tokens: str, batch_size: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """Each layer's input Gram as ``(eigenvalues descending, eigenvectors as columns)``, captured and kept in
+    ``builder.artifacts`` under :func:`spectra_key` (the Gram does not depend on the batching, so one capture
+    serves every candidate that reads it: the caller checks for it first)."""
     spectra = {}
     for name, gram in input_grams(builder, tokens, batch_size).items():
         values, vectors = torch.linalg.eigh(gram)
         spectra[name] = (values.flip(0).clamp_min(0.0), vectors.flip(1))
-    builder.artifacts[key] = spectra
-    return spectra, True
+    builder.artifacts[spectra_key(tokens)] = spectra
+    return spectra
