@@ -442,21 +442,27 @@ def levers(name: str) -> dict:
     ``token`` (one sample per early answer token), ``whole``, ``selfgen``, ``logitproj``, ``targetlogit``,
     ``marginonly[k]`` / ``margin[k]`` (:class:`TokenMargin` without / with the token losses), ``damp<N>``
     (``damping`` = 0.N); ``ref<N>`` and ``hat<N>`` (repeatable) also score the frontier's hybrids of the JANUS
-    point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``base`` and ``janus``
+    point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``kl<N>`` (repeatable)
+    also scores the JANUS point trained further for N passes on the replay's KL to θ0 (the frontier's
+    ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that point's hybrids;
+    ``base`` and ``janus``
     are the defaults; ``corda``/``osf`` start from that training-time peer's θ̂ (alone: the peer, not rectified),
     and ``lr<X>e-<Y>`` sets the peer's learning rate."""
     out: dict = {"m": 64}
     for part in name.split("+"):
         number = re.fullmatch(r"(m|r|tau|steps|tokenloss|margin|marginonly)(\d*)", part)
-        fraction = re.fullmatch(r"(damp|ref|hat)(\d+)", part)
-        rate = re.fullmatch(r"lr(\d+(?:\.\d+)?e-\d+)", part)
+        fraction = re.fullmatch(r"(damp|ref|hat|kref|khat)(\d+)", part)
+        then = re.fullmatch(r"kl(\d+)", part)
+        rate = re.fullmatch(r"(kl)?lr(\d+(?:\.\d+)?e-\d+)", part)
         if rate:
-            out["lr"] = float(rate.group(1))
+            out[(rate.group(1) or "") + "lr"] = float(rate.group(2))
+        elif then:  # replay training after the JANUS point, scored beside it
+            out.setdefault("kl", []).append(int(then.group(1)))
         elif fraction:
             value = int(fraction.group(2)) / 10 ** len(fraction.group(2))
             if fraction.group(1) == "damp":
                 out["damp"] = value
-            else:  # the frontier's hybrids, scored after the JANUS point: several b per variant
+            else:  # the frontier's hybrids, scored after the JANUS (or replay-trained) point: several b per variant
                 out.setdefault(fraction.group(1), []).append(value)
         elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj", "targetlogit") + PEERS:
             out[part] = True
@@ -551,14 +557,39 @@ def variant_config(lever: dict) -> JanusConfig:
     return JanusConfig(**options)
 
 
-def hybrids(name: str, lever: dict, theta0, rectified, finetuned: dict):
-    """The frontier's hybrids of a JANUS point the variant asks for, as (label, weights): no more rectification."""
-    janus = {k: rectified.get_parameter(k).detach() for k in finetuned}
+def hybrids(name: str, lever: dict, theta0, rectified, finetuned: dict, prefix: str = ""):
+    """The frontier's hybrids of a JANUS point the variant asks for (``ref``, ``hat``; with ``prefix="k"`` those of
+    its replay-trained point, ``kref``, ``khat``), as (label, weights): no more rectification. ``rectified`` is a
+    model holding the point or its weights."""
+    point = {k: (rectified[k] if isinstance(rectified, dict) else rectified.get_parameter(k)).detach()
+             for k in finetuned}
     origin = {k: theta0.get_parameter(k).detach() for k in finetuned}
-    for b in lever.get("ref", ()):
-        yield f"{name} → θ0 b={b:g}", interpolate(origin, janus, b)
-    for b in lever.get("hat", ()):
-        yield f"{name} → θ̂ b={b:g}", interpolate(janus, finetuned, b)
+    for b in lever.get(prefix + "ref", ()):
+        yield f"{name} → θ0 b={b:g}", interpolate(origin, point, b)
+    for b in lever.get(prefix + "hat", ()):
+        yield f"{name} → θ̂ b={b:g}", interpolate(point, finetuned, b)
+
+
+def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, replay: list[dict], tok,
+                   config: JanusConfig):
+    """The JANUS point (made with ``config``) trained further on the replay's KL to θ0, for each ``kl<N>``: the
+    frontier's ``janus-then-replay-sft`` candidate, given the JANUS run this study already made; yields (label,
+    weights, seconds)."""
+    from hf_janus.evaluation.candidate_weights import WeightBuilder
+    from hf_janus.evaluation.candidates import BuildContext, JanusThenReplaySft
+    from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR
+
+    janus = {k: rectified.get_parameter(k).detach().float().clone() for k in finetuned}
+    origin = {k: theta0.get_parameter(k).detach().float() for k in finetuned}
+    finetuned = {k: w.float() for k, w in finetuned.items()}
+    context = BuildContext(config=config, rectify_fn=rectify)
+    for passes in lever.get("kl", ()):
+        builder = WeightBuilder(finetuned_model(theta0, finetuned), origin, finetuned, tok, None, replay)
+        candidate = JanusThenReplaySft(passes=passes, tau=config.tau, lr=lever.get("kllr", DEFAULT_LR))
+        builder.janus[candidate.run_key()] = janus  # the run this variant made: the candidate starts from it
+        cost = candidate.prepare(builder, context)
+        rate = f", lr {candidate.lr:g}" if "kllr" in lever else ""
+        yield f"{name} → replay KL {passes} passes{rate}", candidate.weights(builder), cost.seconds
 
 
 def main() -> None:
@@ -677,6 +708,17 @@ def main() -> None:
                                                             data["gsm"], pad), hybrid_of=name)
             log(f"[{label}] {record['points'][label]['repair']}")
             save()
+        for label, weights, took in replay_trained(name, lever, theta0, model, start, replay, tok, config):
+            record["points"][label] = scored_point(evaluate(finetuned_model(theta0, weights), tok, sets,
+                                                            data["gsm"], pad), hybrid_of=name,
+                                                   replay_training_seconds=took)
+            log(f"[{label}] {took:.0f}s: {record['points'][label]['repair']}")
+            save()
+            for sub, mixed in hybrids(label, lever, theta0, weights, start, prefix="k"):
+                record["points"][sub] = scored_point(evaluate(finetuned_model(theta0, mixed), tok, sets,
+                                                              data["gsm"], pad), hybrid_of=label)
+                log(f"[{sub}] {record['points'][sub]['repair']}")
+                save()
     if args.posthoc:
         replay = replay_samples(data["pool"][:64])
         for label, model, cost in posthoc_points(args.posthoc, theta0, exact, replay, tok):

@@ -18,8 +18,8 @@ from hf_janus import JanusConfig
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidate_weights import WeightBuilder
-from hf_janus.evaluation.candidates import (BuildContext, DgHard, Fisher, InputNull, Lines, RegMean, ReplaySft,
-                                            Wise)
+from hf_janus.evaluation.candidates import (BuildContext, DgHard, Fisher, InputNull, JanusThenReplaySft, Lines,
+                                            RegMean, ReplaySft, Wise)
 from hf_janus.evaluation.candidates.dg_hard import hard_threshold, omega
 from testing_utils import build_tiny, fine_tune
 
@@ -270,6 +270,38 @@ def test_replay_fine_tuning_budget_counts_janus_evaluations():
     # a second budget reuses the JANUS run
     assert built(ReplaySft(budget=0.5, janus_tau=0.9, lr=1e-2), builder, ctx)[1].jacobian_evaluations == 0
     assert runs == [0.9]
+
+
+def test_janus_then_replay_fine_tuning_trains_from_the_janus_result():
+    """The JANUS run's result (here a stand-in rectifier that halves the update), then the plain training loop from
+    there; a second candidate of the same τ shares the run and is charged only its passes."""
+    model, theta0 = tiny_pair(seed=3)
+    builder = builder_for(model, theta0, replay=EQUAL)
+    runs = []
+
+    def halving_janus(model, reference, replay, config, progress, finetuned):
+        runs.append(config.tau)
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_((reference[k] + finetuned[k]) / 2)
+        return RectificationReport(config={}, num_jacobian_evals=3)
+
+    ctx = context(batch_size=len(EQUAL), rectify_fn=halving_janus)
+    candidate = JanusThenReplaySft(passes=2, tau=0.9, lr=1e-2)
+    weights, cost = built(candidate, builder, ctx)
+    assert runs == [0.9] and (cost.jacobian_evaluations, cost.forward_passes, cost.backward_passes) == (3, 4.0, 2.0)
+    halfway = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, p in halfway.named_parameters():
+            p.copy_((theta0[k] + builder.finetuned[k]) / 2)
+    want = train_by_hand(halfway, theta0, 2, "kl", "adam", 1e-2)
+    for k, w in want.items():
+        assert torch.allclose(weights[k], w, atol=1e-6), k
+    assert all(torch.equal(builder.params[k].detach(), v) for k, v in builder.finetuned.items())
+    more = JanusThenReplaySft(passes=1, tau=0.9, loss="ce", lr=1e-2).prepare(builder, ctx)
+    assert runs == [0.9] and (more.jacobian_evaluations, more.forward_passes, more.backward_passes) == (0, 1.0, 1.0)
+    assert candidate.prepare(builder, ctx).reused
+    assert "JANUS result at τ=0.9 trained further for 2 passes on the KL" in candidate.describe()
 
 
 def test_replay_fine_tuning_is_refused_where_its_optimizer_state_does_not_fit():

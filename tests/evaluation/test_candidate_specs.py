@@ -13,8 +13,9 @@ import torch
 from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
 from hf_janus import JanusConfig, load_report
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.candidates import (DEFAULT_PEERS, DampedJanus, DgHard, Janus, JanusToReference, Lines, ReplaySft,
-                                            SpecContext, Wise, WiseThenJanus, candidates, kinds, parse_candidates)
+from hf_janus.evaluation.candidates import (DEFAULT_PEERS, DampedJanus, DgHard, Janus, JanusThenReplaySft,
+                                            JanusToReference, Lines, ReplaySft, SpecContext, Wise, WiseThenJanus,
+                                            candidates, kinds, parse_candidates)
 from hf_janus.evaluation.frontier_search import frontier, wise_margin
 from hf_janus.evaluation.harness import TaskResult
 from testing_utils import build_tiny
@@ -37,6 +38,10 @@ def test_spec_grammar_builds_the_kinds():
     budgets = parse_candidates("replay-sft", SpecContext(tau=0.9))
     assert [(c.budget, c.janus_tau, c.run_key()) for c in budgets] == [(1.0, 0.9, None), (2.0, 0.9, None),
                                                                       (4.0, 0.9, None)]
+    polished = parse_candidates("janus-then-replay-sft janus-then-replay-sft:passes=8:tau=0.9:loss=ce",
+                                SpecContext(tau=0.95))
+    assert polished == [JanusThenReplaySft(passes=16, tau=0.95), JanusThenReplaySft(passes=8, tau=0.9, loss="ce")]
+    assert polished[0].loss == "kl" and polished[0].run_key() == Janus(0.95).run_key()  # shares JANUS's run
     assert parse_candidates("input-null fisher:1 lines dg-hard")[-2:] == [Lines(0.0, 1.0), DgHard()]
     assert [c.energy for c in parse_candidates("input_null")] == [0.9, 0.99, 0.999]  # the JSON kind works too
     assert [k.name for k in kinds()][:3] == ["wise", "intruder", "janus"]
@@ -53,6 +58,8 @@ def test_spec_grammar_builds_the_kinds():
     ("replay-sft:passes=2:budget=1", "passes= or budget=, not both"),
     ("replay-sft:passes=0", "passes must be a whole number ≥ 1"),
     ("replay-sft:passes=2:loss=mse", "loss must be one of \\('ce', 'kl'\\)"),
+    ("janus-then-replay-sft:passes=0", "janus-then-replay-sft: passes must be a whole number ≥ 1"),
+    ("janus-then-replay-sft:optimizer=lbfgs", "optimizer must be one of \\('adam', 'sgd'\\)"),
     ("input-null:1", "energy must be strictly between 0 and 1"),
     ("input-null:0.9:tokens=some", "tokens must be one of"),
     ("regmean:0", "lam must be finite and > 0"),

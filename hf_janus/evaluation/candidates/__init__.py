@@ -3,8 +3,9 @@ of the kinds, a spec syntax (:func:`parse_candidates`) and the keyword grids of 
 (:func:`candidates`).
 
 Kinds, by spec name: ``wise``, ``janus``, ``damped-janus``, ``janus-to-reference``, ``janus-to-finetuned``,
-``wise-then-janus``, ``intruder`` and ``intruder-then-janus`` (LoRA adapters), and the post-hoc peers
-``replay-sft``, ``input-null``, ``regmean``, ``fisher``, ``lines`` and ``dg-hard`` (full fine-tuning).
+``wise-then-janus``, ``intruder`` and ``intruder-then-janus`` (LoRA adapters), the post-hoc peers ``replay-sft``,
+``input-null``, ``regmean``, ``fisher``, ``lines`` and ``dg-hard`` (full fine-tuning), and
+``janus-then-replay-sft`` (JANUS, then replay fine-tuning from its result).
 """
 
 from hf_janus.evaluation.candidates.anchor import FINETUNED, REFERENCE, Anchor
@@ -17,6 +18,7 @@ from hf_janus.evaluation.candidates.input_null import InputNull
 from hf_janus.evaluation.candidates.intruder import INTRUDER_CURVE_SPEC, Intruder
 from hf_janus.evaluation.candidates.intruder_then_janus import IntruderThenJanus
 from hf_janus.evaluation.candidates.janus import Janus, JanusBased
+from hf_janus.evaluation.candidates.janus_then_replay_sft import JanusThenReplaySft
 from hf_janus.evaluation.candidates.janus_to_finetuned import JanusToFinetuned
 from hf_janus.evaluation.candidates.janus_to_reference import JanusToReference
 from hf_janus.evaluation.candidates.keywords import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
@@ -32,7 +34,7 @@ from hf_janus.evaluation.candidates.wise_then_janus import WiseThenJanus
 
 # the order of the plot's legend and of the docs
 for _kind in (Wise, Intruder, Janus, DampedJanus, JanusToReference, JanusToFinetuned, WiseThenJanus,
-              IntruderThenJanus, ReplaySft, InputNull, RegMean, Fisher, Lines, DgHard):
+              IntruderThenJanus, ReplaySft, InputNull, RegMean, Fisher, Lines, DgHard, JanusThenReplaySft):
     register(_kind)
 del _kind
 
@@ -40,7 +42,8 @@ __all__ = [
     "DEFAULT_DAMPINGS", "DEFAULT_HYBRID_GRID", "DEFAULT_PEERS", "DEFAULT_INTRUDER_LAMBDAS", "DEFAULT_PRE_JANUS_GRID",
     "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID", "FINETUNED", "INTRUDER_CURVE_SPEC",
     "REFERENCE", "WISE_CURVE_SPEC", "Anchor", "BuildContext", "Candidate", "Cost", "Curve", "DampedJanus", "DgHard",
-    "Fisher", "InputNull", "Intruder", "IntruderThenJanus", "Janus", "JanusBased", "JanusToFinetuned",
+    "Fisher", "InputNull", "Intruder", "IntruderThenJanus", "Janus", "JanusBased", "JanusThenReplaySft",
+    "JanusToFinetuned",
     "JanusToReference", "Lines", "Option", "PlotStyle", "RegMean", "ReplaySft", "SpecContext", "Wise",
     "WiseThenJanus", "candidates", "check_grids", "kind_named", "kinds", "parse_candidates", "register",
 ]

@@ -64,11 +64,13 @@ def replay_loss(model: torch.nn.Module, batch: Mapping[str, Tensor], loss: str,
 
 
 def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimizer: str, lr: float,
-                    batch_size: int) -> dict[str, Tensor]:
-    """The changed parameters after ``passes`` passes of replay training from θ̂ (float32, on the host)."""
+                    batch_size: int, start: Optional[Mapping[str, Tensor]] = None) -> dict[str, Tensor]:
+    """The changed parameters after ``passes`` passes of replay training from ``start`` (default θ̂), float32, on
+    the host."""
     names = list(builder.theta0)
+    start = builder.finetuned if start is None else start
     params = [builder.params[k] for k in names]
-    master = [builder.finetuned[k].detach().float().to(p.device).clone().requires_grad_(True)
+    master = [start[k].detach().float().to(p.device).clone().requires_grad_(True)
               for k, p in zip(names, params)]
     opt = (torch.optim.Adam(master, lr=lr) if optimizer == "adam" else torch.optim.SGD(master, lr=lr))
     flags = [p.requires_grad for p in params]
@@ -77,7 +79,7 @@ def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimiz
     try:
         for p in params:
             p.requires_grad_(True)
-        with holding(builder, builder.finetuned) as model, evaluation_mode(model):
+        with holding(builder, start) as model, evaluation_mode(model):
             for batch in itertools.chain.from_iterable(itertools.repeat(batches, passes)):
                 batch = on_device(batch, device)
                 reference = None

@@ -1,0 +1,93 @@
+"""JANUS, then replay fine-tuning from its result: the projection keeps the replay's losses to first order along
+its steps, and a few passes on the replay's KL to θ0 then restore what the first order misses (θ0's answers are
+near-ties that a small move flips), in the directions the projection left free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+from torch import Tensor
+
+from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, finite_positive, measured,
+                                                 parse_float, parse_int, parse_str, require)
+from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
+from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, LOSSES, OPTIMIZERS, ReplaySft, train_on_replay
+
+if TYPE_CHECKING:
+    from hf_janus.evaluation.candidate_weights import WeightBuilder
+
+DEFAULT_POLISH_PASSES = (16,)
+
+
+@dataclass(frozen=True)
+class JanusThenReplaySft(JanusBased):
+    """The JANUS result at ``tau`` trained ``passes`` passes on the replay (by default on its KL to θ0)."""
+
+    passes: int
+    tau: float
+    loss: str = "kl"
+    optimizer: str = "adam"
+    lr: float = DEFAULT_LR
+    batch_size: Optional[int] = None  # None: the JanusConfig's replay_batch_size
+
+    name: ClassVar[str] = "janus-then-replay-sft"
+    kind: ClassVar[str] = "janus_then_replay_sft"
+    title: ClassVar[str] = "JANUS → replay SFT"
+    options: ClassVar[tuple[Option, ...]] = (
+        Option("passes", parse_int, DEFAULT_POLISH_PASSES, "passes over the replay after JANUS (≥ 1)"),
+        tau_option(),
+        Option("loss", parse_str, ("kl",), "'kl' (KL to θ0's next-token distributions) or 'ce'"),
+        Option("optimizer", parse_str, ("adam",), "'adam' or 'sgd'"),
+        Option("lr", parse_float, (DEFAULT_LR,), "learning rate (> 0)"),
+        Option("batch_size", parse_int, None, "replay samples per step (default: the JanusConfig's "
+                                              "replay_batch_size)"))
+    style: ClassVar[PlotStyle] = PlotStyle("P", "C2", "JANUS → replay SFT")
+
+    def __post_init__(self) -> None:
+        check_tau(self.name, self.tau)
+        require(int(self.passes) == self.passes and self.passes >= 1, self.name, "passes", self.passes,
+                "a whole number ≥ 1")
+        require(self.loss in LOSSES, self.name, "loss", self.loss, f"one of {LOSSES}")
+        require(self.optimizer in OPTIMIZERS, self.name, "optimizer", self.optimizer, f"one of {OPTIMIZERS}")
+        require(finite_positive(self.lr), self.name, "lr", self.lr, "finite and > 0")
+        if self.batch_size is not None:
+            require(int(self.batch_size) == self.batch_size and self.batch_size >= 1, self.name, "batch_size",
+                    self.batch_size, "a whole number ≥ 1")
+
+    @property
+    def label(self) -> str:
+        return (f"JANUS τ={self.tau:g} → replay SFT {self.passes} passes ({self.loss.upper()}, {self.optimizer} "
+                f"lr={self.lr:g})")
+
+    def describe(self) -> str:
+        target = ("the KL divergence to θ0's next-token distributions on the replay" if self.loss == "kl"
+                  else "the replay's next-token cross-entropy")
+        return (f"It is the JANUS result at τ={self.tau:g} trained further for {self.passes} passes on {target} "
+                f"({self.optimizer}, lr {self.lr:g})." + self.janus_note())
+
+    def artifact_key(self) -> str:
+        return "janus_then_replay_sft:" + repr(self)
+
+    def check(self, builder: "WeightBuilder") -> None:
+        # the same optimizer state as replay fine-tuning from θ̂, so the same refusal
+        ReplaySft(passes=self.passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr).check(builder)
+
+    def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
+        key = self.artifact_key()
+        if key in builder.artifacts:
+            return Cost(reused=True)
+
+        def work() -> Cost:
+            janus = super(JanusThenReplaySft, self).prepare(builder, context)
+            builder.artifacts[key] = train_on_replay(
+                builder, self.passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
+                batch_size=self.batch_size or context.config.replay_batch_size, start=self.janus_weights(builder))
+            return Cost(jacobian_evaluations=janus.jacobian_evaluations,
+                        forward_passes=float(self.passes * (2 if self.loss == "kl" else 1)),
+                        backward_passes=float(self.passes))
+
+        return measured(builder, work)
+
+    def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
+        return {**{k: v.float() for k, v in builder.finetuned.items()}, **builder.artifacts[self.artifact_key()]}
