@@ -574,7 +574,7 @@ def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, r
                    config: JanusConfig):
     """The JANUS point (made with ``config``) trained further on the replay's KL to θ0, for each ``kl<N>``: the
     frontier's ``janus-then-replay-sft`` candidate, given the JANUS run this study already made; yields (label,
-    weights, seconds)."""
+    weights, its :class:`Cost`)."""
     from hf_janus.evaluation.candidate_weights import WeightBuilder
     from hf_janus.evaluation.candidates import BuildContext, JanusThenReplaySft
     from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR
@@ -589,7 +589,7 @@ def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, r
         builder.janus[candidate.run_key()] = janus  # the run this variant made: the candidate starts from it
         cost = candidate.prepare(builder, context)
         rate = f", lr {candidate.lr:g}" if "kllr" in lever else ""
-        yield f"{name} → replay KL {passes} passes{rate}", candidate.weights(builder), cost.seconds
+        yield f"{name} → replay KL {passes} passes{rate}", candidate.weights(builder), cost
 
 
 def main() -> None:
@@ -708,11 +708,12 @@ def main() -> None:
                                                             data["gsm"], pad), hybrid_of=name)
             log(f"[{label}] {record['points'][label]['repair']}")
             save()
-        for label, weights, took in replay_trained(name, lever, theta0, model, start, replay, tok, config):
+        for label, weights, cost in replay_trained(name, lever, theta0, model, start, replay, tok, config):
             record["points"][label] = scored_point(evaluate(finetuned_model(theta0, weights), tok, sets,
                                                             data["gsm"], pad), hybrid_of=name,
-                                                   replay_training_seconds=took)
-            log(f"[{label}] {took:.0f}s: {record['points'][label]['repair']}")
+                                                   replay_training_seconds=cost.seconds,
+                                                   replay_training_peak_bytes=cost.peak_memory_bytes)
+            log(f"[{label}] {cost.seconds:.0f}s: {record['points'][label]['repair']}")
             save()
             for sub, mixed in hybrids(label, lever, theta0, weights, start, prefix="k"):
                 record["points"][sub] = scored_point(evaluate(finetuned_model(theta0, mixed), tok, sets,

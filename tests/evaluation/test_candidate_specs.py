@@ -160,11 +160,11 @@ def test_the_keyword_grids_end_with_the_default_peers(setting):
 def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     tok, base, tuned, replay = setting
     spec = ("wise:0.5 janus:0.9 replay-sft:passes=2:lr=1e-3 input-null:0.9,0.99 regmean:0.01 fisher:1 lines "
-            "dg-hard")
+            "dg-hard janus-then-replay-sft:passes=2:tau=0.9:lr=1e-3")
     result = run(setting, candidates=spec, min_ap2=0.0)
     kinds_seen = [p.kind for p in result.points]
     assert kinds_seen == ["anchor", "anchor", "wise", "janus", "replay_sft", "input_null", "input_null", "regmean",
-                          "fisher", "lines", "dg_hard"]
+                          "fisher", "lines", "dg_hard", "janus_then_replay_sft"]
     builder, scorer = result._builder, nll_scorer(tok)
     for p in result.points:  # each point's scores are its weights' scores
         with builder.applied(p) as model:
@@ -173,6 +173,10 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     costs = {k: (p.cost.jacobian_evaluations, p.cost.forward_passes, p.cost.backward_passes) for k, p in by.items()}
     assert costs["replay_sft"] == (0, 2.0, 2.0) and costs["regmean"] == (0, 0.0, 0.0)  # the Grams were shared
     assert costs["fisher"] == (0, 1.0, 1.0) and costs["janus"][0] > 0 and costs["lines"] == (0, 0.0, 0.0)
+    # JANUS then replay training: the JANUS run is the janus point's (charged there), the KL passes its own
+    polished = by["janus_then_replay_sft"]
+    assert costs["janus_then_replay_sft"] == (0, 4.0, 2.0) and not polished.cost.reused
+    assert polished.candidate.run_key() == by["janus"].candidate.run_key() == "tau=0.9"
     assert [p.cost.forward_passes for p in result.points if p.kind == "input_null"] == [1.0, 0.0]
     # what building took at its peak, on the CPU the process's resident memory (a kind that builds nothing, or a
     # point built from an earlier one's Grams: none, and the latter says its cost is that point's)
