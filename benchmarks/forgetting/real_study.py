@@ -767,7 +767,8 @@ def write_markdown(path: str) -> str:
         cost = p.get("posthoc_cost") or {}
         passes = ("shared" if cost.get("reused") else f"{cost['forward_passes']:g} / {cost['backward_passes']:g}"
                   if cost.get("forward_passes") or cost.get("backward_passes") else "")
-        peak = p.get("peak_host_bytes", cost.get("peak_host_bytes"))
+        peak = p.get("peak_host_bytes", cost.get("peak_host_bytes", p.get("replay_training_peak_bytes")))
+        seconds = p.get("rectify_seconds", p.get("replay_training_seconds"))  # a kl point: its passes only
         margin = ("" if name.startswith("wise") or r.get("ap2") is None else
                   f"{f(wise_margin(rec['points'], r, 'em_back'), '+.1f')} / "
                   f"{f(wise_margin(rec['points'], r, 'nll_undone'), '+.1f')}")
@@ -776,7 +777,7 @@ def write_markdown(path: str) -> str:
             f"| {f(r.get('nq', {}).get('em_back'))} / {f(r.get('webq', {}).get('em_back'))} "
             f"| {f(ps['nq']['em'])} / {f(ps['webq']['em'])} | {f(ps['nq']['first_token_acc'])} "
             f"| {f(r.get('replayed', {}).get('em_back'))} | {f(r.get('ap2'))} | {margin} "
-            f"| {p.get('jacobian_evaluations', '')} | {passes} | {f(p.get('rectify_seconds'), '.0f')} "
+            f"| {p.get('jacobian_evaluations', '')} | {passes} | {f(seconds, '.0f')} "
             f"| {f(peak / 2**30 if peak else None, '.2f')} | {p.get('replay_samples', '')} |")
     lines += ["", "Where the lost answers flip (NQ never replayed / WebQuestions): answers θ0 reproduces and θ̂ does not, "
               "how many of those θ̂ already misses at their first token, how many each point gives back (of those lost "
