@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 from torch import Tensor
 
-from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, finite_positive, measured,
-                                                 parse_float, parse_int, parse_str, require)
+from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, measured, parse_float,
+                                                 parse_int, parse_str)
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
-from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, LOSSES, OPTIMIZERS, ReplaySft, train_on_replay
+from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, ReplaySft, check_training, train_on_replay
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -46,14 +46,7 @@ class JanusThenReplaySft(JanusBased):
 
     def __post_init__(self) -> None:
         check_tau(self.name, self.tau)
-        require(int(self.passes) == self.passes and self.passes >= 1, self.name, "passes", self.passes,
-                "a whole number ≥ 1")
-        require(self.loss in LOSSES, self.name, "loss", self.loss, f"one of {LOSSES}")
-        require(self.optimizer in OPTIMIZERS, self.name, "optimizer", self.optimizer, f"one of {OPTIMIZERS}")
-        require(finite_positive(self.lr), self.name, "lr", self.lr, "finite and > 0")
-        if self.batch_size is not None:
-            require(int(self.batch_size) == self.batch_size and self.batch_size >= 1, self.name, "batch_size",
-                    self.batch_size, "a whole number ≥ 1")
+        check_training(self)
 
     @property
     def label(self) -> str:

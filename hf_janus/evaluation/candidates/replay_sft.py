@@ -63,6 +63,21 @@ def replay_loss(model: torch.nn.Module, batch: Mapping[str, Tensor], loss: str,
     return (log_p0.exp() * (log_p0 - log_p)).sum(-1).mean()
 
 
+def check_training(candidate: Any) -> None:
+    """Refuse a replay-training candidate's ``passes`` (when given), ``loss``, ``optimizer``, ``lr`` and
+    ``batch_size`` that name no training, saying which option and what it takes."""
+    name = candidate.name
+    if candidate.passes is not None:
+        require(int(candidate.passes) == candidate.passes and candidate.passes >= 1, name, "passes", candidate.passes,
+                "a whole number ≥ 1")
+    require(candidate.loss in LOSSES, name, "loss", candidate.loss, f"one of {LOSSES}")
+    require(candidate.optimizer in OPTIMIZERS, name, "optimizer", candidate.optimizer, f"one of {OPTIMIZERS}")
+    require(finite_positive(candidate.lr), name, "lr", candidate.lr, "finite and > 0")
+    if candidate.batch_size is not None:
+        require(int(candidate.batch_size) == candidate.batch_size and candidate.batch_size >= 1, name, "batch_size",
+                candidate.batch_size, "a whole number ≥ 1")
+
+
 def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimizer: str, lr: float,
                     batch_size: int, start: Optional[Mapping[str, Tensor]] = None) -> dict[str, Tensor]:
     """The changed parameters after ``passes`` passes of replay training from ``start`` (default θ̂), float32, on
@@ -136,19 +151,11 @@ class ReplaySft(Candidate):
         if (self.passes is None) == (self.budget is None):
             raise JanusError("replay-sft takes passes= or budget= (a multiple of JANUS's Jacobian evaluations), "
                              f"exactly one, got passes={self.passes!r}, budget={self.budget!r}")
-        if self.passes is not None:
-            require(int(self.passes) == self.passes and self.passes >= 1, self.name, "passes", self.passes,
-                    "a whole number ≥ 1")
         if self.budget is not None:
             require(finite_positive(self.budget), self.name, "budget", self.budget, "finite and > 0")
             if self.janus_tau is not None:
                 require(0.0 <= float(self.janus_tau) < 1.0, self.name, "janus_tau", self.janus_tau, "in [0, 1)")
-        require(self.loss in LOSSES, self.name, "loss", self.loss, f"one of {LOSSES}")
-        require(self.optimizer in OPTIMIZERS, self.name, "optimizer", self.optimizer, f"one of {OPTIMIZERS}")
-        require(finite_positive(self.lr), self.name, "lr", self.lr, "finite and > 0")
-        if self.batch_size is not None:
-            require(int(self.batch_size) == self.batch_size and self.batch_size >= 1, self.name, "batch_size",
-                    self.batch_size, "a whole number ≥ 1")
+        check_training(self)
 
     @classmethod
     def expand(cls, values: Mapping[str, Sequence[Any]], context: SpecContext) -> list[Candidate]:
