@@ -1,7 +1,8 @@
 """The post-hoc peers as frontier candidates, each against an independent computation on a tiny model: replay
-fine-tuning (a plain PyTorch loop), the input-covariance null space and one-sided RegMean (Grams and projections in
-numpy), the diagonal Fisher (its gradients derived by hand), LiNeS (the scale of each block written out) and DG-Hard
-(Gavish & Donoho's threshold in numpy); and, for LoRA, WiSE-FT against PEFT's ``rescale_adapter_scale``."""
+fine-tuning (a plain PyTorch loop, from θ̂ and from a JANUS result), the input-covariance null space and one-sided
+RegMean (Grams and projections in numpy), the diagonal Fisher (its gradients derived by hand), LiNeS (the scale of
+each block written out) and DG-Hard (Gavish & Donoho's threshold in numpy); and, for LoRA, WiSE-FT against PEFT's
+``rescale_adapter_scale``."""
 
 from __future__ import annotations
 
@@ -302,6 +303,9 @@ def test_janus_then_replay_fine_tuning_trains_from_the_janus_result():
     assert runs == [0.9] and (more.jacobian_evaluations, more.forward_passes, more.backward_passes) == (0, 1.0, 1.0)
     assert candidate.prepare(builder, ctx).reused
     assert "JANUS result at τ=0.9 trained further for 2 passes on the KL" in candidate.describe()
+    full = builder_for(model, theta0, replay=EQUAL, free_memory=lambda device: 0)
+    with pytest.raises(JanusError, match="janus-then-replay-sft needs .* GiB on cpu for its adam state"):
+        candidate.check(full)  # before the JANUS run, like replay-sft
 
 
 def test_replay_fine_tuning_is_refused_where_its_optimizer_state_does_not_fit():

@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 from torch import Tensor
 
-from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, measured, parse_float,
-                                                 parse_int, parse_str)
+from hf_janus.evaluation.candidates.base import BuildContext, Cost, Option, PlotStyle, parse_float, parse_int, parse_str
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
-from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, ReplaySft, check_training, train_on_replay
+from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, ReplayTraining, check_training, train_on_replay
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -21,7 +20,7 @@ DEFAULT_POLISH_PASSES = (16,)
 
 
 @dataclass(frozen=True)
-class JanusThenReplaySft(JanusBased):
+class JanusThenReplaySft(ReplayTraining, JanusBased):
     """The JANUS result at ``tau`` trained ``passes`` passes on the replay (by default on its KL to θ0)."""
 
     passes: int
@@ -59,28 +58,11 @@ class JanusThenReplaySft(JanusBased):
         return (f"It is the JANUS result at τ={self.tau:g} trained further for {self.passes} passes on {target} "
                 f"({self.optimizer}, lr {self.lr:g})." + self.janus_note())
 
-    def artifact_key(self) -> str:
-        return "janus_then_replay_sft:" + repr(self)
-
-    def check(self, builder: "WeightBuilder") -> None:
-        # the same optimizer state as replay fine-tuning from θ̂, so the same refusal
-        ReplaySft(passes=self.passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr).check(builder)
-
-    def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
-        key = self.artifact_key()
-        if key in builder.artifacts:
-            return Cost(reused=True)
-
-        def work() -> Cost:
-            janus = super(JanusThenReplaySft, self).prepare(builder, context)
-            builder.artifacts[key] = train_on_replay(
-                builder, self.passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
-                batch_size=self.batch_size or context.config.replay_batch_size, start=self.janus_weights(builder))
-            return Cost(jacobian_evaluations=janus.jacobian_evaluations,
-                        forward_passes=float(self.passes * (2 if self.loss == "kl" else 1)),
-                        backward_passes=float(self.passes))
-
-        return measured(builder, work)
-
-    def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
-        return {**{k: v.float() for k, v in builder.finetuned.items()}, **builder.artifacts[self.artifact_key()]}
+    def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
+        janus = JanusBased.prepare(self, builder, context)  # the run of this τ, or the one another kind made
+        trained = train_on_replay(builder, self.passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
+                                  batch_size=self.batch_size or context.config.replay_batch_size,
+                                  start=self.janus_weights(builder))
+        return trained, Cost(jacobian_evaluations=janus.jacobian_evaluations,
+                             forward_passes=float(self.passes * (2 if self.loss == "kl" else 1)),
+                             backward_passes=float(self.passes))

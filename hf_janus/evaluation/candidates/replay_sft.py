@@ -78,6 +78,25 @@ def check_training(candidate: Any) -> None:
                 candidate.batch_size, "a whole number ≥ 1")
 
 
+def training_state_bytes(builder: "WeightBuilder", optimizer: str) -> int:
+    """What replay training keeps on the model's device besides the model: float32 optimizer state for each changed
+    parameter, and the gradient autograd returns in the parameter's dtype."""
+    return sum(p.numel() * (STATE_BYTES[optimizer] + builder.params[k].element_size())
+               for k, p in builder.finetuned.items())
+
+
+def check_training_fits(candidate: Any, builder: "WeightBuilder") -> None:
+    """Refuse, before any work, a replay-training candidate whose optimizer state does not fit the device."""
+    device = model_device(builder.model)
+    need, free = training_state_bytes(builder, candidate.optimizer), builder.free_memory(device)
+    if free is not None and need > free:
+        raise JanusError(
+            f"{candidate.name} needs {need / GIB:.1f} GiB on {device} for its {candidate.optimizer} state over the "
+            f"{sum(p.numel() for p in builder.finetuned.values()):,} changed parameters but {free / GIB:.1f} GiB "
+            "are free there; drop it from the candidates (or --peers), use optimizer=sgd (half the state), or "
+            "run the frontier where more memory is free")
+
+
 def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimizer: str, lr: float,
                     batch_size: int, start: Optional[Mapping[str, Tensor]] = None) -> dict[str, Tensor]:
     """The changed parameters after ``passes`` passes of replay training from ``start`` (default θ̂), float32, on
@@ -115,8 +134,44 @@ def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimiz
     return {k: m.detach().cpu().clone() for k, m in zip(names, master)}
 
 
+class ReplayTraining:
+    """What the replay-training kinds share, as a base before :class:`Candidate` (or a JANUS-based kind): the
+    optimizer state check, and the weights :meth:`train` makes, kept once per candidate."""
+
+    kind: ClassVar[str]
+    optimizer: str
+
+    def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
+        """The trained values of the changed parameters, and what making them cost (its seconds are measured)."""
+        raise NotImplementedError
+
+    def artifact_key(self) -> str:
+        return f"{self.kind}:{self!r}"
+
+    def state_bytes(self, builder: "WeightBuilder") -> int:
+        return training_state_bytes(builder, self.optimizer)
+
+    def check(self, builder: "WeightBuilder") -> None:
+        super().check(builder)  # type: ignore[misc]
+        check_training_fits(self, builder)
+
+    def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
+        key = self.artifact_key()
+        if key in builder.artifacts:
+            return Cost(reused=True)
+
+        def work() -> Cost:
+            builder.artifacts[key], cost = self.train(builder, context)
+            return cost
+
+        return measured(builder, work)
+
+    def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
+        return {**{k: v.float() for k, v in builder.finetuned.items()}, **builder.artifacts[self.artifact_key()]}
+
+
 @dataclass(frozen=True)
-class ReplaySft(Candidate):
+class ReplaySft(ReplayTraining, Candidate):
     """θ̂ trained further on the replay for ``passes`` passes (or ``budget`` × JANUS's Jacobian evaluations)."""
 
     passes: Optional[int] = None
@@ -189,46 +244,16 @@ class ReplaySft(Candidate):
                    + ("" if self.janus_tau is None else f" at τ={self.janus_tau:g}") + " in passes")
                 + f") on {target} (no JANUS step).")
 
-    def artifact_key(self) -> str:
-        return "replay_sft:" + repr(self)
-
-    def state_bytes(self, builder: "WeightBuilder") -> int:
-        """What training keeps on the model's device besides the model: float32 optimizer state for each changed
-        parameter, and the gradient autograd returns in the parameter's dtype."""
-        return sum(p.numel() * (STATE_BYTES[self.optimizer] + builder.params[k].element_size())
-                   for k, p in builder.finetuned.items())
-
-    def check(self, builder: "WeightBuilder") -> None:
-        super().check(builder)
-        device = model_device(builder.model)
-        need, free = self.state_bytes(builder), builder.free_memory(device)
-        if free is not None and need > free:
-            raise JanusError(
-                f"{self.name} needs {need / GIB:.1f} GiB on {device} for its {self.optimizer} state over the "
-                f"{sum(p.numel() for p in builder.finetuned.values()):,} changed parameters but {free / GIB:.1f} GiB "
-                "are free there; drop it from the candidates (or --peers), use optimizer=sgd (half the state), or "
-                "run the frontier where more memory is free")
-
-    def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
-        key = self.artifact_key()
-        if key in builder.artifacts:
-            return Cost(reused=True)
-
-        def work() -> Cost:
-            cost = Cost()
-            passes = self.passes
-            if passes is None:
-                janus = Janus(context.config.tau if self.janus_tau is None else self.janus_tau)
-                cost.jacobian_evaluations = janus.prepare(builder, context).jacobian_evaluations
-                passes = max(1, round(self.budget * builder.reports[janus.run_key()].num_jacobian_evals))
-            batch_size = self.batch_size or context.config.replay_batch_size
-            builder.artifacts[key] = train_on_replay(builder, passes, loss=self.loss, optimizer=self.optimizer,
-                                                     lr=self.lr, batch_size=batch_size)
-            cost.forward_passes = float(passes * (2 if self.loss == "kl" else 1))
-            cost.backward_passes = float(passes)
-            return cost
-
-        return measured(builder, work)
-
-    def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
-        return {**{k: v.float() for k, v in builder.finetuned.items()}, **builder.artifacts[self.artifact_key()]}
+    def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
+        cost = Cost()
+        passes = self.passes
+        if passes is None:
+            janus = Janus(context.config.tau if self.janus_tau is None else self.janus_tau)
+            cost.jacobian_evaluations = janus.prepare(builder, context).jacobian_evaluations
+            passes = max(1, round(self.budget * builder.reports[janus.run_key()].num_jacobian_evals))
+        batch_size = self.batch_size or context.config.replay_batch_size
+        trained = train_on_replay(builder, passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
+                                  batch_size=batch_size)
+        cost.forward_passes = float(passes * (2 if self.loss == "kl" else 1))
+        cost.backward_passes = float(passes)
+        return trained, cost
