@@ -444,10 +444,9 @@ def levers(name: str) -> dict:
     (``damping`` = 0.N); ``ref<N>`` and ``hat<N>`` (repeatable) also score the frontier's hybrids of the JANUS
     point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``kl<N>`` (repeatable)
     also scores the JANUS point trained further for N passes on the replay's KL to θ0 (the frontier's
-    ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that point's hybrids;
-    ``base`` and ``janus``
-    are the defaults; ``corda``/``osf`` start from that training-time peer's θ̂ (alone: the peer, not rectified),
-    and ``lr<X>e-<Y>`` sets the peer's learning rate."""
+    ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that
+    point's hybrids; ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from that training-time peer's
+    θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning rate."""
     out: dict = {"m": 64}
     for part in name.split("+"):
         number = re.fullmatch(r"(m|r|tau|steps|tokenloss|margin|marginonly)(\d*)", part)
