@@ -15,6 +15,7 @@ from merge_fixtures import save_base
 from transformers import TrainerCallback
 
 from hf_janus import JanusCallback, JanusConfig, JanusError
+from hf_janus.engine.quantized import differentiable_quantized
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -189,7 +190,9 @@ def test_qlora_new_adapter_beside_the_trained_one(base_dir, tmp_path):
         model = lora_model(base_dir, "nf4")
         janus = JanusCallback(samples(6, seed=2), EXACT, new_adapter_name=name)
         trainer = train(model, tmp_path / str(name), [janus])
-        with torch.no_grad():
+        # bitsandbytes' AVX512-BF16 kernel (eval, no grad) repacks the weights with bf16 block scales: another
+        # arithmetic than the trained model's; the engine keeps it off for its passes, and the test for its own
+        with torch.no_grad(), differentiable_quantized(model):
             runs[name] = model.eval()(input_ids=ids).logits
             if name:
                 model.set_adapter("default")
@@ -199,7 +202,7 @@ def test_qlora_new_adapter_beside_the_trained_one(base_dir, tmp_path):
     torch.testing.assert_close(runs["janus"], runs[None], rtol=0, atol=1e-6)
     assert not torch.equal(trained, runs["janus"])
     reloaded = PeftModel.from_pretrained(quantized_base(base_dir, "nf4"), str(tmp_path / "saved-janus"))
-    with torch.no_grad():
+    with torch.no_grad(), differentiable_quantized(reloaded):
         torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
         reloaded.load_adapter(str(tmp_path / "saved-janus" / "janus"), adapter_name="janus")
         reloaded.set_adapter("janus")
