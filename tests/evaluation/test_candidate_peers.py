@@ -302,6 +302,11 @@ def test_janus_then_replay_fine_tuning_trains_from_the_janus_result():
     more = JanusThenReplaySft(passes=1, tau=0.9, loss="ce", lr=1e-2).prepare(builder, ctx)
     assert runs == [0.9] and (more.jacobian_evaluations, more.forward_passes, more.backward_passes) == (0, 1.0, 1.0)
     assert candidate.prepare(builder, ctx).reused
+    # moved toward θ0 by b: no more training, θ0 + b(θ_T − θ0)
+    moved = JanusThenReplaySft(passes=2, tau=0.9, lr=1e-2, b=0.5)
+    assert moved.prepare(builder, ctx).reused and moved.label.endswith("lr=0.01) → θ0 b=0.5")
+    for k, w in moved.weights(builder).items():
+        assert torch.allclose(w, (theta0[k].float() + weights[k]) / 2, atol=1e-6), k
     assert "JANUS result at τ=0.9 trained further for 2 passes on the KL" in candidate.describe()
     full = builder_for(model, theta0, replay=EQUAL, free_memory=lambda device: 0)
     with pytest.raises(JanusError, match="janus-then-replay-sft needs .* GiB on cpu for its adam state"):

@@ -1,15 +1,18 @@
 """JANUS, then replay fine-tuning from its result: the projection keeps the replay's losses to first order along
 its steps, and a few passes on the replay's KL to θ0 then restore what the first order misses (θ0's answers are
-near-ties that a small move flips), in the directions the projection left free."""
+near-ties that a small move flips), in the directions the projection left free. With ``b``, the trained point is
+moved toward θ0 (``θ0 + b(θ_T − θ0)``), sharing the training with the candidates of the same settings."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 from torch import Tensor
 
-from hf_janus.evaluation.candidates.base import BuildContext, Cost, Option, PlotStyle, parse_float, parse_int, parse_str
+from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, in_open_unit, interpolate,
+                                                 parse_float, parse_int, parse_str, require)
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, ReplayTraining, check_training, train_on_replay
 
@@ -29,6 +32,7 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
     optimizer: str = "adam"
     lr: float = DEFAULT_LR
     batch_size: Optional[int] = None  # None: the JanusConfig's replay_batch_size
+    b: Optional[float] = None  # None: the trained point itself
 
     name: ClassVar[str] = "janus-then-replay-sft"
     kind: ClassVar[str] = "janus_then_replay_sft"
@@ -40,23 +44,33 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
         Option("optimizer", parse_str, ("adam",), "'adam' or 'sgd'"),
         Option("lr", parse_float, (DEFAULT_LR,), "learning rate (> 0)"),
         Option("batch_size", parse_int, None, "replay samples per step (default: the JanusConfig's "
-                                              "replay_batch_size)"))
+                                              "replay_batch_size)"),
+        Option("b", parse_float, None, "move the trained point toward θ0: θ0 + b(θ_T − θ0), b in (0, 1) (default: "
+                                       "the trained point)"))
     style: ClassVar[PlotStyle] = PlotStyle("P", "C2", "JANUS → replay SFT")
 
     def __post_init__(self) -> None:
         check_tau(self.name, self.tau)
         check_training(self)
+        if self.b is not None:
+            require(in_open_unit(self.b), self.name, "b", self.b, "strictly between 0 and 1 (1 is the trained point)")
 
     @property
     def label(self) -> str:
+        toward = "" if self.b is None else f" → θ0 b={self.b:g}"
         return (f"JANUS τ={self.tau:g} → replay SFT {self.passes} passes ({self.loss.upper()}, {self.optimizer} "
-                f"lr={self.lr:g})")
+                f"lr={self.lr:g}){toward}")
 
     def describe(self) -> str:
         target = ("the KL divergence to θ0's next-token distributions on the replay" if self.loss == "kl"
                   else "the replay's next-token cross-entropy")
+        toward = "" if self.b is None else f" It is then moved toward θ0: θ0 + {self.b:g}·(θ_T − θ0)."
         return (f"It is the JANUS result at τ={self.tau:g} trained further for {self.passes} passes on {target} "
-                f"({self.optimizer}, lr {self.lr:g})." + self.janus_note())
+                f"({self.optimizer}, lr {self.lr:g}), θ_T." + toward + self.janus_note())
+
+    def artifact_key(self) -> str:
+        # b only moves the trained point: the points of every b share one training
+        return super().artifact_key() if self.b is None else dataclasses.replace(self, b=None).artifact_key()
 
     def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
         janus = JanusBased.prepare(self, builder, context)  # the run of this τ, or the one another kind made
@@ -66,3 +80,7 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
         return trained, Cost(jacobian_evaluations=janus.jacobian_evaluations,
                              forward_passes=float(self.passes * (2 if self.loss == "kl" else 1)),
                              backward_passes=float(self.passes))
+
+    def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
+        trained = super().weights(builder)
+        return trained if self.b is None else interpolate(builder.theta0, trained, self.b)
