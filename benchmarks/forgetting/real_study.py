@@ -649,6 +649,13 @@ def main() -> None:
                 "repair": repair_figures(point, scored["theta0"], scored["finetuned"]),
                 "flips": flips(scored["theta0"], scored["finetuned"], point), **extra}
 
+    def record_weights(label: str, weights: dict, note: str = "", **extra) -> None:
+        """Score the model θ0 with ``weights``, record it under ``label``, log it and save."""
+        point = evaluate(finetuned_model(theta0, weights), tok, sets, data["gsm"], pad)
+        record["points"][label] = scored_point(point, **extra)
+        log(f"[{label}] {note}{record['points'][label]['repair']}")
+        save()
+
     for anchor in ("theta0", "finetuned"):
         model = theta0 if anchor == "theta0" else finetuned_model(theta0, exact)
         scored[anchor] = evaluate(model, tok, sets, data["gsm"], pad)
@@ -703,22 +710,12 @@ def main() -> None:
         log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
         save()
         for label, weights in hybrids(name, lever, theta0, model, start):
-            record["points"][label] = scored_point(evaluate(finetuned_model(theta0, weights), tok, sets,
-                                                            data["gsm"], pad), hybrid_of=name)
-            log(f"[{label}] {record['points'][label]['repair']}")
-            save()
+            record_weights(label, weights, hybrid_of=name)
         for label, weights, cost in replay_trained(name, lever, theta0, model, start, replay, tok, config):
-            record["points"][label] = scored_point(evaluate(finetuned_model(theta0, weights), tok, sets,
-                                                            data["gsm"], pad), hybrid_of=name,
-                                                   replay_training_seconds=cost.seconds,
-                                                   replay_training_peak_bytes=cost.peak_memory_bytes)
-            log(f"[{label}] {cost.seconds:.0f}s: {record['points'][label]['repair']}")
-            save()
+            record_weights(label, weights, f"{cost.seconds:.0f}s: ", hybrid_of=name,
+                           replay_training_seconds=cost.seconds, replay_training_peak_bytes=cost.peak_memory_bytes)
             for sub, mixed in hybrids(label, lever, theta0, weights, start, prefix="k"):
-                record["points"][sub] = scored_point(evaluate(finetuned_model(theta0, mixed), tok, sets,
-                                                              data["gsm"], pad), hybrid_of=label)
-                log(f"[{sub}] {record['points'][sub]['repair']}")
-                save()
+                record_weights(sub, mixed, hybrid_of=label)
     if args.posthoc:
         replay = replay_samples(data["pool"][:64])
         for label, model, cost in posthoc_points(args.posthoc, theta0, exact, replay, tok):

@@ -14,7 +14,7 @@ from torch import Tensor
 from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, in_open_unit, interpolate,
                                                  parse_float, parse_int, parse_str, require)
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
-from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, ReplayTraining, check_training, train_on_replay
+from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, ReplayTraining, train_on_replay
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -51,7 +51,7 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
 
     def __post_init__(self) -> None:
         check_tau(self.name, self.tau)
-        check_training(self)
+        self.check_training()
         if self.b is not None:
             require(in_open_unit(self.b), self.name, "b", self.b, "strictly between 0 and 1 (1 is the trained point)")
 
@@ -77,9 +77,7 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
         trained = train_on_replay(builder, self.passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
                                   batch_size=self.batch_size or context.config.replay_batch_size,
                                   start=self.janus_weights(builder))
-        return trained, Cost(jacobian_evaluations=janus.jacobian_evaluations,
-                             forward_passes=float(self.passes * (2 if self.loss == "kl" else 1)),
-                             backward_passes=float(self.passes))
+        return trained, self.passes_cost(self.passes, janus.jacobian_evaluations)
 
     def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
         trained = super().weights(builder)

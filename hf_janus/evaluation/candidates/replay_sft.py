@@ -63,40 +63,6 @@ def replay_loss(model: torch.nn.Module, batch: Mapping[str, Tensor], loss: str,
     return (log_p0.exp() * (log_p0 - log_p)).sum(-1).mean()
 
 
-def check_training(candidate: Any) -> None:
-    """Refuse a replay-training candidate's ``passes`` (when given), ``loss``, ``optimizer``, ``lr`` and
-    ``batch_size`` that name no training, saying which option and what it takes."""
-    name = candidate.name
-    if candidate.passes is not None:
-        require(int(candidate.passes) == candidate.passes and candidate.passes >= 1, name, "passes", candidate.passes,
-                "a whole number ≥ 1")
-    require(candidate.loss in LOSSES, name, "loss", candidate.loss, f"one of {LOSSES}")
-    require(candidate.optimizer in OPTIMIZERS, name, "optimizer", candidate.optimizer, f"one of {OPTIMIZERS}")
-    require(finite_positive(candidate.lr), name, "lr", candidate.lr, "finite and > 0")
-    if candidate.batch_size is not None:
-        require(int(candidate.batch_size) == candidate.batch_size and candidate.batch_size >= 1, name, "batch_size",
-                candidate.batch_size, "a whole number ≥ 1")
-
-
-def training_state_bytes(builder: "WeightBuilder", optimizer: str) -> int:
-    """What replay training keeps on the model's device besides the model: float32 optimizer state for each changed
-    parameter, and the gradient autograd returns in the parameter's dtype."""
-    return sum(p.numel() * (STATE_BYTES[optimizer] + builder.params[k].element_size())
-               for k, p in builder.finetuned.items())
-
-
-def check_training_fits(candidate: Any, builder: "WeightBuilder") -> None:
-    """Refuse, before any work, a replay-training candidate whose optimizer state does not fit the device."""
-    device = model_device(builder.model)
-    need, free = training_state_bytes(builder, candidate.optimizer), builder.free_memory(device)
-    if free is not None and need > free:
-        raise JanusError(
-            f"{candidate.name} needs {need / GIB:.1f} GiB on {device} for its {candidate.optimizer} state over the "
-            f"{sum(p.numel() for p in builder.finetuned.values()):,} changed parameters but {free / GIB:.1f} GiB "
-            "are free there; drop it from the candidates (or --peers), use optimizer=sgd (half the state), or "
-            "run the frontier where more memory is free")
-
-
 def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimizer: str, lr: float,
                     batch_size: int, start: Optional[Mapping[str, Tensor]] = None) -> dict[str, Tensor]:
     """The changed parameters after ``passes`` passes of replay training from ``start`` (default θ̂), float32, on
@@ -135,25 +101,60 @@ def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimiz
 
 
 class ReplayTraining:
-    """What the replay-training kinds share, as a base before :class:`Candidate` (or a JANUS-based kind): the
-    optimizer state check, and the weights :meth:`train` makes, kept once per candidate."""
+    """What the replay-training kinds share, as a base before :class:`Candidate` (or a JANUS-based kind): their
+    options' checks, the optimizer state check, the cost of their passes, and the weights :meth:`train` makes, kept
+    once per candidate."""
 
+    name: ClassVar[str]
     kind: ClassVar[str]
+    passes: Optional[int]
+    loss: str
     optimizer: str
+    lr: float
+    batch_size: Optional[int]
 
     def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
         """The trained values of the changed parameters, and what making them cost (its seconds are measured)."""
         raise NotImplementedError
 
+    def check_training(self) -> None:
+        """Refuse ``passes`` (when given), ``loss``, ``optimizer``, ``lr`` and ``batch_size`` that name no training,
+        saying which option and what it takes."""
+        name = self.name
+        if self.passes is not None:
+            require(int(self.passes) == self.passes and self.passes >= 1, name, "passes", self.passes,
+                    "a whole number ≥ 1")
+        require(self.loss in LOSSES, name, "loss", self.loss, f"one of {LOSSES}")
+        require(self.optimizer in OPTIMIZERS, name, "optimizer", self.optimizer, f"one of {OPTIMIZERS}")
+        require(finite_positive(self.lr), name, "lr", self.lr, "finite and > 0")
+        if self.batch_size is not None:
+            require(int(self.batch_size) == self.batch_size and self.batch_size >= 1, name, "batch_size",
+                    self.batch_size, "a whole number ≥ 1")
+
+    def passes_cost(self, passes: int, jacobian_evaluations: int = 0) -> Cost:
+        """``passes`` passes over the replay: one backward each, and a second forward (θ0's) with ``loss="kl"``."""
+        return Cost(jacobian_evaluations=jacobian_evaluations,
+                    forward_passes=float(passes * (2 if self.loss == "kl" else 1)), backward_passes=float(passes))
+
     def artifact_key(self) -> str:
         return f"{self.kind}:{self!r}"
 
     def state_bytes(self, builder: "WeightBuilder") -> int:
-        return training_state_bytes(builder, self.optimizer)
+        """What training keeps on the model's device besides the model: float32 optimizer state for each changed
+        parameter, and the gradient autograd returns in the parameter's dtype."""
+        return sum(p.numel() * (STATE_BYTES[self.optimizer] + builder.params[k].element_size())
+                   for k, p in builder.finetuned.items())
 
     def check(self, builder: "WeightBuilder") -> None:
         super().check(builder)  # type: ignore[misc]
-        check_training_fits(self, builder)
+        device = model_device(builder.model)
+        need, free = self.state_bytes(builder), builder.free_memory(device)
+        if free is not None and need > free:
+            raise JanusError(
+                f"{self.name} needs {need / GIB:.1f} GiB on {device} for its {self.optimizer} state over the "
+                f"{sum(p.numel() for p in builder.finetuned.values()):,} changed parameters but {free / GIB:.1f} GiB "
+                "are free there; drop it from the candidates (or --peers), use optimizer=sgd (half the state), or "
+                "run the frontier where more memory is free")
 
     def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
         key = self.artifact_key()
@@ -210,7 +211,7 @@ class ReplaySft(ReplayTraining, Candidate):
             require(finite_positive(self.budget), self.name, "budget", self.budget, "finite and > 0")
             if self.janus_tau is not None:
                 require(0.0 <= float(self.janus_tau) < 1.0, self.name, "janus_tau", self.janus_tau, "in [0, 1)")
-        check_training(self)
+        self.check_training()
 
     @classmethod
     def expand(cls, values: Mapping[str, Sequence[Any]], context: SpecContext) -> list[Candidate]:
@@ -245,15 +246,11 @@ class ReplaySft(ReplayTraining, Candidate):
                 + f") on {target} (no JANUS step).")
 
     def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
-        cost = Cost()
-        passes = self.passes
+        passes, evaluations = self.passes, 0
         if passes is None:
             janus = Janus(context.config.tau if self.janus_tau is None else self.janus_tau)
-            cost.jacobian_evaluations = janus.prepare(builder, context).jacobian_evaluations
+            evaluations = janus.prepare(builder, context).jacobian_evaluations
             passes = max(1, round(self.budget * builder.reports[janus.run_key()].num_jacobian_evals))
-        batch_size = self.batch_size or context.config.replay_batch_size
         trained = train_on_replay(builder, passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
-                                  batch_size=batch_size)
-        cost.forward_passes = float(passes * (2 if self.loss == "kl" else 1))
-        cost.backward_passes = float(passes)
-        return trained, cost
+                                  batch_size=self.batch_size or context.config.replay_batch_size)
+        return trained, self.passes_cost(passes, evaluations)
