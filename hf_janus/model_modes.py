@@ -7,14 +7,47 @@ from typing import Iterator
 
 from torch import nn
 
+# bitsandbytes' 4-bit layers carry this switch; on CPUs with AVX512-BF16 it is on
+_REPACKING_SWITCH = "support_avx512bf16_for_cpu"
+
+
+@contextmanager
+def standard_quantized_layout(model: nn.Module) -> Iterator[None]:
+    """Keep a model's bitsandbytes 4-bit layers in their standard layout while hf-janus runs the model.
+
+    On CPUs with AVX512-BF16, a ``Linear4bit`` repacks its weight for a faster kernel the first time it runs in
+    eval mode on an input that needs no grad, and keeps it repacked. That kernel has no autograd, so every later
+    pass, in train mode too, sends no gradient back through the base: θ0 answering the replay at train begin would
+    leave the Trainer's steps training only the adapters of the last layers, and the engine's own backward passes
+    would see no Jacobian. The repacking also rounds the block scales to bf16, so the base would no longer be the
+    user's bit for bit. Inside the block the repacking is off, and a weight the user's own passes repacked earlier
+    is put back in the standard layout (``state_dict()`` does that, as bitsandbytes needs before saving).
+    """
+    switched = []
+    for module in model.modules():
+        switch = getattr(module, _REPACKING_SWITCH, False)
+        if switch:  # bitsandbytes sets it from its native library's answer, an int
+            state = getattr(getattr(module, "weight", None), "quant_state", None)
+            if getattr(state, "packing_format_for_cpu", False):
+                module.state_dict()
+            setattr(module, _REPACKING_SWITCH, False)
+            switched.append((module, switch))
+    try:
+        yield
+    finally:
+        for module, switch in switched:
+            setattr(module, _REPACKING_SWITCH, switch)
+
 
 @contextmanager
 def evaluation_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout), so that passes over the replay are deterministic, then the mode the caller had (the
-    Trainer's, when θ0 answers at train begin)."""
+    """Eval mode (no dropout), so that passes over the replay are deterministic, with quantized layers kept in
+    their standard layout (:func:`standard_quantized_layout`); then the mode the caller had (the Trainer's, when
+    θ0 answers at train begin)."""
     was_training = model.training
     model.eval()
     try:
-        yield
+        with standard_quantized_layout(model):
+            yield
     finally:
         model.train(was_training)

@@ -29,10 +29,10 @@ from hf_janus.engine.compression import (
     sequence_basis,
 )
 from hf_janus.engine.constraints import Constraint, ReplayLogits, per_token_cross_entropy
-from hf_janus.engine.quantized import differentiable_quantized
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.timing import PhaseTimer
 from hf_janus.errors import JanusError
+from hf_janus.model_modes import evaluation_mode
 from hf_janus.parallel.distributed import World
 from hf_janus.replay.prepare import loss_targets
 
@@ -72,19 +72,17 @@ def model_device(model: nn.Module) -> torch.device:
 
 @contextmanager
 def frozen_eval(model: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout) with parameters frozen; both restored afterwards, whatever happens."""
-    was_training = model.training
+    """:func:`~hf_janus.model_modes.evaluation_mode` with parameters frozen; both restored afterwards, whatever
+    happens."""
     flags = [(p, p.requires_grad) for p in model.parameters()]
-    model.eval()
     for p, _ in flags:
         p.requires_grad_(False)
     try:
-        with differentiable_quantized(model):
+        with evaluation_mode(model):
             yield
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
-        model.train(was_training)
 
 
 def _forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:

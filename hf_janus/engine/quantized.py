@@ -8,8 +8,7 @@ adapter, and its base stays bit for bit what it was.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -89,27 +88,3 @@ def compute_dtype(module: nn.Module) -> torch.dtype:
     if isinstance(bias, Tensor) and bias.is_floating_point():
         return bias.dtype
     return torch.float32
-
-
-@contextmanager
-def differentiable_quantized(model: nn.Module) -> Iterator[None]:
-    """Keep gradients flowing through a model's bitsandbytes 4-bit layers in eval mode.
-
-    On CPUs with AVX512-BF16, a ``Linear4bit`` repacks its weight for a faster kernel the first time it runs in
-    eval mode on an input that needs no grad, and from then on passes no gradient back (that kernel has no
-    autograd). The engine backpropagates through frozen layers in eval mode, so for its passes the repacking is
-    switched off, and a weight repacked earlier is put back in the standard layout (``state_dict()`` does
-    that, as bitsandbytes needs before saving).
-    """
-    switched = []
-    for module in model.modules():
-        if layer_key(module) == ("bitsandbytes", "Linear4bit") and getattr(module, "support_avx512bf16_for_cpu", False):
-            if getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False):
-                module.state_dict()
-            module.support_avx512bf16_for_cpu = False
-            switched.append(module)
-    try:
-        yield
-    finally:
-        for module in switched:
-            module.support_avx512bf16_for_cpu = True

@@ -22,6 +22,7 @@ from hf_janus.errors import JanusError
 from hf_janus.evaluation.local_tasks import task_from_file
 from hf_janus.evaluation.scoring import ap_metrics
 from hf_janus.io_utils import atomic_write_text
+from hf_janus.model_modes import evaluation_mode
 
 logger = logging.getLogger(__name__)
 
@@ -230,11 +231,11 @@ class Scorer:
             kwargs["max_length"] = self.max_length
         if self.add_bos_token is not None:
             kwargs["add_bos_token"] = self.add_bos_token
-        was_training = model.training
         try:
-            lm = HFLM(**kwargs)
-            out = simple_evaluate(model=lm, tasks=[t.spec for t in self.tasks], limit=self.limit,
-                                  task_manager=self.task_manager, bootstrap_iters=0, log_samples=False)
+            with evaluation_mode(model):
+                lm = HFLM(**kwargs)
+                out = simple_evaluate(model=lm, tasks=[t.spec for t in self.tasks], limit=self.limit,
+                                      task_manager=self.task_manager, bootstrap_iters=0, log_samples=False)
         except JanusError:
             raise
         except KeyError as err:
@@ -242,8 +243,6 @@ class Scorer:
                 raise
             raise JanusError(f"lm-eval does not know a task: {err}; pass a task name from `lm_eval --tasks list`, "
                              "a local JSONL file or a task config dict") from err
-        finally:
-            model.train(was_training)
         if out is None:  # a non-zero rank of a distributed lm-eval run
             return {}
         results = {**out.get("groups", {}), **out["results"]}

@@ -32,7 +32,7 @@ from hf_janus.adapters.peft_layers import (
     plain_view,
     rebuilt_on_quantized_bases,
 )
-from hf_janus.engine.quantized import differentiable_quantized
+from hf_janus.model_modes import standard_quantized_layout
 
 pytestmark = pytest.mark.slow
 
@@ -183,7 +183,7 @@ def logits(model) -> torch.Tensor:
     model.eval()
     # bitsandbytes' AVX512-BF16 repacking of a Linear4bit fails on rows that are not whole 64-blocks (these layers'
     # are not); the engine keeps it off for its own passes, and so do the test's
-    with torch.no_grad(), differentiable_quantized(model):
+    with torch.no_grad(), standard_quantized_layout(model):
         return model(input_ids=IDS).logits.float()
 
 
@@ -364,5 +364,5 @@ def test_saved_shape(bases, tmp_path, shape_name, precision):
 def _loss(model) -> torch.Tensor:
     batch = collate(REPLAY)
     model.eval()
-    with torch.no_grad(), differentiable_quantized(model):  # see logits()
+    with torch.no_grad(), standard_quantized_layout(model):  # see logits()
         return model(**batch).loss

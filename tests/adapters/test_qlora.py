@@ -15,7 +15,7 @@ from merge_fixtures import save_base
 from transformers import TrainerCallback
 
 from hf_janus import JanusCallback, JanusConfig, JanusError
-from hf_janus.engine.quantized import differentiable_quantized
+from hf_janus.model_modes import standard_quantized_layout
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -192,7 +192,7 @@ def test_qlora_new_adapter_beside_the_trained_one(base_dir, tmp_path):
         trainer = train(model, tmp_path / str(name), [janus])
         # bitsandbytes' AVX512-BF16 kernel (eval, no grad) repacks the weights with bf16 block scales: another
         # arithmetic than the trained model's; the engine keeps it off for its passes, and the test for its own
-        with torch.no_grad(), differentiable_quantized(model):
+        with torch.no_grad(), standard_quantized_layout(model):
             runs[name] = model.eval()(input_ids=ids).logits
             if name:
                 model.set_adapter("default")
@@ -202,11 +202,58 @@ def test_qlora_new_adapter_beside_the_trained_one(base_dir, tmp_path):
     torch.testing.assert_close(runs["janus"], runs[None], rtol=0, atol=1e-6)
     assert not torch.equal(trained, runs["janus"])
     reloaded = PeftModel.from_pretrained(quantized_base(base_dir, "nf4"), str(tmp_path / "saved-janus"))
-    with torch.no_grad(), differentiable_quantized(reloaded):
+    with torch.no_grad(), standard_quantized_layout(reloaded):
         torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
         reloaded.load_adapter(str(tmp_path / "saved-janus" / "janus"), adapter_name="janus")
         reloaded.set_adapter("janus")
         torch.testing.assert_close(reloaded(input_ids=ids).logits, runs["janus"], rtol=0, atol=1e-5)
+
+
+def repacking_cpu(model) -> list:
+    """Switch on bitsandbytes' repacking of 4-bit weights in every 4-bit layer, as on a CPU with AVX512-BF16."""
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = 1  # what bitsandbytes reads from its native library: an int
+    return layers
+
+
+def test_theta0_answering_at_train_begin_leaves_the_4bit_base_trainable_and_as_it_was(base_dir, tmp_path):
+    """θ0 answers the replay prompts at train begin in eval mode without grad, which on an AVX512-BF16 CPU makes
+    bitsandbytes repack the 4-bit weights for a kernel with no autograd, for good, with bf16 block scales. The
+    training after it must still reach every adapter, the base come out bit for bit, and the switch stay on."""
+    from merge_fixtures import char_tokenizer
+
+    from hf_janus import SelfReplay
+
+    model = lora_model(base_dir, "nf4")
+    layers = repacking_cpu(model)
+    before, theta0 = base_state(model), effective(model)
+    replay = SelfReplay(prompts=["what is a cat?", "hi", "name a fruit:"], max_new_tokens=3, cache_dir=False,
+                        progress=False, tokenizer=char_tokenizer())
+    probe, janus = FinetunedProbe(), JanusCallback(replay, EXACT)
+    train(model, tmp_path, [probe, janus])
+    assert janus.report is not None and janus.report.num_samples == 3
+    # the gradient reached the first layers' adapters through the base layers above them
+    assert all(not torch.equal(probe.weights[name], theta0[name]) for name in theta0), "an adapter did not train"
+    after = base_state(model)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert all(m.support_avx512bf16_for_cpu and not getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+               for m in layers)
+
+
+@pytest.mark.skipif(not bnb.functional.has_avx512bf16(), reason="the repacking kernel needs a CPU with AVX512-BF16")
+def test_a_weight_the_users_own_pass_repacked_is_put_back_for_hf_janus(base_dir):
+    """A user's own eval pass repacked the 4-bit weights: inside hf-janus's passes they are in the standard layout
+    again, so the gradient reaches the first layer's adapter."""
+    model = lora_model(base_dir, "nf4")
+    ids = torch.tensor([samples(1, seed=9)[0]["input_ids"]])
+    with torch.no_grad():
+        model.eval()(input_ids=ids)
+    assert all(m.weight.quant_state.packing_format_for_cpu for m in repacking_cpu(model))
+    with standard_quantized_layout(model):
+        model(input_ids=ids).logits.sum().backward()
+    first = model.get_base_model().model.layers[0].self_attn.q_proj.lora_B["default"].weight
+    assert first.grad is not None and first.grad.abs().sum() > 0
 
 
 def test_qlora_snapshot_dequantizes_nothing(base_dir, tmp_path, monkeypatch):
