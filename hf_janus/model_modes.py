@@ -17,9 +17,9 @@ def standard_quantized_layout(model: nn.Module) -> Iterator[None]:
 
     On CPUs with AVX512-BF16, a ``Linear4bit`` repacks its weight for a faster kernel the first time it runs in
     eval mode on an input that needs no grad, and keeps it repacked. That kernel has no autograd, so every later
-    pass, in train mode too, sends no gradient back through the base: θ0 answering the replay at train begin would
-    leave the Trainer's steps training only the adapters of the last layers, and the engine's own backward passes
-    would see no Jacobian. The repacking also rounds the block scales to bf16, so the base would no longer be the
+    pass, in train mode too, sends no gradient back through the base: after θ0 answered the replay at train begin,
+    the Trainer's steps would give no gradient to any adapter whose output feeds a 4-bit layer (q, k and v feed
+    o_proj; gate and up feed down_proj), and the engine's backward passes would see no Jacobian. The repacking also rounds the block scales to bf16, so the base would no longer be the
     user's bit for bit. Inside the block the repacking is off, and a weight the user's own passes repacked earlier
     is put back in the standard layout (``state_dict()`` does that, as bitsandbytes needs before saving).
     """

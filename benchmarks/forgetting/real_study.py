@@ -444,8 +444,8 @@ def levers(name: str) -> dict:
     (``damping`` = 0.N); ``ref<N>`` and ``hat<N>`` (repeatable) also score the frontier's hybrids of the JANUS
     point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``kl<N>`` (repeatable)
     also scores the JANUS point trained further for N passes on the replay's KL to θ0 (the frontier's
-    ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate; ``klall``: every linear layer trains,
-    those fine-tuning left alone from θ0), and ``kref<N>`` / ``khat<N>`` that point's hybrids; ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from that training-time peer's
+    ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that
+    point's hybrids; ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from that training-time peer's
     θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning rate."""
     out: dict = {"m": 64}
     for part in name.split("+"):
@@ -463,7 +463,7 @@ def levers(name: str) -> dict:
                 out["damp"] = value
             else:  # the frontier's hybrids, scored after the JANUS (or replay-trained) point: several b per variant
                 out.setdefault(fraction.group(1), []).append(value)
-        elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj", "targetlogit", "klall") + PEERS:
+        elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj", "targetlogit") + PEERS:
             out[part] = True
         elif number and number.group(1) in ("tokenloss", "margin", "marginonly"):
             out[number.group(1)] = int(number.group(2) or TOKEN_ROWS)
@@ -581,9 +581,6 @@ def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, r
     janus = {k: rectified.get_parameter(k).detach().float().clone() for k in finetuned}
     origin = {k: theta0.get_parameter(k).detach().float() for k in finetuned}
     finetuned = {k: w.float() for k, w in finetuned.items()}
-    if lever.get("klall"):  # the linear layers fine-tuning left alone train too, from θ0
-        for key in untouched_linear_weights(theta0, finetuned):
-            janus[key] = finetuned[key] = origin[key] = theta0.get_parameter(key).detach().float()
     context = BuildContext(config=config, rectify_fn=rectify)
     for passes in lever.get("kl", ()):
         builder = WeightBuilder(finetuned_model(theta0, finetuned), origin, finetuned, tok, None, replay)
@@ -591,14 +588,7 @@ def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, r
         builder.janus[candidate.run_key()] = janus  # the run this variant made: the candidate starts from it
         cost = candidate.prepare(builder, context)
         rate = f", lr {candidate.lr:g}" if "kllr" in lever else ""
-        layers = ", every linear layer" if lever.get("klall") else ""
-        yield f"{name} → replay KL {passes} passes{rate}{layers}", candidate.weights(builder), cost
-
-
-def untouched_linear_weights(theta0, changed: dict) -> list[str]:
-    """The weights of θ0's linear layers but the output head that are not in ``changed``."""
-    return [f"{name}.weight" for name, module in theta0.named_modules()
-            if isinstance(module, torch.nn.Linear) and name != "lm_head" and f"{name}.weight" not in changed]
+        yield f"{name} → replay KL {passes} passes{rate}", candidate.weights(builder), cost
 
 
 def main() -> None:
@@ -724,9 +714,7 @@ def main() -> None:
         for label, weights, cost in replay_trained(name, lever, theta0, model, start, replay, tok, config):
             record_weights(label, weights, f"{cost.seconds:.0f}s: ", hybrid_of=name,
                            replay_training_seconds=cost.seconds, replay_training_peak_bytes=cost.peak_memory_bytes)
-            # the θ̂ of a layer fine-tuning left alone is θ0
-            anchors = {**{k: theta0.get_parameter(k).detach().float() for k in weights}, **start}
-            for sub, mixed in hybrids(label, lever, theta0, weights, anchors, prefix="k"):
+            for sub, mixed in hybrids(label, lever, theta0, weights, start, prefix="k"):
                 record_weights(sub, mixed, hybrid_of=label)
     if args.posthoc:
         replay = replay_samples(data["pool"][:64])

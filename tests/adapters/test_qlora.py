@@ -233,7 +233,7 @@ def test_theta0_answering_at_train_begin_leaves_the_4bit_base_trainable_and_as_i
     probe, janus = FinetunedProbe(), JanusCallback(replay, EXACT)
     train(model, tmp_path, [probe, janus])
     assert janus.report is not None and janus.report.num_samples == 3
-    # the gradient reached the first layers' adapters through the base layers above them
+    # the gradient reached every adapter, q_proj's and up_proj's through the 4-bit layers their outputs feed
     assert all(not torch.equal(probe.weights[name], theta0[name]) for name in theta0), "an adapter did not train"
     after = base_state(model)
     assert all(torch.equal(after[k], before[k]) for k in before)

@@ -307,6 +307,12 @@ def test_janus_then_replay_fine_tuning_trains_from_the_janus_result():
     assert moved.prepare(builder, ctx).reused and moved.label.endswith("lr=0.01) → θ0 b=0.5")
     for k, w in moved.weights(builder).items():
         assert torch.allclose(w, (theta0[k].float() + weights[k]) / 2, atol=1e-6), k
+    # ... or toward θ̂ by b_hat: θ_T + b_hat(θ̂ − θ_T)
+    back = JanusThenReplaySft(passes=2, tau=0.9, lr=1e-2, b_hat=0.25)
+    assert back.prepare(builder, ctx).reused and back.label.endswith("lr=0.01) → θ̂ b=0.25")
+    for k, w in back.weights(builder).items():
+        assert torch.allclose(w, weights[k] + 0.25 * (builder.finetuned[k].float() - weights[k]), atol=1e-6), k
+    assert "moved toward θ̂: θ_T + 0.25·(θ̂ − θ_T)" in back.describe()
     assert "JANUS result at τ=0.9 trained further for 2 passes on the KL" in candidate.describe()
     full = builder_for(model, theta0, replay=EQUAL, free_memory=lambda device: 0)
     with pytest.raises(JanusError, match="janus-then-replay-sft needs .* GiB on cpu for its adam state"):

@@ -43,6 +43,7 @@ def test_spec_grammar_builds_the_kinds():
     assert polished == [JanusThenReplaySft(passes=16, tau=0.95), JanusThenReplaySft(passes=8, tau=0.9, loss="ce")]
     assert polished[0].loss == "kl" and polished[0].run_key() == Janus(0.95).run_key()  # shares JANUS's run
     assert [c.b for c in parse_candidates("janus-then-replay-sft:b=0.9,0.8")] == [0.9, 0.8]
+    assert [c.b_hat for c in parse_candidates("janus-then-replay-sft:b_hat=0.1")] == [0.1]
     assert parse_candidates("input-null fisher:1 lines dg-hard")[-2:] == [Lines(0.0, 1.0), DgHard()]
     assert [c.energy for c in parse_candidates("input_null")] == [0.9, 0.99, 0.999]  # the JSON kind works too
     assert [k.name for k in kinds()][:3] == ["wise", "intruder", "janus"]
@@ -61,6 +62,8 @@ def test_spec_grammar_builds_the_kinds():
     ("replay-sft:passes=2:loss=mse", "loss must be one of \\('ce', 'kl'\\)"),
     ("janus-then-replay-sft:passes=0", "janus-then-replay-sft: passes must be a whole number ≥ 1"),
     ("janus-then-replay-sft:b=1", "janus-then-replay-sft: b must be strictly between 0 and 1"),
+    ("janus-then-replay-sft:b_hat=0", "janus-then-replay-sft: b_hat must be strictly between 0 and 1"),
+    ("janus-then-replay-sft:b=0.9:b_hat=0.1", "takes b= or b_hat=, not both"),
     ("janus-then-replay-sft:optimizer=lbfgs", "optimizer must be one of \\('adam', 'sgd'\\)"),
     ("input-null:1", "energy must be strictly between 0 and 1"),
     ("input-null:0.9:tokens=some", "tokens must be one of"),

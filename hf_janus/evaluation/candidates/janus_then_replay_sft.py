@@ -1,7 +1,8 @@
 """JANUS, then replay fine-tuning from its result: the projection keeps the replay's losses to first order along
 its steps, and a few passes on the replay's KL to θ0 then restore what the first order misses (θ0's answers are
 near-ties that a small move flips), in the directions the projection left free. With ``b``, the trained point is
-moved toward θ0 (``θ0 + b(θ_T − θ0)``), sharing the training with the candidates of the same settings."""
+moved toward θ0 (``θ0 + b(θ_T − θ0)``), or with ``b_hat`` toward θ̂ (``θ_T + b_hat(θ̂ − θ_T)``, which gives back
+some of the gain the passes cost); both share the training with the candidates of the same settings."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, Plo
                                                  parse_float, parse_int, parse_str, require)
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, ReplayTraining, train_on_replay
+from hf_janus.errors import JanusError
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -33,6 +35,7 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
     lr: float = DEFAULT_LR
     batch_size: Optional[int] = None  # None: the JanusConfig's replay_batch_size
     b: Optional[float] = None  # None: the trained point itself
+    b_hat: Optional[float] = None  # None: the trained point itself
 
     name: ClassVar[str] = "janus-then-replay-sft"
     kind: ClassVar[str] = "janus_then_replay_sft"
@@ -46,7 +49,9 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
         Option("batch_size", parse_int, None, "replay samples per step (default: the JanusConfig's "
                                               "replay_batch_size)"),
         Option("b", parse_float, None, "move the trained point toward θ0: θ0 + b(θ_T − θ0), b in (0, 1) (default: "
-                                       "the trained point)"))
+                                       "the trained point)"),
+        Option("b_hat", parse_float, None, "move the trained point toward θ̂ instead: θ_T + b_hat(θ̂ − θ_T), b_hat "
+                                           "in (0, 1) (default: the trained point)"))
     style: ClassVar[PlotStyle] = PlotStyle("P", "C2", "JANUS → replay SFT")
 
     def __post_init__(self) -> None:
@@ -54,23 +59,36 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
         self.check_training()
         if self.b is not None:
             require(in_open_unit(self.b), self.name, "b", self.b, "strictly between 0 and 1 (1 is the trained point)")
+        if self.b_hat is not None:
+            require(in_open_unit(self.b_hat), self.name, "b_hat", self.b_hat,
+                    "strictly between 0 and 1 (0 is the trained point)")
+            if self.b is not None:
+                raise JanusError(f"{self.name} takes b= or b_hat=, not both: b moves the trained point toward θ0, "
+                                 "b_hat toward θ̂")
 
     @property
     def label(self) -> str:
-        toward = "" if self.b is None else f" → θ0 b={self.b:g}"
         return (f"JANUS τ={self.tau:g} → replay SFT {self.passes} passes ({self.loss.upper()}, {self.optimizer} "
-                f"lr={self.lr:g}){toward}")
+                f"lr={self.lr:g}){self._toward()}")
+
+    def _toward(self) -> str:
+        if self.b is not None:
+            return f" → θ0 b={self.b:g}"
+        return "" if self.b_hat is None else f" → θ̂ b={self.b_hat:g}"
 
     def describe(self) -> str:
         target = ("the KL divergence to θ0's next-token distributions on the replay" if self.loss == "kl"
                   else "the replay's next-token cross-entropy")
-        toward = "" if self.b is None else f" It is then moved toward θ0: θ0 + {self.b:g}·(θ_T − θ0)."
+        toward = ("" if self.b is None else f" It is then moved toward θ0: θ0 + {self.b:g}·(θ_T − θ0).") + (
+            "" if self.b_hat is None else f" It is then moved toward θ̂: θ_T + {self.b_hat:g}·(θ̂ − θ_T).")
         return (f"It is the JANUS result at τ={self.tau:g} trained further for {self.passes} passes on {target} "
                 f"({self.optimizer}, lr {self.lr:g}), θ_T." + toward + self.janus_note())
 
     def artifact_key(self) -> str:
-        # b only moves the trained point: the points of every b share one training
-        return super().artifact_key() if self.b is None else dataclasses.replace(self, b=None).artifact_key()
+        # b and b_hat only move the trained point: the points of every b share one training
+        if self.b is None and self.b_hat is None:
+            return super().artifact_key()
+        return dataclasses.replace(self, b=None, b_hat=None).artifact_key()
 
     def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
         janus = JanusBased.prepare(self, builder, context)  # the run of this τ, or the one another kind made
@@ -81,4 +99,6 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
 
     def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
         trained = super().weights(builder)
-        return trained if self.b is None else interpolate(builder.theta0, trained, self.b)
+        if self.b is not None:
+            return interpolate(builder.theta0, trained, self.b)
+        return trained if self.b_hat is None else interpolate(trained, builder.finetuned, self.b_hat)
