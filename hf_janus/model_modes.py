@@ -19,9 +19,10 @@ def standard_quantized_layout(model: nn.Module) -> Iterator[None]:
     eval mode on an input that needs no grad, and keeps it repacked. That kernel has no autograd, so every later
     pass, in train mode too, sends no gradient back through the base: after θ0 answered the replay at train begin,
     the Trainer's steps would give no gradient to any adapter whose output feeds a 4-bit layer (q, k and v feed
-    o_proj; gate and up feed down_proj), and the engine's backward passes would see no Jacobian. The repacking also rounds the block scales to bf16, so the base would no longer be the
-    user's bit for bit. Inside the block the repacking is off, and a weight the user's own passes repacked earlier
-    is put back in the standard layout (``state_dict()`` does that, as bitsandbytes needs before saving).
+    o_proj; gate and up feed down_proj), and the engine's backward passes would see no Jacobian. The repacking
+    also rounds the block scales to bf16, so the base would no longer be the user's bit for bit. Inside the block
+    the repacking is off, and a weight the user's own passes repacked earlier is put back in the standard layout
+    (``state_dict()`` does that, as bitsandbytes needs before saving).
     """
     switched = []
     for module in model.modules():
