@@ -241,6 +241,25 @@ def test_theta0_answering_at_train_begin_leaves_the_4bit_base_trainable_and_as_i
                for m in layers)
 
 
+def test_scoring_a_4bit_model_leaves_its_base_as_it_was(base_dir, tmp_path):
+    """lm-eval's scoring (``evaluate``, each ``frontier`` candidate) runs the model in eval mode without grad: the
+    base must come out bit for bit, not repacked with bf16 scales between candidates."""
+    from merge_fixtures import char_tokenizer, write_jsonl
+
+    from hf_janus.evaluation.harness import Scorer, resolve_tasks
+
+    model = lora_model(base_dir, "nf4")
+    layers = repacking_cpu(model)
+    before = base_state(model)
+    task = write_jsonl(tmp_path / "new.jsonl", [{"prompt": f"what is {c}", "completion": "a cat"} for c in "abc"])
+    scores = Scorer(resolve_tasks([task]), char_tokenizer(), batch_size=1)(model)
+    assert len(scores) == 1 and all(r.score > 0 for r in scores.values())
+    after = base_state(model)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert all(m.support_avx512bf16_for_cpu and not getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+               for m in layers)
+
+
 @pytest.mark.skipif(not bnb.functional.has_avx512bf16(), reason="the repacking kernel needs a CPU with AVX512-BF16")
 def test_a_weight_the_users_own_pass_repacked_is_put_back_for_hf_janus(base_dir):
     """A user's own eval pass repacked the 4-bit weights: inside hf-janus's passes they are in the standard layout
