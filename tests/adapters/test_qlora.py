@@ -217,6 +217,14 @@ def repacking_cpu(model) -> list:
     return layers
 
 
+def assert_base_as_it_was(model, before: dict, layers: list) -> None:
+    """The 4-bit base bit for bit as ``before`` (``base_state``), none of ``layers`` repacked, their switch on."""
+    after = base_state(model)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert all(m.support_avx512bf16_for_cpu and not getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+               for m in layers)
+
+
 def test_theta0_answering_at_train_begin_leaves_the_4bit_base_trainable_and_as_it_was(base_dir, tmp_path):
     """θ0 answers the replay prompts at train begin in eval mode without grad, which on an AVX512-BF16 CPU makes
     bitsandbytes repack the 4-bit weights for a kernel with no autograd, for good, with bf16 block scales. The
@@ -235,10 +243,7 @@ def test_theta0_answering_at_train_begin_leaves_the_4bit_base_trainable_and_as_i
     assert janus.report is not None and janus.report.num_samples == 3
     # the gradient reached every adapter, q_proj's and up_proj's through the 4-bit layers their outputs feed
     assert all(not torch.equal(probe.weights[name], theta0[name]) for name in theta0), "an adapter did not train"
-    after = base_state(model)
-    assert all(torch.equal(after[k], before[k]) for k in before)
-    assert all(m.support_avx512bf16_for_cpu and not getattr(m.weight.quant_state, "packing_format_for_cpu", False)
-               for m in layers)
+    assert_base_as_it_was(model, before, layers)
 
 
 def test_scoring_a_4bit_model_leaves_its_base_as_it_was(base_dir, tmp_path):
@@ -254,10 +259,7 @@ def test_scoring_a_4bit_model_leaves_its_base_as_it_was(base_dir, tmp_path):
     task = write_jsonl(tmp_path / "new.jsonl", [{"prompt": f"what is {c}", "completion": "a cat"} for c in "abc"])
     scores = Scorer(resolve_tasks([task]), char_tokenizer(), batch_size=1)(model)
     assert len(scores) == 1 and all(r.score > 0 for r in scores.values())
-    after = base_state(model)
-    assert all(torch.equal(after[k], before[k]) for k in before)
-    assert all(m.support_avx512bf16_for_cpu and not getattr(m.weight.quant_state, "packing_format_for_cpu", False)
-               for m in layers)
+    assert_base_as_it_was(model, before, layers)
 
 
 @pytest.mark.skipif(not bnb.functional.has_avx512bf16(), reason="the repacking kernel needs a CPU with AVX512-BF16")
