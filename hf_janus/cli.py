@@ -316,6 +316,10 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
     rep.add_argument("--replay", metavar="DATASET[:SPLIT]", help=REPLAY_HELP)
     add_self_replay_options(rep)
     add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
+    rep.add_argument("--new-task-samples", metavar="DATASET[:SPLIT]",
+                     help="samples of the new task (what fine-tuning trained on), read as --replay is, for the "
+                          "replay-training candidates' new_task_weight= (e.g. 'janus-then-replay-sft:"
+                          "new_task_weight=1'), which fits them beside the replay so that the passes keep the gain")
 
     grid = p.add_argument_group("candidates")
     grid.add_argument("--candidates", metavar="SPEC",
@@ -371,10 +375,13 @@ def _run_frontier(args: argparse.Namespace) -> int:
 
     from hf_janus.evaluation.frontier_search import frontier
     from hf_janus.io_utils import check_output_dir
+    from hf_janus.replay.sources import parse_replay_spec
 
     options = replay_options(args)
     replay = replay_argument(args, options)
-    inputs = {"reference": args.reference, "finetuned": args.finetuned, "replay data": replay_input(args)}
+    inputs = {"reference": args.reference, "finetuned": args.finetuned, "replay data": replay_input(args),
+              "new-task samples": (None if args.new_task_samples is None
+                                   else parse_replay_spec(args.new_task_samples)[0])}
     if args.save:  # fail before the expensive part, and never over an input
         check_output_dir(args.save, args.overwrite, inputs)
     if args.output:
@@ -384,7 +391,7 @@ def _run_frontier(args: argparse.Namespace) -> int:
                       dampings=args.dampings, hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid,
                       pre_janus_grid=args.pre_janus_grid, intruder_lambdas=args.intruder_lambdas,
                       pre_janus_intruder_lambdas=args.pre_janus_intruder_lambdas, candidates=args.candidates,
-                      peers=args.peers,
+                      peers=args.peers, new_task_samples=args.new_task_samples,
                       min_ap2=args.min_ap2, min_ap1=args.min_ap1,
                       replay_options=options, progress=not args.no_progress,
                       **evaluation_settings(args))

@@ -287,8 +287,7 @@ def prepare(args, s, tok, work: str):
         atomic_write_text(data_path, json.dumps(data))
     if os.path.isfile(delta_path):
         return theta0, {name: w.detach() for name, w in torch.load(delta_path).items()}, data
-    train = [(bench.MATH_PROMPT.format(question=r["question"]), " " + solution(r))
-             for r in lib.read_jsonl("gsm8k_train_subset.jsonl")]
+    train = fine_tuning_samples()
     if args.run == "full":
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
         data["fine_tuning"] = bench.fine_tune(s, args.run, model, tok, train)
@@ -363,8 +362,7 @@ def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str, lr: Opt
     else:
         raise SystemExit(f"unknown training-time peer {kind!r}: corda or osf")
     model = get_peft_model(model, config)
-    train = [(bench.MATH_PROMPT.format(question=r["question"]), " " + solution(r))
-             for r in lib.read_jsonl("gsm8k_train_subset.jsonl")]
+    train = fine_tuning_samples()
     data[f"{name}_fine_tuning"] = {**bench.fine_tune(replace(s, lr={**s.lr, kind: lr}), kind, model, tok, train),
                                    "lr": lr}
     exact = adapter_weights(model, theta0)
@@ -445,16 +443,21 @@ def levers(name: str) -> dict:
     point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``kl<N>`` (repeatable)
     also scores the JANUS point trained further for N passes on the replay's KL to θ0 (the frontier's
     ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that
-    point's hybrids; ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from that training-time peer's
-    θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning rate."""
+    point's hybrids, and ``anchor<N>`` makes each step of that training also fit N of the fine-tuning's own samples
+    (the candidate's ``new_task_weight=1``); ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from
+    that training-time peer's θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning
+    rate."""
     out: dict = {"m": 64}
     for part in name.split("+"):
         number = re.fullmatch(r"(m|r|tau|steps|tokenloss|margin|marginonly)(\d*)", part)
         fraction = re.fullmatch(r"(damp|ref|hat|kref|khat)(\d+)", part)
         then = re.fullmatch(r"kl(\d+)", part)
+        anchored = re.fullmatch(r"anchor(\d+)", part)
         rate = re.fullmatch(r"(kl)?lr(\d+(?:\.\d+)?e-\d+)", part)
         if rate:
             out[(rate.group(1) or "") + "lr"] = float(rate.group(2))
+        elif anchored:  # the replay training also fits N fine-tuning samples per step
+            out["anchor"] = int(anchored.group(1))
         elif then:  # replay training after the JANUS point, scored beside it
             out.setdefault("kl", []).append(int(then.group(1)))
         elif fraction:
@@ -569,6 +572,20 @@ def hybrids(name: str, lever: dict, theta0, rectified, finetuned: dict, prefix: 
         yield f"{name} → θ̂ b={b:g}", interpolate(point, finetuned, b)
 
 
+def fine_tuning_samples() -> list[tuple[str, str]]:
+    """(prompt, answer) pairs of the GSM8K subset the fine-tunes train on."""
+    return [(bench.MATH_PROMPT.format(question=r["question"]), " " + solution(r))
+            for r in lib.read_jsonl("gsm8k_train_subset.jsonl")]
+
+
+def anchor_batches(per_step: int, tok) -> list[dict]:
+    """The fine-tuning's own samples, in its order and truncation, ``per_step`` to a batch (the candidate's
+    ``new_task_batch_size``: batches already made are used as given)."""
+    s = bench.Settings()
+    s.ft_batch, s.ft_steps = per_step, s.ft_steps * s.ft_batch // per_step
+    return list(bench.train_batches(s, tok, fine_tuning_samples()))
+
+
 def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, replay: list[dict], tok,
                    config: JanusConfig):
     """The JANUS point (made with ``config``) trained further on the replay's KL to θ0, for each ``kl<N>``: the
@@ -582,13 +599,18 @@ def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, r
     origin = {k: theta0.get_parameter(k).detach().float() for k in finetuned}
     finetuned = {k: w.float() for k, w in finetuned.items()}
     context = BuildContext(config=config, rectify_fn=rectify)
+    anchor = anchor_batches(lever["anchor"], tok) if "anchor" in lever else None
     for passes in lever.get("kl", ()):
-        builder = WeightBuilder(finetuned_model(theta0, finetuned), origin, finetuned, tok, None, replay)
-        candidate = JanusThenReplaySft(passes=passes, tau=config.tau, lr=lever.get("kllr", DEFAULT_LR))
+        builder = WeightBuilder(finetuned_model(theta0, finetuned), origin, finetuned, tok, None, replay,
+                                new_task=anchor)
+        candidate = JanusThenReplaySft(passes=passes, tau=config.tau, lr=lever.get("kllr", DEFAULT_LR),
+                                       **({} if anchor is None else {"new_task_weight": 1.0,
+                                                                     "new_task_batch_size": lever["anchor"]}))
         builder.janus[candidate.run_key()] = janus  # the run this variant made: the candidate starts from it
         cost = candidate.prepare(builder, context)
         rate = f", lr {candidate.lr:g}" if "kllr" in lever else ""
-        yield f"{name} → replay KL {passes} passes{rate}", candidate.weights(builder), cost
+        fitted = "" if anchor is None else f", anchored on {lever['anchor']} fine-tuning samples a step"
+        yield f"{name} → replay KL {passes} passes{rate}{fitted}", candidate.weights(builder), cost
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ class WeightBuilder:
 
     def __init__(self, model: nn.Module, theta0: dict[str, Tensor], finetuned: dict[str, Tensor],
                  tokenizer: Any, base_name: Any, replay: Any, *, intruders: Optional[IntruderReduction] = None,
-                 adapter_ranks: Optional[dict[str, int]] = None,
+                 adapter_ranks: Optional[dict[str, int]] = None, new_task: Any = None,
                  free_memory: Callable[[torch.device], Optional[int]] = free_bytes):
         self.model = model
         self.params = dict(model.named_parameters())
@@ -49,6 +49,9 @@ class WeightBuilder:
         #: bytes a device may still take (``None``: unknown), asked by candidates that hold large state there
         self.free_memory = free_memory
         self.tokenizer, self.base_name, self.replay = tokenizer, base_name, replay
+        #: samples of the new task (what fine-tuning trained on), for the replay-training candidates that keep the
+        #: gain by fitting them too (None: not given)
+        self.new_task = new_task
 
     @staticmethod
     def candidate_of(c: Any) -> Candidate:

@@ -384,7 +384,7 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
              progress: bool = True, allow_pickle: bool = False,
              rectify_fn: Callable[..., RectificationReport] = rectify,
              candidates: Optional[Union[SpecLike, Sequence[SpecLike]]] = None,
-             peers: SpecLike = DEFAULT_PEERS,
+             peers: SpecLike = DEFAULT_PEERS, new_task_samples: Any = None,
              scorer: Optional[Callable[[nn.Module], Mapping[str, TaskResult]]] = None) -> FrontierResult:
     """Score WiSE-FT, JANUS, hybrids and the post-hoc peers on the user's tasks and choose a point.
 
@@ -422,6 +422,9 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         scorer: scores a model on the tasks, ``model -> {task name: TaskResult}`` with the names of
             ``past_tasks`` and ``new_tasks`` (default: lm-evaluation-harness, :class:`~hf_janus.evaluation.
             harness.Scorer`, with ``batch_size``, ``limit`` and ``include_path``).
+        new_task_samples: samples of the new task (what fine-tuning trained on), in any form ``replay`` takes but a
+            :class:`~hf_janus.SelfReplay` (a file or dataset id is read with ``replay_options`` too), for the
+            replay-training candidates' ``new_task_weight``, which fits them beside the replay to keep the gain.
         min_ap2 / min_ap1: the choice (see :meth:`FrontierResult.select`); default the largest AP.
         tokenizer, batch_size, limit, include_path: evaluation options (see :func:`hf_janus.evaluate`).
         progress: a progress bar over the candidates (its time estimate grows with each JANUS run).
@@ -445,9 +448,11 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     if not past or not new:
         raise JanusError("the frontier needs past_tasks (for AP1) and new_tasks (for AP2)")
     tok = load_tokenizer(tokenizer, [reference, finetuned], token=token)
+    new_task = _new_task_samples(new_task_samples, tok, replay_options)
     builder = _working_model(reference, finetuned, replay, tok, replay_options, device=device,
                              torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle,
                              intruders=any(c.lora_only for c in cands))
+    builder.new_task = new_task
     if candidates is None:  # the keyword grids offer intruder reduction where it is defined (LoRA adapters)
         cands = [c for c in cands if not c.lora_only or builder.intruders is not None]
     if any(c.uses_target_layers for c in cands):
@@ -488,6 +493,18 @@ def _checked(cands: list[Candidate], builder: WeightBuilder, optional: set[Candi
             continue
         kept.append(c)
     return kept
+
+
+def _new_task_samples(samples: Any, tok: Any, replay_options: Any) -> Any:
+    """The new task's samples as a replay is given: a file or dataset id read as ``replay`` is."""
+    if isinstance(samples, SelfReplay):
+        raise JanusError("new_task_samples is a SelfReplay, but θ0's answers are not the new task: pass what "
+                         "fine-tuning trained on (a file, dataset id, Dataset or list of samples)")
+    if isinstance(samples, (str, os.PathLike)):
+        from hf_janus.replay.sources import load_replay
+
+        return load_replay(os.fspath(samples), tok, replay_options)
+    return samples
 
 
 def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok: Any, replay_options: Any, *,

@@ -216,15 +216,20 @@ def test_fisher_interpolation_matches_hand_derived_gradients(strength):
 EQUAL = [{"input_ids": ids} for ids in ([1, 2, 3, 4], [2, 6, 1, 0], [0, 3, 3, 5])]  # one batch, no padding
 
 
+# the new task's samples, one to a batch: the prompt's tokens carry no loss
+NEW_TASK = [{"input_ids": [3, 1, 4, 2], "labels": [-100, -100, 4, 2]},
+            {"input_ids": [6, 5, 0, 1], "labels": [-100, -100, 0, 1]}]
+
+
 def train_by_hand(model: TinyLM, theta0: dict[str, torch.Tensor], passes: int, loss: str, optimizer: str,
-                  lr: float) -> dict[str, torch.Tensor]:
+                  lr: float, new_task_weight: float = 0.0) -> dict[str, torch.Tensor]:
     model = copy.deepcopy(model)
     ref = TinyLM()
     ref.load_state_dict(theta0)
     ids = torch.tensor([s["input_ids"] for s in EQUAL])
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr=lr)
-    for _ in range(passes):
+    for step in range(passes):
         logits = model(ids)[0][:, :-1]
         if loss == "ce":
             value = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
@@ -232,6 +237,10 @@ def train_by_hand(model: TinyLM, theta0: dict[str, torch.Tensor], passes: int, l
             with torch.no_grad():
                 p0 = torch.softmax(ref(ids)[0][:, :-1], -1).reshape(-1, VOCAB)
             value = (p0 * (p0.log() - torch.log_softmax(logits, -1).reshape(-1, VOCAB))).sum(-1).mean()
+        if new_task_weight:  # one new-task sample a step, in turn: its answer tokens' cross-entropy
+            sample = NEW_TASK[step % len(NEW_TASK)]
+            new_logits = model(torch.tensor([sample["input_ids"]]))[0][0, 1:-1]
+            value = value + new_task_weight * F.cross_entropy(new_logits, torch.tensor(sample["labels"][2:]))
         opt.zero_grad()
         value.backward()
         opt.step()
@@ -317,6 +326,36 @@ def test_janus_then_replay_fine_tuning_trains_from_the_janus_result():
     full = builder_for(model, theta0, replay=EQUAL, free_memory=lambda device: 0)
     with pytest.raises(JanusError, match="janus-then-replay-sft needs .* GiB on cpu for its adam state"):
         candidate.check(full)  # before the JANUS run, like replay-sft
+
+
+@pytest.mark.parametrize("kind", ["replay-sft", "janus-then-replay-sft"])
+def test_replay_training_that_fits_the_new_task_too_matches_a_plain_training_loop(kind):
+    """With ``new_task_weight``, each replay step also fits the next new-task batch (in turn) at that weight of its
+    cross-entropy; without the new task's samples the candidate is refused before any training."""
+    model, theta0 = tiny_pair(seed=3)
+    builder = builder_for(model, theta0, replay=EQUAL, new_task=NEW_TASK)
+    runs = []
+
+    def identity_janus(model, reference, replay, config, progress, finetuned):
+        runs.append(config.tau)  # leaves θ̂ as it is: the passes start from θ̂ either way
+        return RectificationReport(config={}, num_jacobian_evals=1)
+
+    settings = dict(loss="kl", lr=1e-2, new_task_weight=0.5, new_task_batch_size=1)
+    candidate = (ReplaySft(passes=3, **settings) if kind == "replay-sft"
+                 else JanusThenReplaySft(passes=3, tau=0.9, **settings))
+    candidate.check(builder)
+    weights, cost = built(candidate, builder, context(batch_size=len(EQUAL), rectify_fn=identity_janus))
+    want = train_by_hand(model, theta0, 3, "kl", "adam", 1e-2, new_task_weight=0.5)
+    replay_only = train_by_hand(model, theta0, 3, "kl", "adam", 1e-2)
+    for k, w in want.items():
+        assert torch.allclose(weights[k], w, atol=1e-6), k
+        assert not torch.allclose(w, replay_only[k], atol=1e-4), k  # the new task's samples moved it
+    assert all(torch.equal(builder.params[k].detach(), v) for k, v in builder.finetuned.items())
+    assert runs == ([] if kind == "replay-sft" else [0.9])
+    without = builder_for(model, theta0, replay=EQUAL)
+    with pytest.raises(JanusError, match=f"{kind}: new_task_weight fits the new task's samples too, but none were "
+                                         "given; pass new_task_samples= to frontier"):
+        candidate.check(without)
 
 
 def test_replay_fine_tuning_is_refused_where_its_optimizer_state_does_not_fit():

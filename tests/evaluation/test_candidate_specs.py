@@ -44,6 +44,12 @@ def test_spec_grammar_builds_the_kinds():
     assert polished[0].loss == "kl" and polished[0].run_key() == Janus(0.95).run_key()  # shares JANUS's run
     assert [c.b for c in parse_candidates("janus-then-replay-sft:b=0.9,0.8")] == [0.9, 0.8]
     assert [c.b_hat for c in parse_candidates("janus-then-replay-sft:b_hat=0.1")] == [0.1]
+    fitted = parse_candidates("janus-then-replay-sft:new_task_weight=1,0.5:new_task_batch_size=4 "
+                              "replay-sft:passes=2:new_task_weight=1")
+    assert [(c.new_task_weight, c.new_task_batch_size) for c in fitted] == [(1.0, 4), (0.5, 4), (1.0, 2)]
+    assert fitted[0].label.endswith("lr=1e-05, new task ×1)") and fitted[2].label.endswith(", new task ×1)")
+    assert "Each step also fits 4 of the new task's samples" in fitted[0].describe()
+    assert fitted[0].artifact_key() != JanusThenReplaySft(passes=16, tau=0.95).artifact_key()  # trained apart
     assert parse_candidates("input-null fisher:1 lines dg-hard")[-2:] == [Lines(0.0, 1.0), DgHard()]
     assert [c.energy for c in parse_candidates("input_null")] == [0.9, 0.99, 0.999]  # the JSON kind works too
     assert [k.name for k in kinds()][:3] == ["wise", "intruder", "janus"]
@@ -64,6 +70,8 @@ def test_spec_grammar_builds_the_kinds():
     ("janus-then-replay-sft:b=1", "janus-then-replay-sft: b must be strictly between 0 and 1"),
     ("janus-then-replay-sft:b_hat=0", "janus-then-replay-sft: b_hat must be strictly between 0 and 1"),
     ("janus-then-replay-sft:b=0.9:b_hat=0.1", "takes b= or b_hat=, not both"),
+    ("janus-then-replay-sft:new_task_weight=0", "new_task_weight must be finite and > 0"),
+    ("replay-sft:passes=1:new_task_batch_size=0", "new_task_batch_size must be a whole number ≥ 1"),
     ("janus-then-replay-sft:optimizer=lbfgs", "optimizer must be one of \\('adam', 'sgd'\\)"),
     ("input-null:1", "energy must be strictly between 0 and 1"),
     ("input-null:0.9:tokens=some", "tokens must be one of"),
@@ -227,6 +235,13 @@ def test_kinds_not_defined_for_the_fine_tuning_are_refused(setting):
         run(setting, candidates="intruder:0.5")
 
 
+def test_the_new_task_samples_are_what_fine_tuning_trained_on_not_a_self_replay(setting):
+    from hf_janus import SelfReplay
+
+    with pytest.raises(JanusError, match="new_task_samples is a SelfReplay, but θ0's answers are not the new task"):
+        run(setting, candidates="wise:0.5", new_task_samples=SelfReplay(prompts=["two plus two is"]))
+
+
 def test_cli_takes_a_candidate_spec(setting, tmp_path, capsys):
     from hf_janus.cli import main
 
@@ -249,3 +264,12 @@ def test_cli_takes_a_candidate_spec(setting, tmp_path, capsys):
                                                     "LiNeS α=0.5 β=0.5"]
     assert main(argv + ["--candidates", "wise:2"]) == 2
     assert "wise: a must be strictly between 0 and 1" in capsys.readouterr().err
+    # the replay training that also fits the new task's samples, given by file; refused without them
+    fitted = ["--candidates", "replay-sft:passes=1:lr=0.01:new_task_weight=1:new_task_batch_size=2"]
+    assert main(argv + fitted) == 2
+    assert "new_task_weight fits the new task's samples too, but none were given" in capsys.readouterr().err
+    samples = write_jsonl(str(tmp_path / "data" / "new_train.jsonl"), [{"text": t} for t in NEW[6:]])
+    assert main(argv + fitted + ["--new-task-samples", samples]) == 0
+    point = json.load(open(f"{out}/frontier.json"))["points"][2]
+    assert point["label"] == "replay SFT 1 passes (CE, adam lr=0.01, new task ×1)"
+    assert point["options"]["new_task_weight"] == 1.0

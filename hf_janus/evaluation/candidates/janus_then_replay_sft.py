@@ -15,7 +15,8 @@ from torch import Tensor
 from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, in_open_unit, interpolate,
                                                  parse_float, parse_int, parse_str, require)
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
-from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR, ReplayTraining, train_on_replay
+from hf_janus.evaluation.candidates.replay_sft import (DEFAULT_LR, DEFAULT_NEW_TASK_BATCH, NEW_TASK_OPTIONS,
+                                                       ReplayTraining)
 from hf_janus.errors import JanusError
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
     optimizer: str = "adam"
     lr: float = DEFAULT_LR
     batch_size: Optional[int] = None  # None: the JanusConfig's replay_batch_size
+    new_task_weight: Optional[float] = None  # None: the replay alone
+    new_task_batch_size: int = DEFAULT_NEW_TASK_BATCH
     b: Optional[float] = None  # None: the trained point itself
     b_hat: Optional[float] = None  # None: the trained point itself
 
@@ -51,7 +54,8 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
         Option("b", parse_float, None, "move the trained point toward θ0: θ0 + b(θ_T − θ0), b in (0, 1) (default: "
                                        "the trained point)"),
         Option("b_hat", parse_float, None, "move the trained point toward θ̂ instead: θ_T + b_hat(θ̂ − θ_T), b_hat "
-                                           "in (0, 1) (default: the trained point)"))
+                                           "in (0, 1) (default: the trained point)"),
+        *NEW_TASK_OPTIONS)
     style: ClassVar[PlotStyle] = PlotStyle("P", "C2", "JANUS → replay SFT")
 
     def __post_init__(self) -> None:
@@ -69,7 +73,7 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
     @property
     def label(self) -> str:
         return (f"JANUS τ={self.tau:g} → replay SFT {self.passes} passes ({self.loss.upper()}, {self.optimizer} "
-                f"lr={self.lr:g}){self._toward()}")
+                f"lr={self.lr:g}{self.new_task_label()}){self._toward()}")
 
     def _toward(self) -> str:
         if self.b is not None:
@@ -82,7 +86,7 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
         toward = ("" if self.b is None else f" It is then moved toward θ0: θ0 + {self.b:g}·(θ_T − θ0).") + (
             "" if self.b_hat is None else f" It is then moved toward θ̂: θ_T + {self.b_hat:g}·(θ̂ − θ_T).")
         return (f"It is the JANUS result at τ={self.tau:g} trained further for {self.passes} passes on {target} "
-                f"({self.optimizer}, lr {self.lr:g}), θ_T." + toward + self.janus_note())
+                f"({self.optimizer}, lr {self.lr:g}), θ_T." + self.new_task_note() + toward + self.janus_note())
 
     def artifact_key(self) -> str:
         # b and b_hat only move the trained point: the points of every b share one training
@@ -92,9 +96,8 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
 
     def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
         janus = JanusBased.prepare(self, builder, context)  # the run of this τ, or the one another kind made
-        trained = train_on_replay(builder, self.passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
-                                  batch_size=self.batch_size or context.config.replay_batch_size,
-                                  start=self.janus_weights(builder))
+        trained = self.trained(builder, self.passes, self.batch_size or context.config.replay_batch_size,
+                               start=self.janus_weights(builder))
         return trained, self.passes_cost(self.passes, janus.jacobian_evaluations)
 
     def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:

@@ -29,7 +29,8 @@ from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, 
                                                  finite_positive, grid_product, measured, parse_float, parse_int,
                                                  parse_str, require)
 from hf_janus.evaluation.candidates.janus import Janus
-from hf_janus.evaluation.candidates.replay_statistics import holding, logits_of, on_device, replay_batches
+from hf_janus.evaluation.candidates.replay_statistics import (holding, logits_of, new_task_batches, on_device,
+                                                               replay_batches)
 from hf_janus.model_modes import evaluation_mode
 from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
 
@@ -40,9 +41,19 @@ DEFAULT_BUDGETS = (1.0, 2.0, 4.0)
 LOSSES = ("ce", "kl")
 OPTIMIZERS = ("adam", "sgd")
 DEFAULT_LR = 1e-5
+#: new-task samples fitted per replay step: a quarter of the default replay batch, since they are longer
+DEFAULT_NEW_TASK_BATCH = 2
 #: float32 bytes per changed parameter the optimizer keeps on the model's device: the master copy and its gradient,
 #: and Adam's two moments
 STATE_BYTES = {"adam": 16, "sgd": 8}
+
+#: the options of every replay-training kind that keep the gain by fitting the new task's samples too
+NEW_TASK_OPTIONS = (
+    Option("new_task_weight", parse_float, None,
+           "also fit the new task's samples (frontier's new_task_samples) at this weight of their cross-entropy, "
+           "so that the passes keep the gain (default: the replay alone)"),
+    Option("new_task_batch_size", parse_int, None,
+           f"new-task samples fitted per replay step (default {DEFAULT_NEW_TASK_BATCH})"))
 
 REPLAY_SFT_CURVE = Curve("replay-sft", "replay SFT", PlotStyle("o", "C1", "replay fine-tuning", line="--"))
 
@@ -64,9 +75,12 @@ def replay_loss(model: torch.nn.Module, batch: Mapping[str, Tensor], loss: str,
 
 
 def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimizer: str, lr: float,
-                    batch_size: int, start: Optional[Mapping[str, Tensor]] = None) -> dict[str, Tensor]:
+                    batch_size: int, start: Optional[Mapping[str, Tensor]] = None,
+                    new_task: Optional[Sequence[Mapping[str, Tensor]]] = None,
+                    new_task_weight: float = 1.0) -> dict[str, Tensor]:
     """The changed parameters after ``passes`` passes of replay training from ``start`` (default θ̂), float32, on
-    the host."""
+    the host. With ``new_task`` (labelled batches of what fine-tuning trained on, taken in turn, one per step),
+    each step's loss also counts ``new_task_weight`` times their cross-entropy, so that the passes keep the gain."""
     names = list(builder.theta0)
     start = builder.finetuned if start is None else start
     params = [builder.params[k] for k in names]
@@ -80,7 +94,7 @@ def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimiz
         for p in params:
             p.requires_grad_(True)
         with holding(builder, start) as model, evaluation_mode(model):
-            for batch in itertools.chain.from_iterable(itertools.repeat(batches, passes)):
+            for step, batch in enumerate(itertools.chain.from_iterable(itertools.repeat(batches, passes))):
                 batch = on_device(batch, device)
                 reference = None
                 if loss == "kl":
@@ -88,6 +102,9 @@ def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimiz
                         reference = logits_of(model, batch)
                     builder.write({k: m.detach() for k, m in zip(names, master)})
                 value = replay_loss(model, batch, loss, reference)
+                if new_task:
+                    fitted = on_device(new_task[step % len(new_task)], device)
+                    value = value + new_task_weight * replay_loss(model, fitted, "ce")
                 grads = torch.autograd.grad(value, params)
                 for m, g in zip(master, grads):
                     m.grad = g.detach().float()
@@ -112,6 +129,8 @@ class ReplayTraining:
     optimizer: str
     lr: float
     batch_size: Optional[int]
+    new_task_weight: Optional[float]
+    new_task_batch_size: int
 
     def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
         """The trained values of the changed parameters, and what making them cost (its seconds are measured)."""
@@ -130,6 +149,30 @@ class ReplayTraining:
         if self.batch_size is not None:
             require(int(self.batch_size) == self.batch_size and self.batch_size >= 1, name, "batch_size",
                     self.batch_size, "a whole number ≥ 1")
+        if self.new_task_weight is not None:
+            require(finite_positive(self.new_task_weight), name, "new_task_weight", self.new_task_weight,
+                    "finite and > 0")
+        require(int(self.new_task_batch_size) == self.new_task_batch_size and self.new_task_batch_size >= 1, name,
+                "new_task_batch_size", self.new_task_batch_size, "a whole number ≥ 1")
+
+    def trained(self, builder: "WeightBuilder", passes: int, batch_size: int,
+                start: Optional[Mapping[str, Tensor]] = None) -> dict[str, Tensor]:
+        """:func:`train_on_replay` with this candidate's settings, fitting the new task's samples too when
+        ``new_task_weight`` is set."""
+        new_task = (None if self.new_task_weight is None
+                    else new_task_batches(builder, self.new_task_batch_size))
+        return train_on_replay(builder, passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
+                               batch_size=batch_size, start=start, new_task=new_task,
+                               new_task_weight=self.new_task_weight or 1.0)
+
+    def new_task_label(self) -> str:
+        return "" if self.new_task_weight is None else f", new task ×{self.new_task_weight:g}"
+
+    def new_task_note(self) -> str:
+        if self.new_task_weight is None:
+            return ""
+        return (f" Each step also fits {self.new_task_batch_size} of the new task's samples (their cross-entropy, "
+                f"weight {self.new_task_weight:g}), so that the passes keep the gain.")
 
     def passes_cost(self, passes: int, jacobian_evaluations: int = 0) -> Cost:
         """``passes`` passes over the replay: one backward each, and a second forward (θ0's) with ``loss="kl"``."""
@@ -147,6 +190,10 @@ class ReplayTraining:
 
     def check(self, builder: "WeightBuilder") -> None:
         super().check(builder)  # type: ignore[misc]
+        if self.new_task_weight is not None and builder.new_task is None:
+            raise JanusError(f"{self.name}: new_task_weight fits the new task's samples too, but none were given; "
+                             "pass new_task_samples= to frontier (hf-janus frontier --new-task-samples FILE), or "
+                             "drop new_task_weight")
         device = model_device(builder.model)
         need, free = self.state_bytes(builder), builder.free_memory(device)
         if free is not None and need > free:
@@ -181,6 +228,8 @@ class ReplaySft(ReplayTraining, Candidate):
     optimizer: str = "adam"
     lr: float = DEFAULT_LR
     batch_size: Optional[int] = None  # None: the JanusConfig's replay_batch_size
+    new_task_weight: Optional[float] = None  # None: the replay alone
+    new_task_batch_size: int = DEFAULT_NEW_TASK_BATCH
     #: τ of the JANUS run whose evaluations ``budget`` counts (None: the JanusConfig's); not ``tau``, which the
     #: frontier's JSON reserves for points built from a JANUS run
     janus_tau: Optional[float] = None
@@ -199,7 +248,8 @@ class ReplaySft(ReplayTraining, Candidate):
         Option("batch_size", parse_int, None, "replay samples per step (default: the JanusConfig's "
                                               "replay_batch_size)"),
         Option("janus_tau", parse_float, None,
-               "the τ of the JANUS run whose evaluations budget counts (default: the JanusConfig's τ)"))
+               "the τ of the JANUS run whose evaluations budget counts (default: the JanusConfig's τ)"),
+        *NEW_TASK_OPTIONS)
     style: ClassVar[PlotStyle] = REPLAY_SFT_CURVE.style
     curve: ClassVar[Optional[Curve]] = REPLAY_SFT_CURVE
 
@@ -234,7 +284,7 @@ class ReplaySft(ReplayTraining, Candidate):
     def label(self) -> str:
         tau = "" if self.janus_tau is None else f" τ={self.janus_tau:g}"
         steps = f"{self.passes} passes" if self.passes is not None else f"×{self.budget:g} JANUS{tau} budget"
-        return f"replay SFT {steps} ({self.loss.upper()}, {self.optimizer} lr={self.lr:g})"
+        return f"replay SFT {steps} ({self.loss.upper()}, {self.optimizer} lr={self.lr:g}{self.new_task_label()})"
 
     def describe(self) -> str:
         target = ("the replay's next-token cross-entropy" if self.loss == "ce"
@@ -243,7 +293,7 @@ class ReplaySft(ReplayTraining, Candidate):
                 + (f"{self.passes} passes" if self.passes is not None else
                    f"{self.budget:g} × the Jacobian evaluations of JANUS"
                    + ("" if self.janus_tau is None else f" at τ={self.janus_tau:g}") + " in passes")
-                + f") on {target} (no JANUS step).")
+                + f") on {target} (no JANUS step)." + self.new_task_note())
 
     def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
         passes, evaluations = self.passes, 0
@@ -251,6 +301,5 @@ class ReplaySft(ReplayTraining, Candidate):
             janus = Janus(context.config.tau if self.janus_tau is None else self.janus_tau)
             evaluations = janus.prepare(builder, context).jacobian_evaluations
             passes = max(1, round(self.budget * builder.reports[janus.run_key()].num_jacobian_evals))
-        trained = train_on_replay(builder, passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
-                                  batch_size=self.batch_size or context.config.replay_batch_size)
+        trained = self.trained(builder, passes, self.batch_size or context.config.replay_batch_size)
         return trained, self.passes_cost(passes, evaluations)

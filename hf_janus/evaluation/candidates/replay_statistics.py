@@ -48,6 +48,18 @@ def replay_batches(builder: "WeightBuilder", batch_size: int) -> list[dict[str, 
     return builder.artifacts[key]
 
 
+def new_task_batches(builder: "WeightBuilder", batch_size: int) -> list[dict[str, Tensor]]:
+    """The new task's samples (``builder.new_task``: what fine-tuning trained on) as labelled batches on the CPU,
+    made once per batch size."""
+    key = ("new_task_batches", int(batch_size))
+    if key not in builder.artifacts:
+        if builder.new_task is None:
+            raise JanusError("this candidate needs samples of the new task (what fine-tuning trained on); pass "
+                             "new_task_samples= to frontier (hf-janus frontier --new-task-samples)")
+        builder.artifacts[key] = prepare_replay(builder.new_task, int(batch_size))
+    return builder.artifacts[key]
+
+
 def on_device(batch: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     return {k: v.to(device) for k, v in batch.items()}
 
