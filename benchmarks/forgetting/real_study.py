@@ -373,7 +373,7 @@ def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str, lr: Opt
 def posthoc_points(spec: str, theta0, exact: dict, replay: list[dict], tok) -> list[tuple[str, object, dict]]:
     """Issue 40's post-hoc peers on this run: each candidate of ``spec`` (``hf-janus frontier --candidates``
     syntax, for example ``"replay-sft:passes=4,8 input-null regmean fisher lines"``) built by the frontier's own
-    weight builder from θ0, θ̂ and the replay; yields ``(label, model holding it, cost)`` one at a time."""
+    weight builder from θ0, θ̂, the replay and the fine-tuning's samples (for ``new_task_weight``); yields ``(label, model holding it, cost)`` one at a time."""
     from hf_janus.engine.layers import resolve_target_modules
     from hf_janus.evaluation.candidate_weights import WeightBuilder
     from hf_janus.evaluation.candidates import BuildContext, parse_candidates
@@ -381,7 +381,8 @@ def posthoc_points(spec: str, theta0, exact: dict, replay: list[dict], tok) -> l
     config = JanusConfig()
     model = finetuned_model(theta0, exact)
     start = {k: theta0.get_parameter(k).detach().float() for k in exact}
-    builder = WeightBuilder(model, start, {k: w.float() for k, w in exact.items()}, tok, None, replay)
+    builder = WeightBuilder(model, start, {k: w.float() for k, w in exact.items()}, tok, None, replay,
+                            new_task=new_task_samples(tok))
     builder.target_layers = frozenset(resolve_target_modules(model, config.target_modules, config.exclude_modules))
     context = BuildContext(config=config, rectify_fn=rectify)
     for candidate in parse_candidates(spec):
@@ -578,12 +579,13 @@ def fine_tuning_samples() -> list[tuple[str, str]]:
             for r in lib.read_jsonl("gsm8k_train_subset.jsonl")]
 
 
-def anchor_batches(per_step: int, tok) -> list[dict]:
-    """The fine-tuning's own samples, in its order and truncation, ``per_step`` to a batch (the candidate's
-    ``new_task_batch_size``: batches already made are used as given)."""
+def new_task_samples(tok) -> list[dict]:
+    """The fine-tuning's own samples as labelled token ids, in its order and truncation: what the replay training's
+    ``new_task_weight`` fits (taken in this order)."""
     s = bench.Settings()
-    s.ft_batch, s.ft_steps = per_step, s.ft_steps * s.ft_batch // per_step
-    return list(bench.train_batches(s, tok, fine_tuning_samples()))
+    s.ft_batch, s.ft_steps = 1, s.ft_steps * s.ft_batch
+    return [{"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist()}
+            for b in bench.train_batches(s, tok, fine_tuning_samples())]
 
 
 def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, replay: list[dict], tok,
@@ -599,7 +601,7 @@ def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, r
     origin = {k: theta0.get_parameter(k).detach().float() for k in finetuned}
     finetuned = {k: w.float() for k, w in finetuned.items()}
     context = BuildContext(config=config, rectify_fn=rectify)
-    anchor = anchor_batches(lever["anchor"], tok) if "anchor" in lever else None
+    anchor = new_task_samples(tok) if "anchor" in lever else None
     for passes in lever.get("kl", ()):
         builder = WeightBuilder(finetuned_model(theta0, finetuned), origin, finetuned, tok, None, replay,
                                 new_task=anchor)

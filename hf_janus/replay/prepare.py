@@ -98,12 +98,12 @@ def _normalize_batch(batch: Any, index: int) -> dict[str, Tensor]:
     return out
 
 
-def prepare_replay(replay: Any, batch_size: int) -> list[dict[str, Tensor]]:
+def prepare_replay(replay: Any, batch_size: int, *, group_by_length: bool = True) -> list[dict[str, Tensor]]:
     """Normalize ``replay`` into a list of batches ``{input_ids, attention_mask[, labels]}`` on the CPU.
 
-    ``replay`` may be a ``datasets.Dataset`` or a list of dicts (one sample each, grouped by length and
-    padded here), a list of pre-collated batch dicts (2-D ``input_ids``), or a
-    ``torch.utils.data.DataLoader`` (or any iterable of batch dicts), used as given.
+    ``replay`` may be a ``datasets.Dataset`` or a list of dicts (one sample each, grouped by length, or with
+    ``group_by_length=False`` batched in the order given, and padded here), a list of pre-collated batch dicts
+    (2-D ``input_ids``), or a ``torch.utils.data.DataLoader`` (or any iterable of batch dicts), used as given.
     """
     if replay is None:
         raise JanusError("replay is None: pass the past-task samples to replay (a Dataset, list of dicts or DataLoader)")
@@ -124,7 +124,7 @@ def prepare_replay(replay: Any, batch_size: int) -> list[dict[str, Tensor]]:
         batches = [_normalize_batch(b, i) for i, b in enumerate(replay)]
     elif _is_sample_sequence(replay):
         samples = [replay[j] for j in range(len(replay))]
-        order = _length_grouped_order(samples)
+        order = _length_grouped_order(samples) if group_by_length else list(range(len(samples)))
         batches = []
         for i in range(0, len(order), batch_size):
             chunk = order[i: i + batch_size]

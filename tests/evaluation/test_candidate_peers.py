@@ -216,8 +216,9 @@ def test_fisher_interpolation_matches_hand_derived_gradients(strength):
 EQUAL = [{"input_ids": ids} for ids in ([1, 2, 3, 4], [2, 6, 1, 0], [0, 3, 3, 5])]  # one batch, no padding
 
 
-# the new task's samples, one to a batch: the prompt's tokens carry no loss
-NEW_TASK = [{"input_ids": [3, 1, 4, 2], "labels": [-100, -100, 4, 2]},
+# the new task's samples, one to a batch, the longer first (they are taken in the order given, not grouped by
+# length); the prompt's tokens carry no loss
+NEW_TASK = [{"input_ids": [3, 1, 4, 2, 6], "labels": [-100, -100, 4, 2, 6]},
             {"input_ids": [6, 5, 0, 1], "labels": [-100, -100, 0, 1]}]
 
 

@@ -50,13 +50,14 @@ def replay_batches(builder: "WeightBuilder", batch_size: int) -> list[dict[str, 
 
 def new_task_batches(builder: "WeightBuilder", batch_size: int) -> list[dict[str, Tensor]]:
     """The new task's samples (``builder.new_task``: what fine-tuning trained on) as labelled batches on the CPU,
-    made once per batch size."""
+    made once per batch size. They keep the order given: the passes may take fewer batches than there are, and
+    grouping by length would then leave out the longest samples."""
     key = ("new_task_batches", int(batch_size))
     if key not in builder.artifacts:
         if builder.new_task is None:
             raise JanusError("this candidate needs samples of the new task (what fine-tuning trained on); pass "
                              "new_task_samples= to frontier (hf-janus frontier --new-task-samples)")
-        builder.artifacts[key] = prepare_replay(builder.new_task, int(batch_size))
+        builder.artifacts[key] = prepare_replay(builder.new_task, int(batch_size), group_by_length=False)
     return builder.artifacts[key]
 
 
