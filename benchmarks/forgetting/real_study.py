@@ -445,7 +445,8 @@ def levers(name: str) -> dict:
     also scores the JANUS point trained further for N passes on the replay's KL to θ0 (the frontier's
     ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that
     point's hybrids, and ``anchor<N>`` makes each step of that training also fit N of the fine-tuning's own samples
-    (the candidate's ``new_task_weight=1``); ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from
+    (the candidate's ``new_task_weight=1``), and ``fromhat`` starts it from θ̂ instead (the frontier's
+    ``replay-sft``, to compare); ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from
     that training-time peer's θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning
     rate."""
     out: dict = {"m": 64}
@@ -467,7 +468,7 @@ def levers(name: str) -> dict:
                 out["damp"] = value
             else:  # the frontier's hybrids, scored after the JANUS (or replay-trained) point: several b per variant
                 out.setdefault(fraction.group(1), []).append(value)
-        elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj", "targetlogit") + PEERS:
+        elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj", "targetlogit", "fromhat") + PEERS:
             out[part] = True
         elif number and number.group(1) in ("tokenloss", "margin", "marginonly"):
             out[number.group(1)] = int(number.group(2) or TOKEN_ROWS)
@@ -591,10 +592,10 @@ def new_task_samples(tok) -> list[dict]:
 def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, replay: list[dict], tok,
                    config: JanusConfig):
     """The JANUS point (made with ``config``) trained further on the replay's KL to θ0, for each ``kl<N>``: the
-    frontier's ``janus-then-replay-sft`` candidate, given the JANUS run this study already made; yields (label,
-    weights, its :class:`Cost`)."""
+    frontier's ``janus-then-replay-sft`` candidate, given the JANUS run this study already made (with ``fromhat``,
+    θ̂ trained so: ``replay-sft``); yields (label, weights, its :class:`Cost`)."""
     from hf_janus.evaluation.candidate_weights import WeightBuilder
-    from hf_janus.evaluation.candidates import BuildContext, JanusThenReplaySft
+    from hf_janus.evaluation.candidates import BuildContext, JanusThenReplaySft, ReplaySft
     from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR
 
     janus = {k: rectified.get_parameter(k).detach().float().clone() for k in finetuned}
@@ -605,14 +606,18 @@ def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, r
     for passes in lever.get("kl", ()):
         builder = WeightBuilder(finetuned_model(theta0, finetuned), origin, finetuned, tok, None, replay,
                                 new_task=anchor)
-        candidate = JanusThenReplaySft(passes=passes, tau=config.tau, lr=lever.get("kllr", DEFAULT_LR),
-                                       **({} if anchor is None else {"new_task_weight": 1.0,
-                                                                     "new_task_batch_size": lever["anchor"]}))
-        builder.janus[candidate.run_key()] = janus  # the run this variant made: the candidate starts from it
+        settings = dict(passes=passes, lr=lever.get("kllr", DEFAULT_LR),
+                        **({} if anchor is None else {"new_task_weight": 1.0, "new_task_batch_size": lever["anchor"]}))
+        if lever.get("fromhat"):
+            candidate = ReplaySft(loss="kl", **settings)
+        else:
+            candidate = JanusThenReplaySft(tau=config.tau, **settings)
+            builder.janus[candidate.run_key()] = janus  # the run this variant made: the candidate starts from it
         cost = candidate.prepare(builder, context)
         rate = f", lr {candidate.lr:g}" if "kllr" in lever else ""
         fitted = "" if anchor is None else f", anchored on {lever['anchor']} fine-tuning samples a step"
-        yield f"{name} → replay KL {passes} passes{rate}{fitted}", candidate.weights(builder), cost
+        start = f"{name}: θ̂" if lever.get("fromhat") else name
+        yield f"{start} → replay KL {passes} passes{rate}{fitted}", candidate.weights(builder), cost
 
 
 def main() -> None:

@@ -424,7 +424,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
             harness.Scorer`, with ``batch_size``, ``limit`` and ``include_path``).
         new_task_samples: samples of the new task (what fine-tuning trained on), in any form ``replay`` takes but a
             :class:`~hf_janus.SelfReplay` (a file or dataset id is read with ``replay_options`` too), for the
-            replay-training candidates' ``new_task_weight``, which fits them beside the replay to keep the gain.
+            replay-training candidates' ``new_task_weight``, which fits them beside the replay to keep the gain
+            (their ``labels``, -100 where no loss counts, as on a prompt; without labels every token counts).
         min_ap2 / min_ap1: the choice (see :meth:`FrontierResult.select`); default the largest AP.
         tokenizer, batch_size, limit, include_path: evaluation options (see :func:`hf_janus.evaluate`).
         progress: a progress bar over the candidates (its time estimate grows with each JANUS run).

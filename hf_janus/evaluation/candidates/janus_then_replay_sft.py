@@ -2,7 +2,8 @@
 its steps, and a few passes on the replay's KL to θ0 then restore what the first order misses (θ0's answers are
 near-ties that a small move flips), in the directions the projection left free. With ``b``, the trained point is
 moved toward θ0 (``θ0 + b(θ_T − θ0)``), or with ``b_hat`` toward θ̂ (``θ_T + b_hat(θ̂ − θ_T)``, which gives back
-some of the gain the passes cost); both share the training with the candidates of the same settings."""
+some of the gain the passes cost); both share the training with the candidates of the same settings. With
+``new_task_weight`` the passes also fit the new task's samples and keep the gain, which ``b`` can then spend."""
 
 from __future__ import annotations
 
