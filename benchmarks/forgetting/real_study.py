@@ -373,7 +373,8 @@ def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str, lr: Opt
 def posthoc_points(spec: str, theta0, exact: dict, replay: list[dict], tok) -> list[tuple[str, object, dict]]:
     """Issue 40's post-hoc peers on this run: each candidate of ``spec`` (``hf-janus frontier --candidates``
     syntax, for example ``"replay-sft:passes=4,8 input-null regmean fisher lines"``) built by the frontier's own
-    weight builder from θ0, θ̂, the replay and the fine-tuning's samples (for ``new_task_weight``); yields ``(label, model holding it, cost)`` one at a time."""
+    weight builder from θ0, θ̂, the replay and the fine-tuning's samples (for ``new_task_weight``); yields
+    ``(label, model holding it, cost)`` one at a time."""
     from hf_janus.engine.layers import resolve_target_modules
     from hf_janus.evaluation.candidate_weights import WeightBuilder
     from hf_janus.evaluation.candidates import BuildContext, parse_candidates
@@ -444,11 +445,10 @@ def levers(name: str) -> dict:
     point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``kl<N>`` (repeatable)
     also scores the JANUS point trained further for N passes on the replay's KL to θ0 (the frontier's
     ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that
-    point's hybrids, and ``anchor<N>`` makes each step of that training also fit N of the fine-tuning's own samples
+    point's hybrids; ``anchor<N>`` makes each step of that training also fit N of the fine-tuning's own samples
     (the candidate's ``new_task_weight=1``), and ``fromhat`` starts it from θ̂ instead (the frontier's
-    ``replay-sft``, to compare); ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from
-    that training-time peer's θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning
-    rate."""
+    ``replay-sft``, to compare); ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from that
+    training-time peer's θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning rate."""
     out: dict = {"m": 64}
     for part in name.split("+"):
         number = re.fullmatch(r"(m|r|tau|steps|tokenloss|margin|marginonly)(\d*)", part)
