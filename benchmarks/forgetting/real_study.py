@@ -373,7 +373,7 @@ def peer_weights(kind: str, args, s, tok, theta0, data: dict, work: str, lr: Opt
 def posthoc_points(spec: str, theta0, exact: dict, replay: list[dict], tok) -> list[tuple[str, object, dict]]:
     """Issue 40's post-hoc peers on this run: each candidate of ``spec`` (``hf-janus frontier --candidates``
     syntax, for example ``"replay-sft:passes=4,8 input-null regmean fisher lines"``) built by the frontier's own
-    weight builder from θ0, θ̂, the replay and the fine-tuning's samples (for ``new_task_weight``); yields
+    weight builder from θ0, θ̂, the replay and, for a ``new_task_weight``, the fine-tuning's samples; yields
     ``(label, model holding it, cost)`` one at a time."""
     from hf_janus.engine.layers import resolve_target_modules
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -382,11 +382,13 @@ def posthoc_points(spec: str, theta0, exact: dict, replay: list[dict], tok) -> l
     config = JanusConfig()
     model = finetuned_model(theta0, exact)
     start = {k: theta0.get_parameter(k).detach().float() for k in exact}
+    cands = parse_candidates(spec)
+    fitted = any(getattr(c, "new_task_weight", None) is not None for c in cands)
     builder = WeightBuilder(model, start, {k: w.float() for k, w in exact.items()}, tok, None, replay,
-                            new_task=new_task_samples(tok))
+                            new_task=new_task_samples(tok) if fitted else None)
     builder.target_layers = frozenset(resolve_target_modules(model, config.target_modules, config.exclude_modules))
     context = BuildContext(config=config, rectify_fn=rectify)
-    for candidate in parse_candidates(spec):
+    for candidate in cands:
         candidate.check(builder)
         peak, cost = own_peak_bytes(lambda: candidate.prepare(builder, context))
         builder.write(builder.weights(candidate))
