@@ -501,6 +501,12 @@ def _new_task_samples(samples: Any, tok: Any, replay_options: Any) -> Any:
     if isinstance(samples, SelfReplay):
         raise JanusError("new_task_samples is a SelfReplay, but θ0's answers are not the new task: pass what "
                          "fine-tuning trained on (a file, dataset id, Dataset or list of samples)")
+    return _read_samples(samples, tok, replay_options)
+
+
+def _read_samples(samples: Any, tok: Any, replay_options: Any) -> Any:
+    """Samples given as a file or dataset id read with ``replay_options`` (``hf-janus merge --replay``'s reader);
+    any other form as given."""
     if isinstance(samples, (str, os.PathLike)):
         from hf_janus.replay.sources import load_replay
 
@@ -516,10 +522,7 @@ def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok:
     A saved adapter on a reference given by name is merged by PEFT in float32: θ0 and θ̂ of its layers are kept in
     float32 (the model holds them rounded to its dtype), and for a plain LoRA the intruder detection is done once
     (``intruders``)."""
-    if isinstance(replay, (str, os.PathLike)):
-        from hf_janus.replay.sources import load_replay
-
-        replay = load_replay(os.fspath(replay), tok, replay_options)
+    replay = _read_samples(replay, tok, replay_options)
     base_name = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None
     exact = None
     if base_name is not None and is_adapter(finetuned, token=token):

@@ -40,24 +40,28 @@ class LinearWeight:
 
 def replay_batches(builder: "WeightBuilder", batch_size: int) -> list[dict[str, Tensor]]:
     """The replay as ``{input_ids, attention_mask[, labels]}`` batches on the CPU (made once per batch size)."""
-    key = ("batches", int(batch_size))
-    if key not in builder.artifacts:
-        if builder.replay is None:
-            raise JanusError("this candidate needs the replay (past-task samples); pass replay=")
-        builder.artifacts[key] = prepare_replay(builder.replay, int(batch_size))
-    return builder.artifacts[key]
+    return _batches(builder, "batches", builder.replay, batch_size, group_by_length=True,
+                    missing="this candidate needs the replay (past-task samples); pass replay=")
 
 
 def new_task_batches(builder: "WeightBuilder", batch_size: int) -> list[dict[str, Tensor]]:
     """The new task's samples (``builder.new_task``: what fine-tuning trained on) as labelled batches on the CPU,
     made once per batch size. They keep the order given: the passes may take fewer batches than there are, and
     grouping by length would then leave out the longest samples."""
-    key = ("new_task_batches", int(batch_size))
+    return _batches(builder, "new_task_batches", builder.new_task, batch_size, group_by_length=False,
+                    missing="this candidate needs samples of the new task (what fine-tuning trained on); pass "
+                            "new_task_samples= to frontier (hf-janus frontier --new-task-samples)")
+
+
+def _batches(builder: "WeightBuilder", name: str, samples: Any, batch_size: int, *, group_by_length: bool,
+             missing: str) -> list[dict[str, Tensor]]:
+    """``samples`` batched by :func:`prepare_replay`, kept in the builder's artifacts under ``(name, batch_size)``;
+    ``missing`` is the error when there are none."""
+    key = (name, int(batch_size))
     if key not in builder.artifacts:
-        if builder.new_task is None:
-            raise JanusError("this candidate needs samples of the new task (what fine-tuning trained on); pass "
-                             "new_task_samples= to frontier (hf-janus frontier --new-task-samples)")
-        builder.artifacts[key] = prepare_replay(builder.new_task, int(batch_size), group_by_length=False)
+        if samples is None:
+            raise JanusError(missing)
+        builder.artifacts[key] = prepare_replay(samples, int(batch_size), group_by_length=group_by_length)
     return builder.artifacts[key]
 
 
