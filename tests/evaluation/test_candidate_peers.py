@@ -359,6 +359,18 @@ def test_replay_training_that_fits_the_new_task_too_matches_a_plain_training_loo
         candidate.check(without)
 
 
+def test_a_new_task_sample_without_a_labelled_token_is_named_as_new_task_data():
+    """The error names the data the user gave: the new task's samples, not the replay."""
+    model, theta0 = tiny_pair(seed=3)
+    unlabelled = [{"input_ids": [3, 1, 4], "labels": [-100, -100, -100]}]
+    builder = builder_for(model, theta0, replay=EQUAL, new_task=unlabelled)
+    candidate = ReplaySft(passes=1, loss="kl", new_task_weight=1.0, new_task_batch_size=1)
+    candidate.check(builder)
+    with pytest.raises(JanusError, match="a new-task batch has no token that carries loss"):
+        built(candidate, builder, context(batch_size=len(EQUAL)))
+    assert all(torch.equal(builder.params[k].detach(), v) for k, v in builder.finetuned.items())
+
+
 def test_replay_fine_tuning_is_refused_where_its_optimizer_state_does_not_fit():
     """Before any work: the float32 master copy, its gradient and Adam's moments (SGD: no moments) of every changed
     parameter, and autograd's gradient in the parameter's dtype, against what the model's device has free."""

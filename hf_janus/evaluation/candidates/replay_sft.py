@@ -61,14 +61,14 @@ REPLAY_SFT_CURVE = Curve("replay-sft", "replay SFT", PlotStyle("o", "C1", "repla
 
 
 def replay_loss(model: torch.nn.Module, batch: Mapping[str, Tensor], loss: str,
-                reference_logits: Optional[Tensor] = None) -> Tensor:
+                reference_logits: Optional[Tensor] = None, source: str = "replay") -> Tensor:
     """Mean over the tokens that carry loss of the next-token cross-entropy, or of ``KL(p_θ0 ‖ p_θ)`` given θ0's
-    logits on the same batch."""
+    logits on the same batch; ``source`` names the batch's data in the error for a batch without such a token."""
     logits = logits_of(model, batch)[:, :-1].float()
     targets = loss_targets(batch).to(logits.device)
     counted = targets != IGNORE_INDEX
     if not counted.any():
-        raise JanusError("a replay batch has no token that carries loss; give its samples labels or drop them")
+        raise JanusError(f"a {source} batch has no token that carries loss; give its samples labels or drop them")
     if loss == "ce":
         return F.cross_entropy(logits[counted], targets[counted])
     log_p = F.log_softmax(logits[counted], dim=-1)
@@ -106,7 +106,7 @@ def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimiz
                 value = replay_loss(model, batch, loss, reference)
                 if new_task:
                     fitted = on_device(new_task[step % len(new_task)], device)
-                    value = value + new_task_weight * replay_loss(model, fitted, "ce")
+                    value = value + new_task_weight * replay_loss(model, fitted, "ce", source="new-task")
                 grads = torch.autograd.grad(value, params)
                 for m, g in zip(master, grads):
                     m.grad = g.detach().float()
