@@ -448,8 +448,8 @@ def levers(name: str) -> dict:
     also scores the JANUS point trained further for N passes on the replay's KL to θ0 (the frontier's
     ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that
     point's hybrids; ``anchor<N>`` makes each step of that training also fit N of the fine-tuning's own samples
-    (the candidate's ``new_task_weight=1``), and ``fromhat`` starts it from θ̂ instead (the frontier's
-    ``replay-sft``, to compare); ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from that
+    (the candidate's ``new_task_weight=1``), and ``fromhat`` starts it from θ̂ instead, making no JANUS point (the
+    frontier's ``replay-sft``, to compare); ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from that
     training-time peer's θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning rate."""
     out: dict = {"m": 64}
     for part in name.split("+"):
@@ -479,6 +479,8 @@ def levers(name: str) -> dict:
             out[key] = value / 10 ** len(number.group(2)) if key == "tau" else value
         else:
             raise SystemExit(f"unknown lever {part!r} in variant {name!r}: see the docstring of levers()")
+    if out.get("fromhat") and ("ref" in out or "hat" in out):
+        raise SystemExit(f"variant {name!r}: fromhat makes no JANUS point for ref/hat to mix; use kref/khat")
     return out
 
 
@@ -727,19 +729,20 @@ def main() -> None:
         replay_s = time.perf_counter() - t
         config = variant_config(lever)
         model = finetuned_model(theta0, start)
-        t = time.perf_counter()
-        # an adapter's θ̂ is known exactly in float32 (θ0 + s·BA), more exactly than its bf16 model holds it
-        peak, report = own_peak_bytes(lambda: rectify(model, theta0, replay, config, progress=False,
-                                                      finetuned=start if args.run != "full" or peer else None))
-        seconds = time.perf_counter() - t
-        point = evaluate(model, tok, sets, data["gsm"], pad)
-        record["points"][name] = scored_point(
-            point, replay_samples=len(replay), replay_tokens=sum(len(r["input_ids"]) for r in replay),
-            replay_seconds=replay_s, rectify_seconds=seconds, peak_host_bytes=peak,
-            jacobian_evaluations=report.num_jacobian_evals,
-            stop_reason=report.stop_reason, replay_loss=report.replay_loss, config=config.to_dict())
-        log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
-        save()
+        if not lever.get("fromhat"):  # with fromhat the passes start from θ̂: no JANUS point to make
+            t = time.perf_counter()
+            # an adapter's θ̂ is known exactly in float32 (θ0 + s·BA), more exactly than its bf16 model holds it
+            peak, report = own_peak_bytes(lambda: rectify(model, theta0, replay, config, progress=False,
+                                                          finetuned=start if args.run != "full" or peer else None))
+            seconds = time.perf_counter() - t
+            point = evaluate(model, tok, sets, data["gsm"], pad)
+            record["points"][name] = scored_point(
+                point, replay_samples=len(replay), replay_tokens=sum(len(r["input_ids"]) for r in replay),
+                replay_seconds=replay_s, rectify_seconds=seconds, peak_host_bytes=peak,
+                jacobian_evaluations=report.num_jacobian_evals,
+                stop_reason=report.stop_reason, replay_loss=report.replay_loss, config=config.to_dict())
+            log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
+            save()
         for label, weights in hybrids(name, lever, theta0, model, start):
             record_weights(label, weights, hybrid_of=name)
         for label, weights, cost in replay_trained(name, lever, theta0, model, start, replay, tok, config):
