@@ -602,7 +602,9 @@ def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, r
     from hf_janus.evaluation.candidates import BuildContext, JanusThenReplaySft, ReplaySft
     from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR
 
-    janus = {k: rectified.get_parameter(k).detach().float().clone() for k in finetuned}
+    # with fromhat there is no JANUS point: ``rectified`` holds θ̂ and the passes start there
+    janus = None if lever.get("fromhat") else {k: rectified.get_parameter(k).detach().float().clone()
+                                                for k in finetuned}
     origin = {k: theta0.get_parameter(k).detach().float() for k in finetuned}
     finetuned = {k: w.float() for k, w in finetuned.items()}
     context = BuildContext(config=config, rectify_fn=rectify)
