@@ -220,3 +220,14 @@ def loss_targets(batch: Mapping[str, Tensor]) -> Tensor:
     if labels is None:
         labels = batch["input_ids"].masked_fill(mask == 0, IGNORE_INDEX)
     return labels[:, 1:].masked_fill(mask[:, :-1] == 0, IGNORE_INDEX)
+
+
+def samples_without_loss(batches: list[Mapping[str, Tensor]]) -> list[int]:
+    """Positions of the samples none of whose tokens carries loss (:func:`loss_targets`), counting rows across
+    ``batches`` in their order: with batches made in the order given, each sample's index in that order."""
+    out, seen = [], 0
+    for batch in batches:
+        counted = (loss_targets(batch) != IGNORE_INDEX).any(-1)
+        out += [seen + int(i) for i in (~counted).nonzero()[:, 0]]
+        seen += len(counted)
+    return out

@@ -359,16 +359,21 @@ def test_replay_training_that_fits_the_new_task_too_matches_a_plain_training_loo
         candidate.check(without)
 
 
-def test_a_new_task_sample_without_a_labelled_token_is_named_as_new_task_data():
-    """The error names the data the user gave: the new task's samples, not the replay."""
+def test_new_task_samples_without_a_labelled_token_are_refused_before_any_work():
+    """The check names the data the user gave (the new task's samples, not the replay) and which of them: a sample
+    with no label is refused even when the others of its batch have some, since fitting it would fit nothing."""
     model, theta0 = tiny_pair(seed=3)
-    unlabelled = [{"input_ids": [3, 1, 4], "labels": [-100, -100, -100]}]
-    builder = builder_for(model, theta0, replay=EQUAL, new_task=unlabelled)
-    candidate = ReplaySft(passes=1, loss="kl", new_task_weight=1.0, new_task_batch_size=1)
-    candidate.check(builder)
-    with pytest.raises(JanusError, match="a new-task batch has no token that carries loss"):
-        built(candidate, builder, context(batch_size=len(EQUAL)))
-    assert all(torch.equal(builder.params[k].detach(), v) for k, v in builder.finetuned.items())
+    labelled = {"input_ids": [3, 1, 4], "labels": [-100, 1, 4]}
+    unlabelled = {"input_ids": [2, 7, 1], "labels": [-100, -100, -100]}
+    for batch_size in (1, 2):
+        builder = builder_for(model, theta0, replay=EQUAL, new_task=[labelled, unlabelled, labelled, unlabelled])
+        candidate = ReplaySft(passes=1, loss="kl", new_task_weight=1.0, new_task_batch_size=batch_size)
+        with pytest.raises(JanusError, match=r"2 new-task sample\(s\) have no token that carries loss \(at 1, 3, "):
+            candidate.check(builder)
+        assert all(torch.equal(builder.params[k].detach(), v) for k, v in builder.finetuned.items())
+    builder = builder_for(model, theta0, replay=EQUAL, new_task=[labelled, labelled])
+    ReplaySft(passes=1, loss="kl", new_task_weight=1.0, new_task_batch_size=2).check(builder)
+    ReplaySft(passes=1, loss="kl").check(builder_for(model, theta0, replay=EQUAL, new_task=[unlabelled]))
 
 
 def test_replay_fine_tuning_is_refused_where_its_optimizer_state_does_not_fit():

@@ -196,6 +196,8 @@ class ReplayTraining:
             raise JanusError(f"{self.name}: new_task_weight fits the new task's samples too, but none were given; "
                              "pass new_task_samples= to frontier (hf-janus frontier --new-task-samples FILE), or "
                              "drop new_task_weight")
+        if self.new_task_weight is not None:  # made now, so that unlabelled samples are refused before any work
+            new_task_batches(builder, self.new_task_batch_size)
         device = model_device(builder.model)
         need, free = self.state_bytes(builder), builder.free_memory(device)
         if free is not None and need > free:

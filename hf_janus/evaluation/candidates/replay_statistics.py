@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -15,7 +15,7 @@ from hf_janus.engine.capture import model_device
 from hf_janus.engine.layers import LayerRule, rule_for
 from hf_janus.errors import JanusError
 from hf_janus.model_modes import evaluation_mode
-from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay
+from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay, samples_without_loss
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -47,21 +47,30 @@ def replay_batches(builder: "WeightBuilder", batch_size: int) -> list[dict[str, 
 def new_task_batches(builder: "WeightBuilder", batch_size: int) -> list[dict[str, Tensor]]:
     """The new task's samples (``builder.new_task``: what fine-tuning trained on) as labelled batches on the CPU,
     made once per batch size. They keep the order given: the passes may take fewer batches than there are, and
-    grouping by length would then leave out the longest samples."""
+    grouping by length would then leave out the longest samples. A sample none of whose tokens carries loss is
+    refused when the batches are made: fitting it would fit nothing."""
     return _batches(builder, "new_task_batches", builder.new_task, batch_size, group_by_length=False,
                     missing="this candidate needs samples of the new task (what fine-tuning trained on); pass "
-                            "new_task_samples= to frontier (hf-janus frontier --new-task-samples)")
+                            "new_task_samples= to frontier (hf-janus frontier --new-task-samples)",
+                    labelled="new-task")
 
 
 def _batches(builder: "WeightBuilder", name: str, samples: Any, batch_size: int, *, group_by_length: bool,
-             missing: str) -> list[dict[str, Tensor]]:
+             missing: str, labelled: Optional[str] = None) -> list[dict[str, Tensor]]:
     """``samples`` batched by :func:`prepare_replay`, kept in the builder's artifacts under ``(name, batch_size)``;
-    ``missing`` is the error when there are none."""
+    ``missing`` is the error when there are none. With ``labelled`` (the data's name in the error), every sample
+    must have a token that carries loss."""
     key = (name, int(batch_size))
     if key not in builder.artifacts:
         if samples is None:
             raise JanusError(missing)
-        builder.artifacts[key] = prepare_replay(samples, int(batch_size), group_by_length=group_by_length)
+        batches = prepare_replay(samples, int(batch_size), group_by_length=group_by_length)
+        unlabelled = samples_without_loss(batches) if labelled else []
+        if unlabelled:
+            shown = ", ".join(map(str, unlabelled[:5])) + (", ..." if len(unlabelled) > 5 else "")
+            raise JanusError(f"{len(unlabelled)} {labelled} sample(s) have no token that carries loss (at {shown}, "
+                             "counting from 0 in the order given); give them labels or drop them")
+        builder.artifacts[key] = batches
     return builder.artifacts[key]
 
 
