@@ -30,6 +30,11 @@ variant then rectifies a fresh copy of θ̂ through the public ``rectify``.
   the curve the margins are read against). The
   first 64 replayed answers are scored too (``replayed``): what stays lost there is not for want of replay.
   Results: ``results/real_study_<run>.{json,md}``.
+* **Held-out questions** (``--held-out``): every choice so far (levers, grids, b) was read off the scored questions
+  above, which makes them validation questions. This flag also scores NQ-open and WebQuestions questions no session
+  has scored or replayed (:data:`HELD_OUT_NQ`, :data:`HELD_OUT_WQ`), picks each run's point by :func:`chosen_point`
+  on the validation questions alone, and reports the held-out figures of that point; results go to
+  ``results/real_study_<run>_held_out.{json,md}`` (a fresh record: WiSE-FT must be among the variants).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, replace
-from typing import Optional
+from typing import Iterator, Optional
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -80,6 +85,12 @@ WISE_GRID = (0.25, 0.5, 0.75, 0.9)
 PEERS = ("corda", "osf")  # training-time peers (issue 40): a variant naming one starts from its θ̂ instead
 # multi-row constraints keep k + 1 rows of factors per sample: beyond the memory plan's share they spill here
 FACTOR_CACHE = os.path.join(tempfile.gettempdir(), "janus-real-study-factors")
+# questions in the study's shuffled order that no session scored or replayed; the replay pool's extension stops
+# before HELD_OUT_NQ so that no m replays them
+HELD_OUT_NQ = slice(608, 768)
+HELD_OUT_WQ = slice(90, 256)
+HELD_OUT_MAX = 128  # answers kept per held-out set
+CHOICE_MIN_AP2 = 95.0  # the frontier's --min-ap2 95, as every session chose
 LINEAR_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # "all-linear" here
 
 
@@ -429,6 +440,37 @@ def own_behaviour(s, tok, theta0) -> dict:
             "generated_answers": 130 + POOL_QUESTIONS + 90}
 
 
+def held_out_sets(s, tok, theta0, data: dict, save) -> dict:
+    """θ0's answers to the held-out questions (generated once, kept in ``data``): at most :data:`HELD_OUT_MAX` per
+    set, from NQ-open questions past any replay pool and WebQuestions questions past the scored ones."""
+    if "held_out_nq" not in data:
+        rng, nq = shuffled_questions(s)
+        wq = lib.read_jsonl("webquestions_val_subset.jsonl")
+        rng.shuffle(wq)
+        key = "qText" if "qText" in wq[0] else "question"
+        t = time.perf_counter()
+        data["held_out_nq"] = own_answers(theta0, tok, [r["question"] for r in nq[HELD_OUT_NQ]],
+                                          s.answer_tokens)[:HELD_OUT_MAX]
+        data["held_out_wq"] = own_answers(theta0, tok, [r[key] for r in wq[HELD_OUT_WQ]], s.answer_tokens)[:HELD_OUT_MAX]
+        data["held_out_generation_seconds"] = time.perf_counter() - t
+        save()
+    log(f"[data] held out: {len(data['held_out_nq'])} NQ-open + {len(data['held_out_wq'])} WebQuestions answers")
+    return {"nq_held_out": data["held_out_nq"], "webq_held_out": data["held_out_wq"]}
+
+
+def chosen_point(points: dict, min_ap2: float = CHOICE_MIN_AP2) -> Optional[str]:
+    """The point the study recommends, chosen on the validation questions alone: of the settings' points (not θ0,
+    θ̂ or WiSE-FT) with AP2 ≥ ``min_ap2``, the one that gives back the most of the lost exact matches (EM back, NQ-open
+    and WebQuestions averaged; the larger AP2 breaks ties); None when no point keeps that much of the gain."""
+    pool = [(name, p["repair"]) for name, p in points.items() if name not in ("theta0", "finetuned")
+            and not name.startswith("wise") and (p.get("repair") or {}).get("ap2") is not None
+            and p["repair"]["ap2"] >= min_ap2]
+    if not pool:
+        return None
+    return max(pool, key=lambda item: ((item[1]["nq"]["em_back"] + item[1]["webq"]["em_back"]) / 2,
+                                       item[1]["ap2"]))[0]
+
+
 def finetuned_model(theta0, exact: dict):
     """θ0 with the parameters in ``exact`` replaced (rounded to the model's dtype)."""
     model = copy.deepcopy(theta0)
@@ -484,20 +526,28 @@ def levers(name: str) -> dict:
     return out
 
 
+def pool_extension(nq: list[dict], start: int, size: int = 64) -> Iterator[tuple[int, list[dict]]]:
+    """Chunks of ``size`` questions of the study's NQ-open order from ``start`` on, each with the index past it, for
+    the replay pool to grow into; they stop before the held-out questions, so that no replay size reaches them."""
+    while start < HELD_OUT_NQ.start:
+        chunk = nq[start:min(start + size, HELD_OUT_NQ.start)]
+        start += len(chunk)
+        yield start, chunk
+
+
 def replay_pool(s, data: dict, m: int, tok, theta0, save) -> list[dict]:
     """The first ``m`` of θ0's answers to NQ-open questions outside the scored ones; more are generated (and cached
-    in ``data``) from the rest of the NQ-open subset when the pool is short."""
+    in ``data``) from the rest of the NQ-open subset (:func:`pool_extension`) when the pool is short."""
     pool = data["pool"]
     if m > len(pool):
         _, nq = shuffled_questions(s)
-        start = 160 + data.get("pool_questions", POOL_QUESTIONS)
-        while len(pool) < m and start < len(nq):
-            chunk = nq[start:start + 64]
+        for end, chunk in pool_extension(nq, 160 + data.get("pool_questions", POOL_QUESTIONS)):
+            if len(pool) >= m:
+                break
             t = time.perf_counter()
             pool.extend(own_answers(theta0, tok, [r["question"] for r in chunk], s.answer_tokens))
             data["generation_seconds"] += time.perf_counter() - t
-            start += len(chunk)
-            data["pool_questions"] = start - 160
+            data["pool_questions"] = end - 160
             save()
         if len(pool) < m:
             raise SystemExit(f"only {len(pool)} replayable answers in the NQ-open subset, {m} asked")
@@ -635,6 +685,9 @@ def main() -> None:
     ap.add_argument("--posthoc", default="", metavar="SPEC",
                     help="issue 40's post-hoc peers, in hf-janus frontier --candidates syntax (each point scored)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--held-out", action="store_true",
+                    help="also score held-out questions and choose on the validation ones (a fresh record, "
+                         "results/real_study_<run>_held_out.json; give wise among the variants)")
     ap.add_argument("--summarize", action="store_true")
     ap.add_argument("--margins", action="store_true", help="only θ0's answer margins and what θ̂ keeps of each bin")
     ap.add_argument("--work-dir", default=os.path.join(HERE, "cache", "real_study"))
@@ -643,7 +696,7 @@ def main() -> None:
     if args.dtype:
         DTYPES[args.run] = getattr(torch, args.dtype)
     args.label = args.run + ("" if args.dtype in (None, default_dtype) else f"_{args.dtype}")
-    out_path = os.path.join(RESULTS, f"real_study_{args.label}.json")
+    out_path = os.path.join(RESULTS, f"real_study_{args.label}{'_held_out' if args.held_out else ''}.json")
     if args.summarize:
         print(write_markdown(out_path))
         print(write_plot(out_path))
@@ -665,7 +718,7 @@ def main() -> None:
               "theta0_answer_generation_seconds": data["generation_seconds"], "points": {},
               "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                           "platform": platform.platform(), "torch": torch.__version__}}
-    if os.path.isfile(out_path):
+    if os.path.isfile(out_path) and not args.held_out:  # a held-out record is never mixed with earlier points
         with open(out_path, encoding="utf-8") as fh:
             record["points"] = json.load(fh).get("points", {})
     # the first 64 replayed answers, scored like the others: is what stays lost lost on the replay itself?
@@ -674,6 +727,12 @@ def main() -> None:
 
     def save_data():
         atomic_write_text(os.path.join(args.work_dir, args.label, "data.json"), json.dumps(data))
+
+    if args.held_out:
+        if "wise" not in args.variants.split(","):
+            raise SystemExit("--held-out needs wise among the variants: the held-out margins are read off its curve")
+        sets.update(held_out_sets(s, tok, theta0, data, save_data))
+        record["held_out_generation_seconds"] = data["held_out_generation_seconds"]
 
     def save():
         atomic_write_text(out_path, json.dumps(record, indent=1))
@@ -837,8 +896,43 @@ def write_markdown(path: str) -> str:
                          f"| {a['kept_by_finetuned']} / {b['kept_by_finetuned']} |")
     text = "\n".join(lines) + "\n"
     with open(path[:-5] + ".md", "w", encoding="utf-8") as fh:
-        fh.write(f"# The real-model study ({rec['run']}): benchmarks/forgetting/real_study.py\n\n" + text)
-    return text
+        fh.write(f"# The real-model study ({rec['run']}): benchmarks/forgetting/real_study.py\n\n" + text
+                 + held_out_markdown(rec))
+    return text + held_out_markdown(rec)
+
+
+def held_out_markdown(rec: dict) -> str:
+    """The held-out questions' table and the point :func:`chosen_point` picks on the validation questions ("" for a
+    record without held-out questions)."""
+    points = rec["points"]
+    if "nq_held_out" not in points.get("finetuned", {}).get("past_summary", {}):
+        return ""
+
+    def f(v, spec=".1f"):
+        return "" if v is None else format(v, spec)
+
+    choice = chosen_point(points)
+    lines = ["", f"Held-out questions (never scored or replayed before; θ0's EM there is 100 by construction, θ̂ keeps "
+             f"{f(points['finetuned']['past_summary']['nq_held_out']['em'])} / "
+             f"{f(points['finetuned']['past_summary']['webq_held_out']['em'])}). The choice, made on the validation "
+             f"questions above (AP2 ≥ {CHOICE_MIN_AP2:g}, the most exact matches back): **{choice}**.", "",
+             "| point | EM back NQ / WebQ, validation (%) | EM back NQ / WebQ, held out (%) | NLL rise undone NQ / WebQ, "
+             "held out (%) | AP2 (%) | vs WiSE-FT EM NQ / WebQ, held out | vs WiSE-FT NLL NQ / WebQ, held out |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, p in points.items():
+        r = p.get("repair")
+        if not r:
+            continue
+        margins = ["", ""]
+        if not name.startswith("wise") and r.get("ap2") is not None:
+            margins = [" / ".join(f(wise_margin(points, r, key, subset), "+.1f") for subset in
+                                  ("nq_held_out", "webq_held_out")) for key in ("em_back", "nll_undone")]
+        bold = "**" if name == choice else ""
+        lines.append(f"| {bold}{name}{bold} | {f(r['nq']['em_back'])} / {f(r['webq']['em_back'])} "
+                     f"| {f(r['nq_held_out']['em_back'])} / {f(r['webq_held_out']['em_back'])} "
+                     f"| {f(r['nq_held_out']['nll_undone'])} / {f(r['webq_held_out']['nll_undone'])} "
+                     f"| {f(r.get('ap2'))} | {margins[0]} | {margins[1]} |")
+    return "\n".join(lines) + "\n"
 
 
 def wise_margin(points: dict, repair: dict, key: str, subset: str = "nq") -> Optional[float]:

@@ -16,11 +16,15 @@ from peft.tuners.lora.corda import preprocess_corda  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from benchmarks.forgetting.real_study import (  # noqa: E402
+    HELD_OUT_NQ,
     LINEAR_NAMES,
     adapter_weights,
+    chosen_point,
     finetuned_model,
+    held_out_markdown,
     hybrids,
     levers,
+    pool_extension,
     posthoc_points,
     replay_trained,
     variant_config,
@@ -200,3 +204,47 @@ def test_posthoc_peers_are_built_by_the_frontier_builder(theta0):
         torch.testing.assert_close(half[k], (theta0.get_parameter(k).detach() + w) / 2, rtol=0, atol=1e-6)
     assert any((sft[k] - exact[k]).abs().max() > 0 for k in exact)
     assert sft_cost["forward_passes"] == 2 and sft_cost["backward_passes"] == 2
+
+
+def _scored(em_validation: float, em_held_out: float, ap2: float) -> dict:
+    """A point's record with the same EM back on both sets of each split."""
+    def subset(em):
+        return {"em_back": em, "nll_undone": em, "ap1_em": None}
+
+    summary = {k: {"em": 50.0, "nll": 1.0, "token_acc": 90.0, "first_token_acc": 90.0}
+               for k in ("nq", "webq", "nq_held_out", "webq_held_out")}
+    return {"past_summary": summary, "gsm_nll": 1.0,
+            "repair": {"nq": subset(em_validation), "webq": subset(em_validation), "nq_held_out": subset(em_held_out),
+                       "webq_held_out": subset(em_held_out), "ap2": ap2}}
+
+
+def test_the_held_out_choice_reads_only_the_validation_questions():
+    """The point is the most EM back on the validation questions at AP2 ≥ 95, whatever the held-out questions say;
+    WiSE-FT's points are the curve, never the choice; the held-out table marks the choice and reads its margins off
+    the held-out WiSE-FT curve."""
+    anchors = {"theta0": {"past_summary": _scored(0, 0, 0)["past_summary"]},
+               "finetuned": {"past_summary": _scored(0, 0, 0)["past_summary"]}}
+    points = {**anchors, "wise a=0.9": _scored(90, 90, 99.0), "wise a=0.5": _scored(95, 95, 60.0),
+              "janus": _scored(20, 70, 99.0), "janus b=0.7": _scored(50, 40, 96.0),
+              "janus b=0.6": _scored(60, 80, 94.0)}
+    assert chosen_point(points) == "janus b=0.7"
+    assert chosen_point(points, min_ap2=99.5) is None
+    table = held_out_markdown({"points": points})
+    assert "**janus b=0.7**" in table
+    row = next(line for line in table.splitlines() if line.startswith("| **janus b=0.7**"))
+    # the held-out WiSE-FT curve at AP2 96: a=0.9 (99, 90) and a=0.5 (60, 95) joined linearly
+    wise = 90 + (99.0 - 96.0) / (99.0 - 60.0) * (95 - 90)
+    assert f"{40 - wise:+.1f} / {40 - wise:+.1f}" in row
+    assert held_out_markdown({"points": {**anchors, "janus": _scored(1, 1, 99.0)} | {
+        "finetuned": {"past_summary": {"nq": {}, "webq": {}}}}}) == ""
+
+
+def test_the_replay_pool_never_grows_into_the_held_out_questions():
+    """From any start, the pool's extension covers the questions up to the held-out ones and none of them."""
+    order = [{"question": f"q{i}"} for i in range(HELD_OUT_NQ.stop)]
+    for start in (310, HELD_OUT_NQ.start - 5, HELD_OUT_NQ.start):
+        chunks = list(pool_extension(order, start))
+        asked = [r["question"] for _, chunk in chunks for r in chunk]
+        assert asked == [f"q{i}" for i in range(start, HELD_OUT_NQ.start)]
+        assert [end for end, _ in chunks] == [min(start + 64 * (k + 1), HELD_OUT_NQ.start)
+                                               for k in range(len(chunks))]
