@@ -286,7 +286,7 @@ def _floats(text: str) -> list[float]:
 def _add_frontier(sub: argparse._SubParsersAction) -> None:
     from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
                                                DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
-                                               DEFAULT_TAUS, DEFAULT_WISE_GRID)
+                                               DEFAULT_TAUS, DEFAULT_WISE_GRID, NEW_TASK_PEERS)
 
     def kinds_shown() -> list[str]:
         from hf_janus.evaluation.candidates import kinds
@@ -327,10 +327,11 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
                            "janus:tau=0.95 replay-sft:passes=4,8:loss=kl input-null fisher lines dg-hard': "
                            "space-separated NAME[:KEY=V,V...]...; kinds: " + ", ".join(kinds_shown()) + " (see "
                            "the evaluate-and-frontier guide)")
-    grid.add_argument("--peers", default=DEFAULT_PEERS, metavar="SPEC",
+    grid.add_argument("--peers", default=None, metavar="SPEC",
                       help="the post-hoc peers scored after the grids below, in --candidates syntax; '' for none; "
                            "one that is not defined here or does not fit in memory is left out with a warning "
-                           f"(default: '{DEFAULT_PEERS}', those that beat JANUS on a benchmark run)")
+                           f"(default: '{DEFAULT_PEERS}', those that beat JANUS on a benchmark run, and with "
+                           f"--new-task-samples also '{NEW_TASK_PEERS}', the real-model study's recommended repair)")
     grid.add_argument("--wise-grid", type=_floats, default=list(DEFAULT_WISE_GRID), metavar="A,A,...",
                       help=f"WiSE-FT coefficients a in (0, 1) (default: {shown(DEFAULT_WISE_GRID)})")
     grid.add_argument("--taus", type=_floats, default=list(DEFAULT_TAUS), metavar="T,T,...",

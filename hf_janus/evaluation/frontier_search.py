@@ -11,8 +11,10 @@ Each candidate is a model between θ0 (before fine-tuning) and θ̂ (after):
 * for a **LoRA adapter**, PEFT's own post-hoc mitigation, **intruder-dimension reduction** at each
   ``mitigation_lambda`` (no replay; :mod:`hf_janus.evaluation.intruder_reduction`), and intruder reduction followed
   by JANUS;
-* asked for by a spec (``candidates=``), the **post-hoc peers**: replay fine-tuning at JANUS's budget, the
-  input-covariance null space and one-sided RegMean, diagonal-Fisher interpolation, LiNeS and DG-Hard.
+* the **post-hoc peers**: replay fine-tuning at JANUS's budget, the input-covariance null space and one-sided
+  RegMean, diagonal-Fisher interpolation, LiNeS and DG-Hard (by default those that beat JANUS on a benchmark run,
+  ``peers=``; any by a spec, ``candidates=``); given samples of the new task, also **JANUS, then replay training**
+  that fits them beside the replay, then back toward θ0 (the real-model study's recommended repair).
 
 Each kind is one object (:mod:`hf_janus.evaluation.candidates`): it builds its own weights, reports its cost and
 says which peer curve it belongs to; every point off a curve gets its AP1 margin over it.
@@ -47,11 +49,10 @@ from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidate_weights import WeightBuilder, differing_parameters
 from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
-                                            DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
-                                            DEFAULT_TAUS,
+                                            DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS,
                                             DEFAULT_WISE_GRID, FINETUNED, INTRUDER_CURVE_SPEC, REFERENCE,
-                                            WISE_CURVE_SPEC, BuildContext, Candidate, Cost, Curve, SpecContext, kinds,
-                                            parse_candidates)
+                                            WISE_CURVE_SPEC, BuildContext, Candidate, Cost, Curve, SpecContext,
+                                            default_peers, kinds, parse_candidates)
 from hf_janus.evaluation.candidates import candidates as keyword_candidates
 from hf_janus.evaluation.candidates.registry import SpecLike
 from hf_janus.evaluation.intruder_reduction import IntruderReduction
@@ -384,7 +385,7 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
              progress: bool = True, allow_pickle: bool = False,
              rectify_fn: Callable[..., RectificationReport] = rectify,
              candidates: Optional[Union[SpecLike, Sequence[SpecLike]]] = None,
-             peers: SpecLike = DEFAULT_PEERS, new_task_samples: Any = None,
+             peers: Optional[SpecLike] = None, new_task_samples: Any = None,
              scorer: Optional[Callable[[nn.Module], Mapping[str, TaskResult]]] = None) -> FrontierResult:
     """Score WiSE-FT, JANUS, hybrids and the post-hoc peers on the user's tasks and choose a point.
 
@@ -416,9 +417,11 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         peers: with the keyword grids, the post-hoc peers scored after them, as a spec (``""`` for none). The
             default, :data:`~hf_janus.evaluation.candidates.DEFAULT_PEERS`, names those that beat JANUS on a
             benchmark run (replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, Fisher interpolation, the
-            input-covariance null space at energies 0.5 and 0.9), so that the frontier can choose them. A peer
-            that is not defined here, or does not fit (replay fine-tuning's optimizer state on the model's device),
-            is left out with a logged warning.
+            input-covariance null space at energies 0.5 and 0.9), so that the frontier can choose them; with
+            ``new_task_samples`` it adds :data:`~hf_janus.evaluation.candidates.NEW_TASK_PEERS` (JANUS, then 32
+            passes on the replay's KL to θ0 that also fit those samples, then toward θ0 at b = 0.8, 0.7, 0.6: the
+            real-model study's recommended repair). A peer that is not defined here, or does not fit (replay
+            training's optimizer state on the model's device), is left out with a logged warning.
         scorer: scores a model on the tasks, ``model -> {task name: TaskResult}`` with the names of
             ``past_tasks`` and ``new_tasks`` (default: lm-evaluation-harness, :class:`~hf_janus.evaluation.
             harness.Scorer`, with ``batch_size``, ``limit`` and ``include_path``).
@@ -436,6 +439,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
         A :class:`FrontierResult`; ``result.best`` is the chosen point.
     """
     config = config if config is not None else JanusConfig()
+    if peers is None:
+        peers = default_peers(new_task_samples is not None)
     # the candidates are checked before any model is loaded
     if candidates is None:
         cands = keyword_candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None,

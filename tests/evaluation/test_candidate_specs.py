@@ -13,9 +13,9 @@ import torch
 from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
 from hf_janus import JanusConfig, load_report
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.candidates import (DEFAULT_PEERS, DampedJanus, DgHard, Janus, JanusThenReplaySft,
-                                            JanusToReference, Lines, ReplaySft, SpecContext, Wise, WiseThenJanus,
-                                            candidates, kinds, parse_candidates)
+from hf_janus.evaluation.candidates import (DEFAULT_PEERS, NEW_TASK_PEERS, DampedJanus, DgHard, Janus,
+                                            JanusThenReplaySft, JanusToReference, Lines, ReplaySft, SpecContext, Wise,
+                                            WiseThenJanus, candidates, default_peers, kinds, parse_candidates)
 from hf_janus.evaluation.frontier_search import frontier, wise_margin
 from hf_janus.evaluation.harness import TaskResult
 from testing_utils import build_tiny
@@ -168,6 +168,27 @@ def test_the_keyword_grids_end_with_the_default_peers(setting):
     assert sft.cost.backward_passes == 4 * by_default.reports["tau=0.9"]["num_jacobian_evals"]
     assert [p.kind for p in run(setting, wise_grid=(0.5,), taus=(), dampings=(), hybrids=False,
                                 peers="").points] == ["anchor", "anchor", "wise"]
+
+
+def test_with_new_task_samples_the_default_peers_add_the_recommended_repair(setting):
+    """Given the new task's samples, the default peers also hold JANUS → KL passes that fit them → θ0 at the real-model
+    study's grid: the same points as naming them after the others in a spec. A peers spec the user gives is taken
+    as given, and without the samples the default is the peers alone."""
+    tok, base, tuned, replay = setting
+    new_task = [{"input_ids": tok(t)["input_ids"]} for t in NEW[6:]]
+    grids = dict(wise_grid=(0.5,), taus=(0.9,), dampings=(), hybrids=False)
+    by_default = run(setting, new_task_samples=new_task, **grids)
+    by_spec = run(setting, candidates="wise:0.5 janus:tau=0.9 " + default_peers(True), new_task_samples=new_task)
+    assert default_peers(True) == DEFAULT_PEERS + " " + NEW_TASK_PEERS and default_peers(False) == DEFAULT_PEERS
+    assert [p.kind for p in by_default.points][-7:] == (["replay_sft", "fisher", "input_null", "input_null"]
+                                                        + ["janus_then_replay_sft"] * 3)
+    repairs = [p.candidate for p in by_default.points[-3:]]
+    assert [c.b for c in repairs] == [0.8, 0.7, 0.6]
+    assert all(c.passes == 32 and c.new_task_weight == 1 and c.tau == 0.9 for c in repairs)
+    assert by_default.points[-3].cost.backward_passes == 32 and by_default.points[-2].cost.reused
+    assert [comparable(p) for p in by_default.points] == [comparable(p) for p in by_spec.points]
+    assert "janus_then_replay_sft" not in {p.kind for p in run(setting, peers="fisher", new_task_samples=new_task,
+                                                                 **grids).points}
 
 
 def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):

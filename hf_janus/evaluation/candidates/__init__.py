@@ -22,9 +22,10 @@ from hf_janus.evaluation.candidates.janus_then_replay_sft import JanusThenReplay
 from hf_janus.evaluation.candidates.janus_to_finetuned import JanusToFinetuned
 from hf_janus.evaluation.candidates.janus_to_reference import JanusToReference
 from hf_janus.evaluation.candidates.keywords import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
-                                                     DEFAULT_PEERS,
-                                                     DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
-                                                     DEFAULT_TAUS, DEFAULT_WISE_GRID, candidates, check_grids)
+                                                     DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID,
+                                                     DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS,
+                                                     DEFAULT_WISE_GRID, NEW_TASK_PEERS, candidates, check_grids,
+                                                     default_peers)
 from hf_janus.evaluation.candidates.lines import Lines
 from hf_janus.evaluation.candidates.regmean import RegMean
 from hf_janus.evaluation.candidates.registry import kind_named, kinds, parse_candidates, register
@@ -44,6 +45,7 @@ __all__ = [
     "REFERENCE", "WISE_CURVE_SPEC", "Anchor", "BuildContext", "Candidate", "Cost", "Curve", "DampedJanus", "DgHard",
     "Fisher", "InputNull", "Intruder", "IntruderThenJanus", "Janus", "JanusBased", "JanusThenReplaySft",
     "JanusToFinetuned",
-    "JanusToReference", "Lines", "Option", "PlotStyle", "RegMean", "ReplaySft", "SpecContext", "Wise",
-    "WiseThenJanus", "candidates", "check_grids", "kind_named", "kinds", "parse_candidates", "register",
+    "JanusToReference", "Lines", "NEW_TASK_PEERS", "Option", "PlotStyle", "RegMean", "ReplaySft", "SpecContext",
+    "Wise", "WiseThenJanus", "candidates", "check_grids", "default_peers", "kind_named", "kinds",
+    "parse_candidates", "register",
 ]

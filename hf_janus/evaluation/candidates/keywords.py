@@ -1,7 +1,8 @@
 """The frontier's candidates from its keyword grids (``wise_grid``, ``taus``, ``dampings``, the hybrids' grids,
 ``intruder_lambdas``): the same candidates, in the same order and with the same labels, as before candidates were
 objects, so that results made through the keywords stay comparable; then the post-hoc peers ``peers`` names
-(:data:`DEFAULT_PEERS`: the ones that beat JANUS somewhere in the benchmarks, so that the frontier can choose them)."""
+(:data:`DEFAULT_PEERS`: the ones that beat JANUS somewhere in the benchmarks, so that the frontier can choose them;
+with samples of the new task, :func:`default_peers` adds :data:`NEW_TASK_PEERS`)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,20 @@ from hf_janus.evaluation.candidates.wise_then_janus import DEFAULT_PRE_JANUS_GRI
 # README.md, issue 40), at a cost of the order of one JANUS run (replay SFT), one Jacobian evaluation (Fisher) or one
 # forward pass over the replay (the null space, shared by its two points).
 DEFAULT_PEERS = "replay-sft:budget=4:loss=kl fisher:strength=1 input-null:energy=0.5,0.9"
+# JANUS, then 32 passes on the replay's KL to θ0 that also fit the new task's samples, then back toward θ0: what
+# brought back the most on the real model's three fine-tunings at AP2 ≥ 95, on questions never used to choose it
+# (benchmarks/forgetting/README.md, issue 43). It needs the new task's samples, so only a frontier given them adds it.
+NEW_TASK_PEERS = "janus-then-replay-sft:passes=32:new_task_weight=1:b=0.8,0.7,0.6"
 
 __all__ = ["DEFAULT_DAMPINGS", "DEFAULT_PEERS", "DEFAULT_HYBRID_GRID", "DEFAULT_INTRUDER_LAMBDAS",
-           "DEFAULT_PRE_JANUS_GRID",
-           "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID", "candidates", "check_grids"]
+           "DEFAULT_PRE_JANUS_GRID", "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID",
+           "NEW_TASK_PEERS", "candidates", "check_grids", "default_peers"]
+
+
+def default_peers(new_task_samples: bool) -> str:
+    """The frontier's default peers: :data:`DEFAULT_PEERS`, and :data:`NEW_TASK_PEERS` when the new task's samples
+    were given (the candidates that fit them)."""
+    return DEFAULT_PEERS + (" " + NEW_TASK_PEERS if new_task_samples else "")
 
 
 def check_grids(wise_grid: Sequence[float], taus: Sequence[float], hybrid_grid: Sequence[float],
