@@ -451,7 +451,8 @@ def held_out_sets(s, tok, theta0, data: dict, save) -> dict:
         t = time.perf_counter()
         data["held_out_nq"] = own_answers(theta0, tok, [r["question"] for r in nq[HELD_OUT_NQ]],
                                           s.answer_tokens)[:HELD_OUT_MAX]
-        data["held_out_wq"] = own_answers(theta0, tok, [r[key] for r in wq[HELD_OUT_WQ]], s.answer_tokens)[:HELD_OUT_MAX]
+        data["held_out_wq"] = own_answers(theta0, tok, [r[key] for r in wq[HELD_OUT_WQ]],
+                                          s.answer_tokens)[:HELD_OUT_MAX]
         data["held_out_generation_seconds"] = time.perf_counter() - t
         save()
     log(f"[data] held out: {len(data['held_out_nq'])} NQ-open + {len(data['held_out_wq'])} WebQuestions answers")
@@ -697,6 +698,8 @@ def main() -> None:
         DTYPES[args.run] = getattr(torch, args.dtype)
     args.label = args.run + ("" if args.dtype in (None, default_dtype) else f"_{args.dtype}")
     out_path = os.path.join(RESULTS, f"real_study_{args.label}{'_held_out' if args.held_out else ''}.json")
+    if args.held_out and not args.summarize and "wise" not in args.variants.split(","):
+        raise SystemExit("--held-out needs wise among the variants: the held-out margins are read off its curve")
     if args.summarize:
         print(write_markdown(out_path))
         print(write_plot(out_path))
@@ -729,8 +732,6 @@ def main() -> None:
         atomic_write_text(os.path.join(args.work_dir, args.label, "data.json"), json.dumps(data))
 
     if args.held_out:
-        if "wise" not in args.variants.split(","):
-            raise SystemExit("--held-out needs wise among the variants: the held-out margins are read off its curve")
         sets.update(held_out_sets(s, tok, theta0, data, save_data))
         record["held_out_generation_seconds"] = data["held_out_generation_seconds"]
 
