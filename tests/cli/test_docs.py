@@ -179,3 +179,40 @@ def test_benchmark_index_lists_every_result_file():
             if f"]({rel})" not in index:  # a link to it, e.g. [`.md`](results/bench_ghost.md)
                 missing.append(rel)
     assert not missing, "benchmarks/README.md does not list: " + ", ".join(missing)
+
+
+def _code_spans(text: str) -> list[tuple[str, bool]]:
+    """Each fenced block (True: its lines are separate commands unless continued with a backslash) and each inline
+    code span (False: wrapped across lines within a paragraph) of a Markdown text."""
+    fence = r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$"
+    spans = [(m.group(2), True) for m in re.finditer(fence, text, flags=re.M | re.S)]
+    rest = re.sub(fence, "", text, flags=re.M | re.S)
+    inline = r"(`+)(?!`)((?:(?!\n[ \t]*\n).)*?)(?<!`)\1(?!`)"
+    return spans + [(m.group(2), False) for m in re.finditer(inline, rest, flags=re.S)]
+
+
+def _cli_options() -> dict[str, set[str]]:
+    import argparse
+
+    from hf_janus.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: set(parser._option_string_actions) for name, parser in sub.choices.items()}
+
+
+def test_the_docs_commands_name_options_that_exist():
+    """Every ``--option`` of an ``hf-janus SUBCOMMAND`` the docs show (or an inline span that starts with the
+    subcommand, as ``frontier --min-ap2 95``) is one that subcommand takes: a copied command must parse."""
+    options = _cli_options()
+    start = r"(?:hf-janus\s+({0})|^({0}))(?=\s)".format("|".join(map(re.escape, options)))
+    unknown = []
+    for path in markdown_files():
+        for span, fenced in _code_spans(path.read_text(encoding="utf-8")):
+            for m in re.finditer(start, span):
+                command = span[m.end():].split("hf-janus")[0]
+                if fenced:
+                    command = re.split(r"(?<!\\)\n", command)[0]
+                name = m.group(1) or m.group(2)
+                unknown += [f"{path.relative_to(ROOT)}: {name} {opt}" for opt in
+                            re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", command) if opt not in options[name]]
+    assert not unknown, "options the CLI does not take:\n" + "\n".join(unknown)
