@@ -411,26 +411,26 @@ def solution(row: dict) -> str:
     return lib.Math(row["question"], row["answer"]).target[1:]
 
 
-def shuffled_questions(s) -> tuple[random.Random, list[dict]]:
-    """The NQ-open subset in the study's order, and the generator that shuffled it (it shuffles WebQuestions next):
-    the scored questions, the replay pool and its extension all index this one order."""
+def shuffled_questions(s) -> tuple[list[str], list[str]]:
+    """The NQ-open and WebQuestions questions in the study's order (one generator shuffles both, NQ-open first): the
+    scored questions, the replay pool, its extension and the held-out questions all index these two orders."""
     rng = random.Random(s.seed)
     nq = lib.read_jsonl("nq_open_dev_subset.jsonl")
     rng.shuffle(nq)
-    return rng, nq
+    wq = lib.read_jsonl("webquestions_val_subset.jsonl")
+    rng.shuffle(wq)
+    key = "qText" if "qText" in wq[0] else "question"
+    return [r["question"] for r in nq], [r[key] for r in wq]
 
 
 def own_behaviour(s, tok, theta0) -> dict:
     """θ0's answers: the replay pool (other NQ-open questions), the scored NQ-open and WebQuestions questions; and
     the new task's test problems."""
-    rng, nq = shuffled_questions(s)
-    wq = lib.read_jsonl("webquestions_val_subset.jsonl")
-    rng.shuffle(wq)
+    nq, wq = shuffled_questions(s)
     t = time.perf_counter()
-    eval_nq = own_answers(theta0, tok, [r["question"] for r in nq[:130]], s.answer_tokens)[: s.n_nq_eval]
-    pool = own_answers(theta0, tok, [r["question"] for r in nq[160:160 + POOL_QUESTIONS]], s.answer_tokens)
-    key = "qText" if "qText" in wq[0] else "question"
-    eval_wq = own_answers(theta0, tok, [r[key] for r in wq[:90]], s.answer_tokens)[: s.n_wq_eval]
+    eval_nq = own_answers(theta0, tok, nq[:130], s.answer_tokens)[: s.n_nq_eval]
+    pool = own_answers(theta0, tok, nq[160:160 + POOL_QUESTIONS], s.answer_tokens)
+    eval_wq = own_answers(theta0, tok, wq[:90], s.answer_tokens)[: s.n_wq_eval]
     generation_s = time.perf_counter() - t
     log(f"[data] θ0's answers: {len(pool)} replay pool, {len(eval_nq)} + {len(eval_wq)} scored, "
         f"{generation_s:.0f}s")
@@ -444,15 +444,10 @@ def held_out_sets(s, tok, theta0, data: dict, save) -> dict:
     """θ0's answers to the held-out questions (generated once, kept in ``data``): at most :data:`HELD_OUT_MAX` per
     set, from NQ-open questions past any replay pool and WebQuestions questions past the scored ones."""
     if "held_out_nq" not in data:
-        rng, nq = shuffled_questions(s)
-        wq = lib.read_jsonl("webquestions_val_subset.jsonl")
-        rng.shuffle(wq)
-        key = "qText" if "qText" in wq[0] else "question"
+        nq, wq = shuffled_questions(s)
         t = time.perf_counter()
-        data["held_out_nq"] = own_answers(theta0, tok, [r["question"] for r in nq[HELD_OUT_NQ]],
-                                          s.answer_tokens)[:HELD_OUT_MAX]
-        data["held_out_wq"] = own_answers(theta0, tok, [r[key] for r in wq[HELD_OUT_WQ]],
-                                          s.answer_tokens)[:HELD_OUT_MAX]
+        data["held_out_nq"] = own_answers(theta0, tok, nq[HELD_OUT_NQ], s.answer_tokens)[:HELD_OUT_MAX]
+        data["held_out_wq"] = own_answers(theta0, tok, wq[HELD_OUT_WQ], s.answer_tokens)[:HELD_OUT_MAX]
         data["held_out_generation_seconds"] = time.perf_counter() - t
         save()
     log(f"[data] held out: {len(data['held_out_nq'])} NQ-open + {len(data['held_out_wq'])} WebQuestions answers")
@@ -463,9 +458,8 @@ def chosen_point(points: dict, min_ap2: float = CHOICE_MIN_AP2) -> Optional[str]
     """The point the study recommends, chosen on the validation questions alone: of the settings' points (not θ0,
     θ̂ or WiSE-FT) with AP2 ≥ ``min_ap2``, the one that gives back the most of the lost exact matches (EM back, NQ-open
     and WebQuestions averaged; the larger AP2 breaks ties); None when no point keeps that much of the gain."""
-    pool = [(name, p["repair"]) for name, p in points.items() if name not in ("theta0", "finetuned")
-            and not name.startswith("wise") and (p.get("repair") or {}).get("ap2") is not None
-            and p["repair"]["ap2"] >= min_ap2]
+    pool = [(name, p["repair"]) for name, p in points.items() if not name.startswith("wise")
+            and (p.get("repair") or {}).get("ap2") is not None and p["repair"]["ap2"] >= min_ap2]
     if not pool:
         return None
     return max(pool, key=lambda item: ((item[1]["nq"]["em_back"] + item[1]["webq"]["em_back"]) / 2,
@@ -527,7 +521,7 @@ def levers(name: str) -> dict:
     return out
 
 
-def pool_extension(nq: list[dict], start: int, size: int = 64) -> Iterator[tuple[int, list[dict]]]:
+def pool_extension(nq: list, start: int, size: int = 64) -> Iterator[tuple[int, list]]:
     """Chunks of ``size`` questions of the study's NQ-open order from ``start`` on, each with the index past it, for
     the replay pool to grow into; they stop before the held-out questions, so that no replay size reaches them."""
     while start < HELD_OUT_NQ.start:
@@ -541,12 +535,12 @@ def replay_pool(s, data: dict, m: int, tok, theta0, save) -> list[dict]:
     in ``data``) from the rest of the NQ-open subset (:func:`pool_extension`) when the pool is short."""
     pool = data["pool"]
     if m > len(pool):
-        _, nq = shuffled_questions(s)
+        nq, _ = shuffled_questions(s)
         for end, chunk in pool_extension(nq, 160 + data.get("pool_questions", POOL_QUESTIONS)):
             if len(pool) >= m:
                 break
             t = time.perf_counter()
-            pool.extend(own_answers(theta0, tok, [r["question"] for r in chunk], s.answer_tokens))
+            pool.extend(own_answers(theta0, tok, chunk, s.answer_tokens))
             data["generation_seconds"] += time.perf_counter() - t
             data["pool_questions"] = end - 160
             save()
@@ -842,6 +836,11 @@ def margins_only(args, out_path: str) -> None:
     print(json.dumps(table, indent=1))
 
 
+def figure(v: Optional[float], spec: str = ".1f") -> str:
+    """A table cell: ``v`` formatted, or empty when there is none."""
+    return "" if v is None else format(v, spec)
+
+
 def write_markdown(path: str) -> str:
     with open(path, encoding="utf-8") as fh:
         rec = json.load(fh)
@@ -849,9 +848,6 @@ def write_markdown(path: str) -> str:
              "first-token agreement NQ (%) | EM back, replayed (%) | AP2 (%) | vs WiSE-FT, EM / NLL (NQ) | "
              "Jacobian evals | replay passes fwd / bwd | seconds | peak host GiB | replay samples |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def f(v, spec=".1f"):
-        return "" if v is None else format(v, spec)
 
     for name, p in rec["points"].items():
         r = p.get("repair", {})
@@ -862,15 +858,15 @@ def write_markdown(path: str) -> str:
         peak = p.get("peak_host_bytes", cost.get("peak_host_bytes", p.get("replay_training_peak_bytes")))
         seconds = p.get("rectify_seconds", p.get("replay_training_seconds"))  # a kl point: its passes only
         margin = ("" if name.startswith("wise") or r.get("ap2") is None else
-                  f"{f(wise_margin(rec['points'], r, 'em_back'), '+.1f')} / "
-                  f"{f(wise_margin(rec['points'], r, 'nll_undone'), '+.1f')}")
+                  f"{figure(wise_margin(rec['points'], r, 'em_back'), '+.1f')} / "
+                  f"{figure(wise_margin(rec['points'], r, 'nll_undone'), '+.1f')}")
         lines.append(
-            f"| {name} | {f(r.get('nq', {}).get('nll_undone'))} / {f(r.get('webq', {}).get('nll_undone'))} "
-            f"| {f(r.get('nq', {}).get('em_back'))} / {f(r.get('webq', {}).get('em_back'))} "
-            f"| {f(ps['nq']['em'])} / {f(ps['webq']['em'])} | {f(ps['nq']['first_token_acc'])} "
-            f"| {f(r.get('replayed', {}).get('em_back'))} | {f(r.get('ap2'))} | {margin} "
-            f"| {p.get('jacobian_evaluations', '')} | {passes} | {f(seconds, '.0f')} "
-            f"| {f(peak / 2**30 if peak else None, '.2f')} | {p.get('replay_samples', '')} |")
+            f"| {name} | {figure(r.get('nq', {}).get('nll_undone'))} / {figure(r.get('webq', {}).get('nll_undone'))} "
+            f"| {figure(r.get('nq', {}).get('em_back'))} / {figure(r.get('webq', {}).get('em_back'))} "
+            f"| {figure(ps['nq']['em'])} / {figure(ps['webq']['em'])} | {figure(ps['nq']['first_token_acc'])} "
+            f"| {figure(r.get('replayed', {}).get('em_back'))} | {figure(r.get('ap2'))} | {margin} "
+            f"| {p.get('jacobian_evaluations', '')} | {passes} | {figure(seconds, '.0f')} "
+            f"| {figure(peak / 2**30 if peak else None, '.2f')} | {p.get('replay_samples', '')} |")
     lines += ["", "Where the lost answers flip (NQ never replayed / WebQuestions): answers θ0 reproduces and θ̂ does not, "
               "how many of those θ̂ already misses at their first token, how many each point gives back (of those lost "
               "at the first token), and answers θ̂ kept that the point loses.", "",
@@ -895,11 +891,10 @@ def write_markdown(path: str) -> str:
         for a, b in zip(margins["nq"], margins["webq"]):
             lines.append(f"| {a['margin']} | {a['answers']} / {b['answers']} "
                          f"| {a['kept_by_finetuned']} / {b['kept_by_finetuned']} |")
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n" + held_out_markdown(rec)
     with open(path[:-5] + ".md", "w", encoding="utf-8") as fh:
-        fh.write(f"# The real-model study ({rec['run']}): benchmarks/forgetting/real_study.py\n\n" + text
-                 + held_out_markdown(rec))
-    return text + held_out_markdown(rec)
+        fh.write(f"# The real-model study ({rec['run']}): benchmarks/forgetting/real_study.py\n\n" + text)
+    return text
 
 
 def held_out_markdown(rec: dict) -> str:
@@ -909,14 +904,11 @@ def held_out_markdown(rec: dict) -> str:
     if "nq_held_out" not in points.get("finetuned", {}).get("past_summary", {}):
         return ""
 
-    def f(v, spec=".1f"):
-        return "" if v is None else format(v, spec)
-
     choice = chosen_point(points)
+    kept = points["finetuned"]["past_summary"]
     lines = ["", f"Held-out questions (never scored or replayed before; θ0's EM there is 100 by construction, θ̂ keeps "
-             f"{f(points['finetuned']['past_summary']['nq_held_out']['em'])} / "
-             f"{f(points['finetuned']['past_summary']['webq_held_out']['em'])}). The choice, made on the validation "
-             f"questions above (AP2 ≥ {CHOICE_MIN_AP2:g}, the most exact matches back): **{choice}**.", "",
+             f"{figure(kept['nq_held_out']['em'])} / {figure(kept['webq_held_out']['em'])}). The choice, made on the "
+             f"validation questions above (AP2 ≥ {CHOICE_MIN_AP2:g}, the most exact matches back): **{choice}**.", "",
              "| point | EM back NQ / WebQ, validation (%) | EM back NQ / WebQ, held out (%) | NLL rise undone NQ / WebQ, "
              "held out (%) | AP2 (%) | vs WiSE-FT EM NQ / WebQ, held out | vs WiSE-FT NLL NQ / WebQ, held out |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -926,13 +918,13 @@ def held_out_markdown(rec: dict) -> str:
             continue
         margins = ["", ""]
         if not name.startswith("wise") and r.get("ap2") is not None:
-            margins = [" / ".join(f(wise_margin(points, r, key, subset), "+.1f") for subset in
+            margins = [" / ".join(figure(wise_margin(points, r, key, subset), "+.1f") for subset in
                                   ("nq_held_out", "webq_held_out")) for key in ("em_back", "nll_undone")]
         bold = "**" if name == choice else ""
-        lines.append(f"| {bold}{name}{bold} | {f(r['nq']['em_back'])} / {f(r['webq']['em_back'])} "
-                     f"| {f(r['nq_held_out']['em_back'])} / {f(r['webq_held_out']['em_back'])} "
-                     f"| {f(r['nq_held_out']['nll_undone'])} / {f(r['webq_held_out']['nll_undone'])} "
-                     f"| {f(r.get('ap2'))} | {margins[0]} | {margins[1]} |")
+        lines.append(f"| {bold}{name}{bold} | {figure(r['nq']['em_back'])} / {figure(r['webq']['em_back'])} "
+                     f"| {figure(r['nq_held_out']['em_back'])} / {figure(r['webq_held_out']['em_back'])} "
+                     f"| {figure(r['nq_held_out']['nll_undone'])} / {figure(r['webq_held_out']['nll_undone'])} "
+                     f"| {figure(r.get('ap2'))} | {margins[0]} | {margins[1]} |")
     return "\n".join(lines) + "\n"
 
 

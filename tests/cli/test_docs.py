@@ -17,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 GENERATORS = ["generate_config_reference.py", "generate_cli_reference.py"]
 README_MAX_BYTES = 12 * 1024
+FENCED_CODE = r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$"  # group 2: the block's text
+INLINE_CODE = r"(`+)(?!`)((?:(?!\n[ \t]*\n).)*?)(?<!`)\1(?!`)"  # group 2: the span's text, never across paragraphs
 
 
 def markdown_files() -> list[Path]:
@@ -26,14 +28,13 @@ def markdown_files() -> list[Path]:
 
 def _without_code(text: str) -> str:
     """The text outside fenced code blocks and inline code spans (links there are examples, not links)."""
-    text = re.sub(r"^(`{3,}|~{3,})[^\n]*\n.*?^\1[ \t]*$", "", text, flags=re.M | re.S)
-    return re.sub(r"(`+)(?!`)(?:(?!\n[ \t]*\n).)*?(?<!`)\1(?!`)", "", text, flags=re.S)  # not across paragraphs
+    return re.sub(INLINE_CODE, "", re.sub(FENCED_CODE, "", text, flags=re.M | re.S), flags=re.S)
 
 
 def github_anchors(path: Path) -> set[str]:
     """The #anchors GitHub makes of a Markdown file's headings (lower case, punctuation but - and _ dropped,
     spaces to -, -1, -2 ... for repeats)."""
-    text = re.sub(r"^(`{3,}|~{3,})[^\n]*\n.*?^\1[ \t]*$", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
+    text = re.sub(FENCED_CODE, "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
     anchors: set[str] = set()
     seen: dict[str, int] = {}
     for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", text, flags=re.M):
@@ -184,11 +185,9 @@ def test_benchmark_index_lists_every_result_file():
 def _code_spans(text: str) -> list[tuple[str, bool]]:
     """Each fenced block (True: its lines are separate commands unless continued with a backslash) and each inline
     code span (False: wrapped across lines within a paragraph) of a Markdown text."""
-    fence = r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$"
-    spans = [(m.group(2), True) for m in re.finditer(fence, text, flags=re.M | re.S)]
-    rest = re.sub(fence, "", text, flags=re.M | re.S)
-    inline = r"(`+)(?!`)((?:(?!\n[ \t]*\n).)*?)(?<!`)\1(?!`)"
-    return spans + [(m.group(2), False) for m in re.finditer(inline, rest, flags=re.S)]
+    spans = [(m.group(2), True) for m in re.finditer(FENCED_CODE, text, flags=re.M | re.S)]
+    rest = re.sub(FENCED_CODE, "", text, flags=re.M | re.S)
+    return spans + [(m.group(2), False) for m in re.finditer(INLINE_CODE, rest, flags=re.S)]
 
 
 def _cli_options() -> dict[str, set[str]]:
