@@ -103,9 +103,16 @@ def add_self_replay_options(group: Any) -> None:
                             "(else --replay-samples) prompts are answered; answers are cached under $HF_JANUS_CACHE "
                             "(default: $HF_HOME/hf_janus)")
     group.add_argument("--replay-self", type=int, metavar="N",
-                       help="self-replay of N samples; without --replay-prompts θ0 answers the package's 50 generic "
-                            "instruction prompts, for replay without any data of the past task (greedy up to N=50, "
-                            "beyond that several sampled answers per prompt, seeded)")
+                       help="self-replay of N samples; without --replay-prompts θ0 answers the package's 100 generic "
+                            "prompts (chat instructions alternating with plain-text questions answered to the end of "
+                            "the line), for replay without any data of the past task (greedy up to N=100, beyond that "
+                            "several sampled answers per prompt, seeded)")
+    group.add_argument("--replay-stop", action="append", metavar="TEXT",
+                       help="with --replay-prompts: a string that ends θ0's answer, kept in it (repeatable; escapes "
+                            "such as \\n are read), e.g. --replay-stop '\\n' for prompts like 'Q: ...\\nA:'")
+    group.add_argument("--replay-no-chat-template", action="store_true",
+                       help="with --replay-prompts: give the prompts to θ0 as plain text, not through its tokenizer's "
+                            "chat template")
 
 
 def replay_argument(args: argparse.Namespace, options: Any) -> Any:
@@ -122,10 +129,15 @@ def replay_argument(args: argparse.Namespace, options: Any) -> Any:
         return args.replay
     if args.replay_self is not None and args.replay_self < 1:
         raise ValueError(f"--replay-self must be >= 1, got {args.replay_self}")
+    if args.replay_prompts is None and (args.replay_stop or args.replay_no_chat_template):
+        raise ValueError("--replay-stop and --replay-no-chat-template shape the answers to --replay-prompts; the "
+                         "generic prompts of --replay-self say for themselves how they are answered")
+    stop = [text.encode("latin-1", "backslashreplace").decode("unicode_escape") for text in args.replay_stop or ()]
     count = args.replay_self if args.replay_self is not None else options.num_samples
     field: Optional[str] = getattr(args, REPLAY_PREFIX + "prompt_field", None)
     return SelfReplay(prompts=args.replay_prompts or GENERIC, num_samples=count, prompt_field=field,
-                      split=options.split, progress=not getattr(args, "no_progress", False))
+                      split=options.split, stop=stop or None, chat_template=not args.replay_no_chat_template,
+                      progress=not getattr(args, "no_progress", False))
 
 
 def replay_input(args: argparse.Namespace) -> Optional[str]:

@@ -683,6 +683,9 @@ def main() -> None:
     ap.add_argument("--held-out", action="store_true",
                     help="also score held-out questions and choose on the validation ones (a fresh record, "
                          "results/real_study_<run>_held_out.json; give wise among the variants)")
+    ap.add_argument("--tag", default="", metavar="NAME",
+                    help="a record of its own, results/real_study_<run>[_held_out]_NAME.json (e.g. a data-free "
+                         "held-out run beside the in-domain one)")
     ap.add_argument("--summarize", action="store_true")
     ap.add_argument("--margins", action="store_true", help="only θ0's answer margins and what θ̂ keeps of each bin")
     ap.add_argument("--work-dir", default=os.path.join(HERE, "cache", "real_study"))
@@ -691,7 +694,8 @@ def main() -> None:
     if args.dtype:
         DTYPES[args.run] = getattr(torch, args.dtype)
     args.label = args.run + ("" if args.dtype in (None, default_dtype) else f"_{args.dtype}")
-    out_path = os.path.join(RESULTS, f"real_study_{args.label}{'_held_out' if args.held_out else ''}.json")
+    out_path = os.path.join(RESULTS, f"real_study_{args.label}{'_held_out' if args.held_out else ''}"
+                                     f"{'_' + args.tag if args.tag else ''}.json")
     if args.held_out and not args.summarize and "wise" not in args.variants.split(","):
         raise SystemExit("--held-out needs wise among the variants: the held-out margins are read off its curve")
     if args.summarize:

@@ -51,10 +51,29 @@ PROMPT_COLUMNS = ("prompt", "question", "instruction", "text")
 PromptsLike = Union[str, "os.PathLike[str]", Sequence[str], Any]
 
 
-def generic_prompts() -> list[str]:
-    """The prompts shipped with the package (50 short generic instructions; licence in ``data/SOURCES.md``)."""
+#: The end of an answer to a plain-text prompt of the generic set, as completion-style evaluation cuts it.
+LINE_END = "\n"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt θ0 answers: its text, whether it goes through the chat template (as a user turn), and the strings
+    that end θ0's answer (kept in it, as EOS is; empty: the answer ends at EOS or ``max_new_tokens``)."""
+
+    text: str
+    chat: bool = True
+    stop: tuple[str, ...] = ()
+
+
+def generic_prompts() -> list[Prompt]:
+    """The prompts shipped with the package (licence in ``data/SOURCES.md``): 50 chat instructions, answered as the
+    assistant, alternating with 50 plain-text completions (short questions, arithmetic, sentences to finish) in the
+    formats of generation benchmarks, answered to the end of the line. Alternating, any first N prompts hold both
+    kinds of behaviour."""
     text = resources.files("hf_janus.replay").joinpath("data", "generic_prompts.jsonl").read_text(encoding="utf-8")
-    return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [Prompt(r["prompt"]) if r["format"] == "chat" else Prompt(r["prompt"], chat=False, stop=(LINE_END,))
+            for r in rows]
 
 
 @dataclass
@@ -66,7 +85,8 @@ class SelfReplay:
     Args:
         prompts: what θ0 answers: a list of strings, a ``datasets.Dataset``, a local file or a Hub dataset id
             (optionally ``SOURCE:SPLIT``, read as :mod:`hf_janus.replay.sources` reads replay), ``"generic"``
-            (the package's 50 generic instruction prompts) or ``"bos"`` (free samples from the BOS token; sampled).
+            (the package's 100 generic prompts: chat instructions and plain-text questions, see
+            :func:`generic_prompts`) or ``"bos"`` (free samples from the BOS token; sampled).
             A file or directory with one of these names is given as ``"./generic"`` or a ``pathlib.Path``.
         num_samples: replay samples to generate (256 as in the paper); the prompts are used in order. ``None``:
             every prompt, ``samples_per_prompt`` times.
@@ -80,7 +100,10 @@ class SelfReplay:
             ``instruction``, ``text`` the data has).
         split: the split of a file or Hub dataset (or the ``:SPLIT`` suffix of ``prompts``; default ``train``).
         chat_template: wrap each prompt in the tokenizer's chat template (as a user turn, with the generation
-            prompt) when the tokenizer has one.
+            prompt) when the tokenizer has one. The generic prompts say for themselves.
+        stop: strings that end an answer, kept in it (as lm-eval's ``until``; e.g. ``["\\n"]`` for completion-style
+            prompts such as ``"Q: ...\\nA:"``); ``None``: an answer ends at EOS or ``max_new_tokens``. The generic
+            prompts say for themselves.
         batch_size: prompts per ``generate`` call.
         seed: seed of the sampling; the caller's random state is left as it was.
         cache_dir: folder of the disk cache; ``None``: ``$HF_JANUS_CACHE/self_replay`` or
@@ -101,6 +124,7 @@ class SelfReplay:
     prompt_field: Optional[str] = None
     split: Optional[str] = None
     chat_template: bool = True
+    stop: Optional[Sequence[str]] = None
     batch_size: int = 8
     seed: int = 0
     cache_dir: Union[str, "os.PathLike[str]", bool, None] = None
@@ -116,6 +140,10 @@ class SelfReplay:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise JanusError(f"SelfReplay {name}={value!r} is invalid: expected an int >= 1")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (not all(isinstance(t, str) and t for t in self.stop)):
+            raise JanusError(f"SelfReplay stop={self.stop!r} is invalid: expected a list of non-empty strings")
         if self.cache_dir is True:
             self.cache_dir = None
         if self.prompts is None:
@@ -132,17 +160,17 @@ class SelfReplay:
         """
         tokenizer = require_tokenizer(tokenizer if tokenizer is not None else self.tokenizer)
         check_generative(model)
-        rows, do_sample = self._rows(model, tokenizer)
+        rows, stops, do_sample = self._rows(model, tokenizer)
         generation = self._generation_config(model, tokenizer, do_sample)
         settings = {"generation": _stable_generation(generation), "batch_size": self.batch_size,
-                    "seed": self.seed if do_sample else None}
+                    "seed": self.seed if do_sample else None, "stops": [list(s) for s in stops]}
         folder = None if self.cache_dir is False else os.fspath(self.cache_dir or default_cache_dir())
         key = cache_key(model_fingerprint(model), rows, settings) if folder else None
         cached = read_entry(folder, key) if folder else None
         if cached is not None:
             logger.info("self-replay: %d sample(s) read from the cache %s", len(cached), folder)
             return [_sample(s["input_ids"], s["prompt_length"]) for s in cached]
-        answers = self._answer(model, rows, generation)
+        answers = [_cut_at_stop(a, stop, tokenizer) for a, stop in zip(self._answer(model, rows, generation), stops)]
         samples = [_sample(list(p) + a, len(p)) for p, a in zip(rows, answers)]
         if folder:
             write_entry(folder, key, [{"input_ids": s["input_ids"], "prompt_length": len(p)}
@@ -166,11 +194,14 @@ class SelfReplay:
         """Whether ``prompts`` is the keyword ``GENERIC`` or ``BOS`` (a path object never is)."""
         return isinstance(self.prompts, str) and self.prompts == keyword
 
+    def _prompt_rows(self) -> list[Prompt]:
+        if self._names(GENERIC):
+            return generic_prompts()
+        return [Prompt(t, chat=self.chat_template, stop=tuple(self.stop or ())) for t in self._prompt_texts()]
+
     def _prompt_texts(self) -> list[str]:
         prompts = self.prompts
         if isinstance(prompts, (str, os.PathLike)):
-            if self._names(GENERIC):
-                return generic_prompts()
             name = os.fspath(prompts)
             source, spec_split = parse_replay_spec(name)
             if self.split is not None and spec_split is not None and self.split != spec_split:
@@ -203,37 +234,41 @@ class SelfReplay:
                              f"{type(texts[bad]).__name__}, expected a string")
         return texts
 
-    def _prompt_ids(self, model: nn.Module, tokenizer: Any) -> list[list[int]]:
-        """The token ids of every prompt θ0 answers, each once."""
+    def _prompt_ids(self, model: nn.Module, tokenizer: Any) -> list[tuple[list[int], tuple[str, ...]]]:
+        """The token ids of every prompt θ0 answers, each once, with the strings that end its answer."""
         if self._names(BOS):
-            return [[_bos_id(model, tokenizer)]]
-        texts = self._prompt_texts()
-        kept = [t for t in texts if t.strip()]
-        if len(kept) < len(texts):
-            logger.warning("self-replay: skipped %d blank prompt(s)", len(texts) - len(kept))
+            return [([_bos_id(model, tokenizer)], tuple(self.stop or ()))]
+        prompts = self._prompt_rows()
+        kept = [p for p in prompts if p.text.strip()]
+        if len(kept) < len(prompts):
+            logger.warning("self-replay: skipped %d blank prompt(s)", len(prompts) - len(kept))
         if not kept:
             raise JanusError(f"self-replay has no prompt to answer ({self.describe()} holds none that is not blank): "
                              f"give prompts, or use prompts={GENERIC!r} or {BOS!r} for replay without data")
-        templated = self.chat_template and bool(getattr(tokenizer, "chat_template", None))
+        has_template = bool(getattr(tokenizer, "chat_template", None))
         out = []
-        for text in kept:
+        for prompt in kept:
+            text, templated = prompt.text, prompt.chat and has_template
             if templated:
                 text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                      add_generation_prompt=True)
-            out.append([int(t) for t in tokenizer(text, add_special_tokens=not templated)["input_ids"]])
+            ids = [int(t) for t in tokenizer(text, add_special_tokens=not templated)["input_ids"]]
+            out.append((ids, prompt.stop))
         return out
 
-    def _rows(self, model: nn.Module, tokenizer: Any) -> tuple[list[list[int]], bool]:
-        """The prompt tokens of every replay sample (a prompt repeated once per answer) and whether to sample."""
+    def _rows(self, model: nn.Module, tokenizer: Any) -> tuple[list[list[int]], list[tuple[str, ...]], bool]:
+        """The prompt tokens of every replay sample (a prompt repeated once per answer), the strings that end each
+        answer, and whether to sample."""
         prompts = self._prompt_ids(model, tokenizer)
         per_prompt, do_sample = self._plan(len(prompts))
-        rows = [ids for ids in prompts for _ in range(per_prompt)]
+        rows = [ids for ids, _ in prompts for _ in range(per_prompt)]
+        stops = [stop for _, stop in prompts for _ in range(per_prompt)]
         if self.num_samples is not None:
             if len(rows) < self.num_samples and not self._names(BOS):
                 logger.warning("self-replay: %d prompt(s) x %d answer(s) give %d sample(s), fewer than the %d asked "
                                "for (num_samples)", len(prompts), per_prompt, len(rows), self.num_samples)
-            rows = rows[: self.num_samples]
-        return rows, do_sample
+            rows, stops = rows[: self.num_samples], stops[: self.num_samples]
+        return rows, stops, do_sample
 
     def _plan(self, prompt_count: int) -> tuple[int, bool]:
         """Answers per prompt and whether to sample them."""
@@ -242,7 +277,7 @@ class SelfReplay:
         if from_bos and self.num_samples is None and per_prompt is None:
             raise JanusError(f"self-replay from {BOS!r} needs num_samples (how many free samples to draw)")
         if per_prompt is None and (from_bos or self._names(GENERIC)):
-            # replay without data: a few hundred samples from one BOS or 50 generic prompts need several answers each
+            # replay without data: a few hundred samples from one BOS or 100 generic prompts need several answers each
             per_prompt = max(1, math.ceil((self.num_samples or prompt_count) / prompt_count))
         elif per_prompt is None:
             per_prompt = 1  # the user's own prompts: greedy, one answer each, as θ0 would answer them
@@ -388,6 +423,17 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
         ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
         mask[i, width - len(row):] = 1
     return ids, mask
+
+
+def _cut_at_stop(answer: list[int], stop: tuple[str, ...], tokenizer: Any) -> list[int]:
+    """``answer`` up to and including the token that completes the first stop string (one may span tokens)."""
+    if not stop:
+        return answer
+    for end in range(1, len(answer) + 1):
+        text = tokenizer.decode(answer[:end])
+        if any(s in text for s in stop):
+            return answer[:end]
+    return answer
 
 
 def _sample(ids: list[int], prompt_length: int) -> dict[str, list[int]]:

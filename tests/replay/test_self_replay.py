@@ -140,11 +140,44 @@ def test_data_free_from_bos_and_from_the_generic_prompts(model, tok):
     assert all(len(s["input_ids"]) > 1 for s in bos)
     assert len({tuple(s["input_ids"]) for s in bos}) > 1  # sampled
     prompts = generic_prompts()
-    assert len(prompts) == 50 and len(set(prompts)) == 50
-    generic = options(prompts="generic", num_samples=52).generate(model, tok)
-    assert len(generic) == 52  # two sampled answers to each of the first 26 prompts
-    assert generic[0]["input_ids"][: len(tok(prompts[0])["input_ids"])] == tok(prompts[0])["input_ids"]
-    assert generic[50]["input_ids"][: len(tok(prompts[25])["input_ids"])] == tok(prompts[25])["input_ids"]
+    assert len(prompts) == 100 and len({p.text for p in prompts}) == 100
+    generic = options(prompts="generic", num_samples=102).generate(model, tok)
+    assert len(generic) == 102  # two sampled answers to each of the first 51 prompts
+    texts = [prompts[0].text, prompts[0].text, prompts[1].text] + [prompts[50].text] * 2
+    for sample, text in zip([generic[i] for i in (0, 1, 2, 100, 101)], texts):
+        assert sample["input_ids"][: len(tok(text)["input_ids"])] == tok(text)["input_ids"]
+
+
+def test_the_generic_prompts_alternate_chat_turns_and_plain_text_answered_to_the_line_end(model, tok):
+    prompts = generic_prompts()
+    assert [p.chat for p in prompts] == [True, False] * 50
+    assert all(p.stop == () for p in prompts[::2]) and all(p.stop == ("\n",) for p in prompts[1::2])
+    assert all(p.text.endswith(":") or not p.text.endswith((".", "?")) for p in prompts[1::2])  # prompts to finish
+    tok.chat_template = ("{% for m in messages %}q: {{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %} a:{% endif %}")
+    chat, plain = options(prompts="generic", num_samples=2).generate(model, tok)
+    templated = tok("q: " + prompts[0].text + " a:", add_special_tokens=False)["input_ids"]
+    assert chat["input_ids"][: len(templated)] == templated
+    assert plain["input_ids"][: len(tok(prompts[1].text)["input_ids"])] == tok(prompts[1].text)["input_ids"]
+
+
+def test_a_stop_string_ends_the_answer_with_the_token_that_completes_it(model, tok):
+    free = options(prompts=PROMPTS[:2], max_new_tokens=8).generate(model, tok)
+    n = len(tok(PROMPTS[0])["input_ids"])
+    answer = free[0]["input_ids"][n:]
+    # a stop spanning two answer tokens, first complete at the token answer[end - 1]
+    end = next(i + 2 for i in range(len(answer) - 1)
+               if tok.decode(answer[i: i + 2]) not in tok.decode(answer[: i + 1]))
+    stop = tok.decode(answer[end - 2: end])
+    stopped = options(prompts=PROMPTS[:2], max_new_tokens=8, stop=stop).generate(model, tok)
+    assert stopped[0]["input_ids"] == free[0]["input_ids"][: n + end]
+    assert stopped[0]["labels"][n:] == answer[:end]
+    other = free[1]["input_ids"][len(tok(PROMPTS[1])["input_ids"]):]
+    if stop not in tok.decode(other):
+        assert stopped[1] == free[1]  # a stop that never comes leaves the answer whole
+    assert options(prompts=PROMPTS[:2], max_new_tokens=8, stop=[stop]).generate(model, tok) == stopped
+    with pytest.raises(JanusError, match="stop"):
+        options(prompts=PROMPTS, stop=[""])
 
 
 def test_prompts_from_a_file_a_split_and_a_dataset(model, tok, tmp_path):
@@ -185,13 +218,15 @@ def test_cache_is_hit_and_invalidated_by_model_prompts_and_settings(model, tok, 
     assert theta0.generate_calls == calls + 2  # another setting
     options(prompts=PROMPTS, cache_dir=tmp_path, chat_template=False).generate(theta0, tok)
     assert theta0.generate_calls == calls + 2  # no template to apply: the same prompt tokens, a hit
+    options(prompts=PROMPTS, cache_dir=tmp_path, stop=["zz"]).generate(theta0, tok)
+    assert theta0.generate_calls == calls + 3  # answers that end elsewhere
 
     changed = counting_copy(model)
     with torch.no_grad():
         changed.model.layers[0].mlp.up_proj.weight.add_(1e-3)
     cached.generate(changed, tok)
     assert changed.generate_calls == 1  # another model
-    assert len(os.listdir(tmp_path)) == 4
+    assert len(os.listdir(tmp_path)) == 5
 
 
 def test_unreadable_cache_entry_is_generated_again(model, tok, tmp_path):

@@ -154,11 +154,24 @@ def test_cli_merge_with_replay_prompts_and_replay_self(saved, tmp_path):
                  "--output", str(out), *fast]) == 0
     assert json.loads((out / REPORT_NAME).read_text())["replay"]["size"] == 2
 
+    # answers cut at a character of θ0's first answer, given as an escape, to prompts given as plain text
+    first = expected[0]["input_ids"][len(char_tokenizer()(PROMPTS[0])["input_ids"]):]
+    stop = char_tokenizer().decode(first[1:2])
+    out = tmp_path / "stopped"
+    assert main(["merge", "--base", saved["base"], "--adapter", saved["lora"], "--replay-prompts", prompts,
+                 "--replay-samples", "3", "--replay-stop", f"\\u{ord(stop):04x}", "--replay-no-chat-template",
+                 "--output", str(out), *fast]) == 0
+    stopped = SelfReplay(prompts=PROMPTS[:3], progress=False, stop=[stop], chat_template=False).generate(
+        load_base(saved["base"]), char_tokenizer())
+    assert len(stopped[0]["input_ids"]) < len(expected[0]["input_ids"])
+    assert json.loads((out / REPORT_NAME).read_text())["replay"]["fingerprint"] == describe_replay(stopped).fingerprint
+
 
 @pytest.mark.parametrize("replay_args, message", [
     (["--replay", "x.jsonl", "--replay-self", "4"], "not both"),
     ([], "give the replay"),
     (["--replay-self", "0"], "--replay-self must be >= 1"),
+    (["--replay-self", "2", "--replay-stop", "x"], "shape the answers to --replay-prompts"),
 ])
 def test_cli_replay_choice_is_checked_before_loading(saved, tmp_path, capsys, replay_args, message):
     code = main(["merge", "--base", saved["base"], "--adapter", saved["lora"], *replay_args,
