@@ -100,10 +100,10 @@ class SelfReplay:
             ``instruction``, ``text`` the data has).
         split: the split of a file or Hub dataset (or the ``:SPLIT`` suffix of ``prompts``; default ``train``).
         chat_template: wrap each prompt in the tokenizer's chat template (as a user turn, with the generation
-            prompt) when the tokenizer has one. The generic prompts say for themselves.
+            prompt) when the tokenizer has one (the generic prompts say for themselves).
         stop: strings that end an answer, kept in it (as lm-eval's ``until``; e.g. ``["\\n"]`` for completion-style
-            prompts such as ``"Q: ...\\nA:"``); ``None``: an answer ends at EOS or ``max_new_tokens``. The generic
-            prompts say for themselves.
+            prompts such as ``"Q: ...\\nA:"``); ``None``: an answer ends at EOS or ``max_new_tokens`` (the generic
+            prompts say for themselves).
         batch_size: prompts per ``generate`` call.
         seed: seed of the sampling; the caller's random state is left as it was.
         cache_dir: folder of the disk cache; ``None``: ``$HF_JANUS_CACHE/self_replay`` or
@@ -144,6 +144,10 @@ class SelfReplay:
             self.stop = [self.stop]
         if self.stop is not None and (not all(isinstance(t, str) and t for t in self.stop)):
             raise JanusError(f"SelfReplay stop={self.stop!r} is invalid: expected a list of non-empty strings")
+        if self._names(GENERIC) and (self.stop is not None or not self.chat_template):
+            raise JanusError(f"SelfReplay(prompts={GENERIC!r}) takes neither stop= nor chat_template=False: each "
+                             "generic prompt says how it is answered (chat turns to EOS, plain text to the line end); "
+                             "give your own prompts to answer them another way")
         if self.cache_dir is True:
             self.cache_dir = None
         if self.prompts is None:

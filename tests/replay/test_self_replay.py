@@ -178,6 +178,9 @@ def test_a_stop_string_ends_the_answer_with_the_token_that_completes_it(model, t
     assert options(prompts=PROMPTS[:2], max_new_tokens=8, stop=[stop]).generate(model, tok) == stopped
     with pytest.raises(JanusError, match="stop"):
         options(prompts=PROMPTS, stop=[""])
+    for setting in ({"stop": ["\n"]}, {"chat_template": False}):
+        with pytest.raises(JanusError, match="each generic prompt says how it is answered"):
+            options(prompts="generic", **setting)
 
 
 def test_prompts_from_a_file_a_split_and_a_dataset(model, tok, tmp_path):
