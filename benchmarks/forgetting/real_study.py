@@ -96,27 +96,20 @@ LINEAR_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 # ---- θ0's answers as token ids ----------------------------------------------------------------------------------
 def own_answers(model, tok, questions: list[str], max_new_tokens: int, batch: int = 16) -> list[dict]:
-    """θ0's greedy answer ids to each question (batched, left-padded), cut after the first token that holds a
-    newline; answers with no word character are left out (nothing to keep)."""
+    """θ0's greedy answer ids to each question, as the product's :class:`SelfReplay` answers completion-style prompts
+    (batched, left-padded, cut after the token that completes the first newline); answers with no word character
+    are left out (nothing to keep)."""
+    prompts = [qa_prompt({"question": q}) for q in questions]
+    samples = SelfReplay(prompts=prompts, num_samples=None, chat_template=False, stop=["\n"],
+                         max_new_tokens=max_new_tokens, batch_size=batch, cache_dir=False,
+                         progress=False).generate(model, tok)
     out = []
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    for chunk in _batches(questions, batch):
-        prompts = [tok(qa_prompt({"question": q}))["input_ids"] for q in chunk]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=pad)[:, width:].tolist()
-        for q, prompt, answer in zip(chunk, prompts, gen):
-            cut = []
-            for t in answer:
-                cut.append(t)
-                if "\n" in tok.decode([t]) or t == tok.eos_token_id:
-                    break
-            text = tok.decode(cut, skip_special_tokens=True).split("\n")[0]
-            if any(c.isalnum() for c in text):
-                out.append({"question": q, "prompt_ids": prompt, "answer_ids": cut, "answer": text.strip()})
+    for q, sample in zip(questions, samples):
+        n = sample["labels"].count(-100)  # the prompt's labels; an answer token never is -100
+        prompt, cut = sample["input_ids"][:n], sample["input_ids"][n:]
+        text = tok.decode(cut, skip_special_tokens=True).split("\n")[0]
+        if any(c.isalnum() for c in text):
+            out.append({"question": q, "prompt_ids": prompt, "answer_ids": cut, "answer": text.strip()})
     return out
 
 

@@ -442,11 +442,13 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     if peers is None:
         peers = default_peers(new_task_samples is not None)
     # the candidates are checked before any model is loaded
+    # parsed once: the same objects are scored and are the optional ones that _checked may leave out
+    peer_cands = parse_candidates(peers, SpecContext(tau=config.tau)) if candidates is None and peers else []
     if candidates is None:
         cands = keyword_candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None,
                                    hybrid_grid=hybrid_grid, pre_janus_grid=pre_janus_grid, dampings=dampings,
                                    damped_tau=config.tau, intruder_lambdas=intruder_lambdas,
-                                   pre_janus_intruder_lambdas=pre_janus_intruder_lambdas, peers=peers)
+                                   pre_janus_intruder_lambdas=pre_janus_intruder_lambdas, peers=peer_cands)
     else:
         chosen = parse_candidates(candidates, SpecContext(tau=config.tau))
         cands = [REFERENCE, FINETUNED] + [c for c in chosen if not c.is_anchor]
@@ -464,8 +466,7 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     if any(c.uses_target_layers for c in cands):
         builder.target_layers = frozenset(resolve_target_modules(builder.model, config.target_modules,
                                                                  config.exclude_modules))
-    cands = _checked(cands, builder, optional=set(parse_candidates(peers, SpecContext(tau=config.tau)))
-                     if candidates is None and peers else set())
+    cands = _checked(cands, builder, optional=set(peer_cands))
     if scorer is None:
         scorer = Scorer(past + new, tok, batch_size=batch_size, limit=limit, include_path=include_path)
     past_names, new_names = [t.name for t in past], [t.name for t in new]

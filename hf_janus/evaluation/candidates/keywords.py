@@ -6,7 +6,7 @@ with samples of the new task, :func:`default_peers` adds :data:`NEW_TASK_PEERS`)
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.anchor import FINETUNED, REFERENCE
@@ -65,11 +65,13 @@ def candidates(wise_grid: Sequence[float] = DEFAULT_WISE_GRID, taus: Sequence[fl
                hybrid_tau: Optional[float] = None, hybrid_grid: Sequence[float] = DEFAULT_HYBRID_GRID,
                pre_janus_grid: Sequence[float] = DEFAULT_PRE_JANUS_GRID, dampings: Sequence[float] = (),
                damped_tau: float = 0.95, intruder_lambdas: Sequence[float] = (),
-               pre_janus_intruder_lambdas: Sequence[float] = (), peers: SpecLike = "") -> list[Candidate]:
+               pre_janus_intruder_lambdas: Sequence[float] = (),
+               peers: Union[SpecLike, Sequence[SpecLike]] = "") -> list[Candidate]:
     """The candidates in scoring order: θ0 and θ̂ first (AP needs them), then WiSE-FT, PEFT's intruder reduction
     (at ``intruder_lambdas``; LoRA adapters only), JANUS, damped JANUS (at ``damped_tau``) and the hybrids (at
     ``hybrid_tau``; none when it is ``None``), intruder reduction then JANUS among them, and last the candidates of
-    the spec ``peers`` (``""``: none; a JANUS budget it counts is JANUS at ``damped_tau``, the frontier's τ)."""
+    the spec ``peers`` (or the candidates parsed from it; ``""``: none; a JANUS budget it counts is JANUS at
+    ``damped_tau``, the frontier's τ)."""
     check_grids(wise_grid, taus, hybrid_grid, pre_janus_grid, dampings,
                 tuple(intruder_lambdas) + tuple(pre_janus_intruder_lambdas))
     out: list[Candidate] = [REFERENCE, FINETUNED]
