@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 GENERIC = "generic"
 #: ``prompts=BOS``: θ0's free samples from the BOS token alone.
 BOS = "bos"
+#: ``num_samples=AUTO``: every generic prompt once (greedy), else the paper's 256.
+AUTO = "auto"
 DEFAULT_MAX_NEW_TOKENS = 64
 #: Columns read as the prompt, in this order, when ``prompt_field`` is not given.
 PROMPT_COLUMNS = ("prompt", "question", "instruction", "text")
@@ -88,8 +90,9 @@ class SelfReplay:
             (the package's 100 generic prompts: chat instructions and plain-text questions, see
             :func:`generic_prompts`) or ``"bos"`` (free samples from the BOS token; sampled).
             A file or directory with one of these names is given as ``"./generic"`` or a ``pathlib.Path``.
-        num_samples: replay samples to generate (256 as in the paper); the prompts are used in order. ``None``:
-            every prompt, ``samples_per_prompt`` times.
+        num_samples: replay samples to generate; the prompts are used in order. ``"auto"``: for ``"generic"``
+            each prompt once, greedy (the data-free replay the real-model study measured), else 256 as in the paper.
+            ``None``: every prompt, ``samples_per_prompt`` times.
         samples_per_prompt: answers per prompt; ``None``: 1 for given prompts, and for ``"generic"`` and
             ``"bos"`` as many as it takes to reach ``num_samples`` (then sampled).
         do_sample: sample instead of greedy decoding; ``None``: sample exactly when a prompt is answered more
@@ -114,7 +117,7 @@ class SelfReplay:
     """
 
     prompts: PromptsLike = GENERIC
-    num_samples: Optional[int] = DEFAULT_NUM_SAMPLES
+    num_samples: Union[int, None, str] = AUTO
     samples_per_prompt: Optional[int] = None
     do_sample: Optional[bool] = None
     temperature: Optional[float] = None
@@ -134,8 +137,11 @@ class SelfReplay:
     def __post_init__(self) -> None:
         for name in ("num_samples", "samples_per_prompt"):
             value = getattr(self, name)
+            if name == "num_samples" and value == AUTO:
+                continue
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise JanusError(f"SelfReplay {name}={value!r} is invalid: expected None or an int >= 1")
+                allowed = f"None, {AUTO!r}" if name == "num_samples" else "None"
+                raise JanusError(f"SelfReplay {name}={value!r} is invalid: expected {allowed} or an int >= 1")
         for name in ("max_new_tokens", "batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -190,10 +196,16 @@ class SelfReplay:
             what = f"a Dataset ({len(self.prompts)} rows)"
         else:
             what = f"{len(self.prompts)} given prompts" if hasattr(self.prompts, "__len__") else "given prompts"
-        count = "all" if self.num_samples is None else str(self.num_samples)
+        count = "all" if self._num_samples() is None else str(self._num_samples())
         return f"θ0's answers to {what} ({count} samples)"
 
     # ---- prompts ----------------------------------------------------------------------------------------
+    def _num_samples(self) -> Optional[int]:
+        """``num_samples`` with ``"auto"`` resolved: None (every prompt) for the generic prompts, else 256."""
+        if self.num_samples != AUTO:
+            return self.num_samples
+        return None if self._names(GENERIC) else DEFAULT_NUM_SAMPLES
+
     def _names(self, keyword: str) -> bool:
         """Whether ``prompts`` is the keyword ``GENERIC`` or ``BOS`` (a path object never is)."""
         return isinstance(self.prompts, str) and self.prompts == keyword
@@ -230,7 +242,8 @@ class SelfReplay:
         if field is None or field not in columns:
             raise JanusError(f"self-replay prompts {source!r} have no column {field or ' or '.join(PROMPT_COLUMNS)!r} "
                              f"(columns: {columns}); name the prompt column with prompt_field= (--prompt-field)")
-        count = len(dataset) if self.num_samples is None else min(len(dataset), self.num_samples)
+        wanted = self._num_samples()
+        count = len(dataset) if wanted is None else min(len(dataset), wanted)
         texts = dataset.select(range(count))[field]  # no need to read rows beyond what will be replayed
         bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
         if bad is not None:
@@ -267,22 +280,24 @@ class SelfReplay:
         per_prompt, do_sample = self._plan(len(prompts))
         rows = [ids for ids, _ in prompts for _ in range(per_prompt)]
         stops = [stop for _, stop in prompts for _ in range(per_prompt)]
-        if self.num_samples is not None:
-            if len(rows) < self.num_samples and not self._names(BOS):
+        wanted = self._num_samples()
+        if wanted is not None:
+            if len(rows) < wanted and not self._names(BOS):
                 logger.warning("self-replay: %d prompt(s) x %d answer(s) give %d sample(s), fewer than the %d asked "
-                               "for (num_samples)", len(prompts), per_prompt, len(rows), self.num_samples)
-            rows, stops = rows[: self.num_samples], stops[: self.num_samples]
+                               "for (num_samples)", len(prompts), per_prompt, len(rows), wanted)
+            rows, stops = rows[:wanted], stops[:wanted]
         return rows, stops, do_sample
 
     def _plan(self, prompt_count: int) -> tuple[int, bool]:
         """Answers per prompt and whether to sample them."""
         per_prompt = self.samples_per_prompt
         from_bos = self._names(BOS)
-        if from_bos and self.num_samples is None and per_prompt is None:
+        wanted = self._num_samples()
+        if from_bos and wanted is None and per_prompt is None:
             raise JanusError(f"self-replay from {BOS!r} needs num_samples (how many free samples to draw)")
         if per_prompt is None and (from_bos or self._names(GENERIC)):
-            # replay without data: a few hundred samples from one BOS or 100 generic prompts need several answers each
-            per_prompt = max(1, math.ceil((self.num_samples or prompt_count) / prompt_count))
+            # replay without data: more samples than one BOS or the 100 generic prompts give need several answers each
+            per_prompt = max(1, math.ceil((wanted or prompt_count) / prompt_count))
         elif per_prompt is None:
             per_prompt = 1  # the user's own prompts: greedy, one answer each, as θ0 would answer them
         do_sample = per_prompt > 1 if self.do_sample is None else self.do_sample

@@ -148,6 +148,20 @@ def test_data_free_from_bos_and_from_the_generic_prompts(model, tok):
         assert sample["input_ids"][: len(tok(text)["input_ids"])] == tok(text)["input_ids"]
 
 
+def test_the_default_count_answers_each_generic_prompt_once_greedily_and_256_given_prompts(model, tok):
+    prompts = generic_prompts()
+    generic = options().generate(model, tok)  # num_samples="auto"
+    assert len(generic) == 100
+    for sample, prompt in zip(generic, prompts):  # in order (the char tokenizer has no chat template)
+        assert sample["input_ids"][: len(tok(prompt.text)["input_ids"])] == tok(prompt.text)["input_ids"]
+    assert options(seed=1).generate(model, tok) == generic  # greedy: the seed changes nothing
+    assert options(num_samples=100, seed=1).generate(model, tok) == generic
+    assert options(prompts=PROMPTS).describe().endswith("(256 samples)")
+    assert options().describe().endswith("(all samples)")
+    with pytest.raises(JanusError, match="None, 'auto' or an int"):
+        options(num_samples="all")
+
+
 def test_the_generic_prompts_alternate_chat_turns_and_plain_text_answered_to_the_line_end(model, tok):
     prompts = generic_prompts()
     assert [p.chat for p in prompts] == [True, False] * 50
