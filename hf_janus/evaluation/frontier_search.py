@@ -441,8 +441,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     config = config if config is not None else JanusConfig()
     if peers is None:
         peers = default_peers(new_task_samples is not None)
-    # the candidates are checked before any model is loaded
-    # parsed once: the same objects are scored and are the optional ones that _checked may leave out
+    # the candidates are checked before any model is loaded; the peers are parsed once, so that the optional ones
+    # _checked may leave out are the very objects scored
     peer_cands = parse_candidates(peers, SpecContext(tau=config.tau)) if candidates is None and peers else []
     if candidates is None:
         cands = keyword_candidates(wise_grid, taus, hybrid_tau=config.tau if hybrids else None,
