@@ -359,6 +359,32 @@ def test_replay_training_that_fits_the_new_task_too_matches_a_plain_training_loo
         candidate.check(without)
 
 
+@pytest.mark.parametrize("kind", ["replay-sft", "janus-then-replay-sft"])
+def test_replay_training_steps_are_the_nearest_whole_passes(kind):
+    """``steps`` counts optimizer steps, one per replay batch, and trains the nearest whole number of passes (at
+    least one): the same training as ``passes`` gives, so that a recipe measured at one replay size keeps its
+    training at another."""
+    model, theta0 = tiny_pair(seed=3)
+
+    def identity_janus(model, reference, replay, config, progress, finetuned):
+        return RectificationReport(config={}, num_jacobian_evals=1)
+
+    def make(**length):
+        settings = dict(loss="kl", lr=1e-2, batch_size=1, **length)  # EQUAL in batches of one: 3 steps a pass
+        return ReplaySft(**settings) if kind == "replay-sft" else JanusThenReplaySft(tau=0.9, **settings)
+
+    ctx = context(rectify_fn=identity_janus)
+    for steps, passes in ((1, 1), (4, 1), (5, 2), (7, 2), (8, 3)):
+        builder = builder_for(model, theta0, replay=EQUAL)
+        weights, cost = built(make(steps=steps), builder, ctx)
+        want, _ = built(make(passes=passes), builder_for(model, theta0, replay=EQUAL), ctx)
+        assert cost.backward_passes == passes, steps
+        assert all(torch.equal(weights[k], w) for k, w in want.items()), steps
+    assert make(steps=8).label.startswith("replay SFT 8 steps" if kind == "replay-sft" else
+                                          "JANUS τ=0.9 → replay SFT 8 steps")
+    assert "about 8 optimizer steps (the nearest whole number of passes over the replay)" in make(steps=8).describe()
+
+
 def test_new_task_samples_without_a_labelled_token_are_refused_before_any_work():
     """The check names the data the user gave (the new task's samples, not the replay) and which of them: a sample
     with no label is refused even when the others of its batch have some, since fitting it would fit nothing."""

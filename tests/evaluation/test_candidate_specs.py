@@ -50,6 +50,10 @@ def test_spec_grammar_builds_the_kinds():
     assert fitted[0].label.endswith("lr=1e-05, new task ×1)") and fitted[2].label.endswith(", new task ×1)")
     assert "Each step also fits 4 of the new task's samples" in fitted[0].describe()
     assert fitted[0].artifact_key() != JanusThenReplaySft(passes=16, tau=0.95).artifact_key()  # trained apart
+    # steps= instead of passes= (no default passes then); replay-sft's default budgets only when neither is given
+    assert parse_candidates("janus-then-replay-sft:steps=256:b=0.8", SpecContext(tau=0.9)) == [
+        JanusThenReplaySft(tau=0.9, steps=256, b=0.8)]
+    assert parse_candidates("replay-sft:steps=64") == [ReplaySft(steps=64)]
     assert parse_candidates("input-null fisher:1 lines dg-hard")[-2:] == [Lines(0.0, 1.0), DgHard()]
     assert [c.energy for c in parse_candidates("input_null")] == [0.9, 0.99, 0.999]  # the JSON kind works too
     assert [k.name for k in kinds()][:3] == ["wise", "intruder", "janus"]
@@ -63,7 +67,12 @@ def test_spec_grammar_builds_the_kinds():
     ("wise:1.0", "wise: a must be strictly between 0 and 1"),
     ("janus:tau=1", "janus: tau must be in \\[0, 1\\)"),
     ("damped-janus:0", "damping must be finite and > 0"),
-    ("replay-sft:passes=2:budget=1", "passes= or budget=, not both"),
+    ("replay-sft:passes=2:budget=1", "one of passes=, steps= and budget=, not passes and budget"),
+    ("replay-sft:steps=2:budget=1", "one of passes=, steps= and budget=, not steps and budget"),
+    ("replay-sft:steps=2:janus_tau=0.9", "janus_tau names the JANUS run a budget= counts; with steps= it is unused"),
+    ("replay-sft:steps=0", "replay-sft: steps must be a whole number ≥ 1"),
+    ("janus-then-replay-sft:passes=4:steps=32", "takes passes= or steps=, not both"),
+    ("janus-then-replay-sft:steps=0", "janus-then-replay-sft: steps must be a whole number ≥ 1"),
     ("replay-sft:passes=0", "passes must be a whole number ≥ 1"),
     ("replay-sft:passes=2:loss=mse", "loss must be one of \\('ce', 'kl'\\)"),
     ("janus-then-replay-sft:passes=0", "janus-then-replay-sft: passes must be a whole number ≥ 1"),
@@ -184,8 +193,9 @@ def test_with_new_task_samples_the_default_peers_add_the_recommended_repair(sett
                                                         + ["janus_then_replay_sft"] * 3)
     repairs = [p.candidate for p in by_default.points[-3:]]
     assert [c.b for c in repairs] == [0.8, 0.7, 0.6]
-    assert all(c.passes == 32 and c.new_task_weight == 1 and c.tau == 0.9 for c in repairs)
-    assert by_default.points[-3].cost.backward_passes == 32 and by_default.points[-2].cost.reused
+    assert all(c.steps == 256 and c.new_task_weight == 1 and c.tau == 0.9 for c in repairs)
+    # the 6 replay samples are one batch of JanusConfig's 8: a step a pass
+    assert by_default.points[-3].cost.backward_passes == 256 and by_default.points[-2].cost.reused
     assert [comparable(p) for p in by_default.points] == [comparable(p) for p in by_spec.points]
     assert "janus_then_replay_sft" not in {p.kind for p in run(setting, peers="fisher", new_task_samples=new_task,
                                                                  **grids).points}

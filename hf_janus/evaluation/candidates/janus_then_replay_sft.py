@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
 from torch import Tensor
 
-from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, in_open_unit, interpolate,
-                                                 parse_float, parse_int, parse_str, require)
+from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Option, PlotStyle, SpecContext,
+                                                 in_open_unit, interpolate, parse_float, parse_int, parse_str, require)
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 from hf_janus.evaluation.candidates.replay_sft import (DEFAULT_LR, DEFAULT_NEW_TASK_BATCH, NEW_TASK_OPTIONS,
-                                                       ReplayTraining)
+                                                       STEPS_OPTION, ReplayTraining)
 from hf_janus.errors import JanusError
 
 if TYPE_CHECKING:
@@ -28,10 +28,12 @@ DEFAULT_POLISH_PASSES = (16,)
 
 @dataclass(frozen=True)
 class JanusThenReplaySft(ReplayTraining, JanusBased):
-    """The JANUS result at ``tau`` trained ``passes`` passes on the replay (by default on its KL to θ0)."""
+    """The JANUS result at ``tau`` trained ``passes`` passes (or about ``steps`` optimizer steps) on the replay (by
+    default on its KL to θ0)."""
 
-    passes: int
     tau: float
+    passes: Optional[int] = None
+    steps: Optional[int] = None
     loss: str = "kl"
     optimizer: str = "adam"
     lr: float = DEFAULT_LR
@@ -46,6 +48,7 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
     title: ClassVar[str] = "JANUS → replay SFT"
     options: ClassVar[tuple[Option, ...]] = (
         Option("passes", parse_int, DEFAULT_POLISH_PASSES, "passes over the replay after JANUS (≥ 1)"),
+        STEPS_OPTION,
         tau_option(),
         Option("loss", parse_str, ("kl",), "'kl' (KL to θ0's next-token distributions) or 'ce'"),
         Option("optimizer", parse_str, ("adam",), "'adam' or 'sgd'"),
@@ -61,6 +64,9 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
 
     def __post_init__(self) -> None:
         check_tau(self.name, self.tau)
+        if (self.passes is None) == (self.steps is None):
+            raise JanusError(f"{self.name} takes passes= or steps=, exactly one, got passes={self.passes!r}, "
+                             f"steps={self.steps!r}")
         self.check_training()
         if self.b is not None:
             require(in_open_unit(self.b), self.name, "b", self.b, "strictly between 0 and 1 (1 is the trained point)")
@@ -71,9 +77,19 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
                 raise JanusError(f"{self.name} takes b= or b_hat=, not both: b moves the trained point toward θ0, "
                                  "b_hat toward θ̂")
 
+    @classmethod
+    def expand(cls, values: Mapping[str, Sequence[Any]], context: SpecContext) -> list[Candidate]:
+        """The spec's grid; ``passes``'s default grid only when ``steps`` is not given."""
+        if "steps" in values:
+            if "passes" in values:
+                raise JanusError(f"{cls.name} takes passes= or steps=, not both: passes counts replay passes, "
+                                 "steps optimizer steps")
+            values = {**values, "passes": (None,)}
+        return super().expand(values, context)
+
     @property
     def label(self) -> str:
-        return (f"JANUS τ={self.tau:g} → replay SFT {self.passes} passes ({self.loss.upper()}, {self.optimizer} "
+        return (f"JANUS τ={self.tau:g} → replay SFT {self.training_length()} ({self.loss.upper()}, {self.optimizer} "
                 f"lr={self.lr:g}{self.new_task_label()}){self._toward()}")
 
     def _toward(self) -> str:
@@ -86,7 +102,7 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
                   else "the replay's next-token cross-entropy")
         toward = ("" if self.b is None else f" It is then moved toward θ0: θ0 + {self.b:g}·(θ_T − θ0).") + (
             "" if self.b_hat is None else f" It is then moved toward θ̂: θ_T + {self.b_hat:g}·(θ̂ − θ_T).")
-        return (f"It is the JANUS result at τ={self.tau:g} trained further for {self.passes} passes on {target} "
+        return (f"It is the JANUS result at τ={self.tau:g} trained further for {self.training_length(card=True)} on {target} "
                 f"({self.optimizer}, lr {self.lr:g}), θ_T." + self.new_task_note() + toward + self.janus_note())
 
     def artifact_key(self) -> str:
@@ -97,9 +113,10 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
 
     def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
         janus = JanusBased.prepare(self, builder, context)  # the run of this τ, or the one another kind made
-        trained = self.trained(builder, self.passes, self.batch_size or context.config.replay_batch_size,
-                               start=self.janus_weights(builder))
-        return trained, self.passes_cost(self.passes, janus.jacobian_evaluations)
+        batch_size = self.batch_size or context.config.replay_batch_size
+        passes = self.passes_for(builder, batch_size)
+        trained = self.trained(builder, passes, batch_size, start=self.janus_weights(builder))
+        return trained, self.passes_cost(passes, janus.jacobian_evaluations)
 
     def weights(self, builder: "WeightBuilder") -> dict[str, Tensor]:
         trained = super().weights(builder)

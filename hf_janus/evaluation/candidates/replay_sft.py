@@ -4,7 +4,9 @@ recommend against forgetting ("mix general data"), done after the fact.
 Starting at θ̂, the parameters fine-tuning changed take one optimizer step per replay batch, for ``passes`` passes
 over the replay in its fixed order (the model in eval mode: no dropout, so the run is deterministic). ``budget=n``
 sets ``passes`` to n times the Jacobian evaluations of JANUS at ``janus_tau`` (a JANUS evaluation and a replay pass
-both touch every replay sample once, forward and backward), running that JANUS if no candidate did. The loss is
+both touch every replay sample once, forward and backward), running that JANUS if no candidate did. ``steps=n``
+sets it to the whole passes nearest n optimizer steps, so that a recipe measured at one replay size takes the same
+training at another. The loss is
 the replay's next-token cross-entropy (``loss="ce"``, mean over the tokens that carry loss), or the KL divergence
 ``KL(p_θ0 ‖ p_θ)`` of the next-token distributions at the same tokens (``loss="kl"``; θ0's distributions are
 recomputed each step by holding θ0 for one forward pass, so a pass costs two forward passes). Plain Adam
@@ -48,6 +50,10 @@ DEFAULT_NEW_TASK_BATCH = 2
 #: float32 bytes per changed parameter the optimizer keeps on the model's device: the master copy and its gradient,
 #: and Adam's two moments
 STATE_BYTES = {"adam": 16, "sgd": 8}
+
+STEPS_OPTION = Option("steps", parse_int, None,
+                      "optimizer steps (≥ 1), one per replay batch, taken as the nearest whole number of passes (at "
+                      "least one), instead of passes")
 
 #: the options of every replay-training kind that keep the gain by fitting the new task's samples too
 NEW_TASK_OPTIONS = (
@@ -127,6 +133,7 @@ class ReplayTraining:
     name: ClassVar[str]
     kind: ClassVar[str]
     passes: Optional[int]
+    steps: Optional[int]
     loss: str
     optimizer: str
     lr: float
@@ -139,11 +146,14 @@ class ReplayTraining:
         raise NotImplementedError
 
     def check_training(self) -> None:
-        """Refuse ``passes`` (when given), ``loss``, ``optimizer``, ``lr`` and ``batch_size`` that name no training,
-        saying which option and what it takes."""
+        """Refuse ``passes`` and ``steps`` (when given), ``loss``, ``optimizer``, ``lr`` and ``batch_size`` that
+        name no training, saying which option and what it takes."""
         name = self.name
         if self.passes is not None:
             require(int(self.passes) == self.passes and self.passes >= 1, name, "passes", self.passes,
+                    "a whole number ≥ 1")
+        if self.steps is not None:
+            require(int(self.steps) == self.steps and self.steps >= 1, name, "steps", self.steps,
                     "a whole number ≥ 1")
         require(self.loss in LOSSES, name, "loss", self.loss, f"one of {LOSSES}")
         require(self.optimizer in OPTIMIZERS, name, "optimizer", self.optimizer, f"one of {OPTIMIZERS}")
@@ -156,6 +166,20 @@ class ReplayTraining:
                     "finite and > 0")
         require(int(self.new_task_batch_size) == self.new_task_batch_size and self.new_task_batch_size >= 1, name,
                 "new_task_batch_size", self.new_task_batch_size, "a whole number ≥ 1")
+
+    def passes_for(self, builder: "WeightBuilder", batch_size: int) -> Optional[int]:
+        """``passes``, or with ``steps`` the whole passes nearest that many steps over the replay's batches of
+        ``batch_size`` (at least one)."""
+        if self.steps is None:
+            return self.passes
+        return max(1, round(self.steps / len(replay_batches(builder, batch_size))))
+
+    def training_length(self, card: bool = False) -> str:
+        """``passes`` or ``steps`` as the label (or, with ``card``, the model card) says them."""
+        if self.steps is None:
+            return f"{self.passes} passes"
+        return (f"about {self.steps} optimizer steps (the nearest whole number of passes over the replay)" if card
+                else f"{self.steps} steps")
 
     def trained(self, builder: "WeightBuilder", passes: int, batch_size: int,
                 start: Optional[Mapping[str, Tensor]] = None) -> dict[str, Tensor]:
@@ -224,10 +248,12 @@ class ReplayTraining:
 
 @dataclass(frozen=True)
 class ReplaySft(ReplayTraining, Candidate):
-    """θ̂ trained further on the replay for ``passes`` passes (or ``budget`` × JANUS's Jacobian evaluations)."""
+    """θ̂ trained further on the replay for ``passes`` passes (or ``budget`` × JANUS's Jacobian evaluations, or
+    about ``steps`` optimizer steps)."""
 
     passes: Optional[int] = None
     budget: Optional[float] = None
+    steps: Optional[int] = None
     loss: str = "ce"
     optimizer: str = "adam"
     lr: float = DEFAULT_LR
@@ -245,6 +271,7 @@ class ReplaySft(ReplayTraining, Candidate):
         Option("budget", parse_float, DEFAULT_BUDGETS,
                "passes as a multiple (> 0) of the Jacobian evaluations of JANUS at tau (default grid 1, 2, 4)"),
         Option("passes", parse_int, None, "passes over the replay (≥ 1), instead of budget"),
+        STEPS_OPTION,
         Option("loss", parse_str, ("ce",), "'ce' (the replay's cross-entropy) or 'kl' (KL to θ0's next-token "
                                            "distributions)"),
         Option("optimizer", parse_str, ("adam",), "'adam' or 'sgd'"),
@@ -258,9 +285,10 @@ class ReplaySft(ReplayTraining, Candidate):
     curve: ClassVar[Optional[Curve]] = REPLAY_SFT_CURVE
 
     def __post_init__(self) -> None:
-        if (self.passes is None) == (self.budget is None):
-            raise JanusError("replay-sft takes passes= or budget= (a multiple of JANUS's Jacobian evaluations), "
-                             f"exactly one, got passes={self.passes!r}, budget={self.budget!r}")
+        if sum(v is not None for v in (self.passes, self.budget, self.steps)) != 1:
+            raise JanusError("replay-sft takes passes=, steps= or budget= (a multiple of JANUS's Jacobian "
+                             f"evaluations), exactly one, got passes={self.passes!r}, steps={self.steps!r}, "
+                             f"budget={self.budget!r}")
         if self.budget is not None:
             require(finite_positive(self.budget), self.name, "budget", self.budget, "finite and > 0")
             if self.janus_tau is not None:
@@ -269,16 +297,18 @@ class ReplaySft(ReplayTraining, Candidate):
 
     @classmethod
     def expand(cls, values: Mapping[str, Sequence[Any]], context: SpecContext) -> list[Candidate]:
-        """The spec's grid; ``budget``'s default grid only when ``passes`` is not given, and ``tau`` (the JANUS
-        run the budget counts) only with a budget."""
+        """The spec's grid; ``budget``'s default grid only when neither ``passes`` nor ``steps`` is given, and
+        ``tau`` (the JANUS run the budget counts) only with a budget."""
         values = dict(values)
-        if "passes" in values:
-            if "budget" in values:
-                raise JanusError("replay-sft takes passes= or budget=, not both: passes counts replay passes, budget "
-                                 "multiples of JANUS's Jacobian evaluations")
+        given = [name for name in ("passes", "steps", "budget") if name in values]
+        if len(given) > 1:
+            raise JanusError(f"replay-sft takes one of passes=, steps= and budget=, not {' and '.join(given)}: "
+                             "passes counts replay passes, steps optimizer steps, budget multiples of JANUS's "
+                             "Jacobian evaluations")
+        if given and given[0] != "budget":
             if "janus_tau" in values:
-                raise JanusError("replay-sft: janus_tau names the JANUS run a budget= counts; with passes= it is "
-                                 "unused")
+                raise JanusError(f"replay-sft: janus_tau names the JANUS run a budget= counts; with {given[0]}= it "
+                                 "is unused")
         else:
             values.setdefault("budget", DEFAULT_BUDGETS)
             values.setdefault("janus_tau", (context.tau,))
@@ -287,23 +317,24 @@ class ReplaySft(ReplayTraining, Candidate):
     @property
     def label(self) -> str:
         tau = "" if self.janus_tau is None else f" τ={self.janus_tau:g}"
-        steps = f"{self.passes} passes" if self.passes is not None else f"×{self.budget:g} JANUS{tau} budget"
-        return f"replay SFT {steps} ({self.loss.upper()}, {self.optimizer} lr={self.lr:g}{self.new_task_label()})"
+        length = self.training_length() if self.budget is None else f"×{self.budget:g} JANUS{tau} budget"
+        return f"replay SFT {length} ({self.loss.upper()}, {self.optimizer} lr={self.lr:g}{self.new_task_label()})"
 
     def describe(self) -> str:
         target = ("the replay's next-token cross-entropy" if self.loss == "ce"
                   else "the KL divergence to θ0's next-token distributions on the replay")
         return (f"It is θ̂ trained further on the replay ({self.optimizer}, lr {self.lr:g}, "
-                + (f"{self.passes} passes" if self.passes is not None else
+                + (self.training_length(card=True) if self.budget is None else
                    f"{self.budget:g} × the Jacobian evaluations of JANUS"
                    + ("" if self.janus_tau is None else f" at τ={self.janus_tau:g}") + " in passes")
                 + f") on {target} (no JANUS step)." + self.new_task_note())
 
     def train(self, builder: "WeightBuilder", context: BuildContext) -> tuple[dict[str, Tensor], Cost]:
-        passes, evaluations = self.passes, 0
+        batch_size = self.batch_size or context.config.replay_batch_size
+        passes, evaluations = self.passes_for(builder, batch_size), 0
         if passes is None:
             janus = Janus(context.config.tau if self.janus_tau is None else self.janus_tau)
             evaluations = janus.prepare(builder, context).jacobian_evaluations
             passes = max(1, round(self.budget * builder.reports[janus.run_key()].num_jacobian_evals))
-        trained = self.trained(builder, passes, self.batch_size or context.config.replay_batch_size)
+        trained = self.trained(builder, passes, batch_size)
         return trained, self.passes_cost(passes, evaluations)
