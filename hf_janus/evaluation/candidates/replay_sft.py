@@ -6,12 +6,11 @@ over the replay in its fixed order (the model in eval mode: no dropout, so the r
 sets ``passes`` to n times the Jacobian evaluations of JANUS at ``janus_tau`` (a JANUS evaluation and a replay pass
 both touch every replay sample once, forward and backward), running that JANUS if no candidate did. ``steps=n``
 sets it to the whole passes nearest n optimizer steps, so that a recipe measured at one replay size takes the same
-training at another. The loss is
-the replay's next-token cross-entropy (``loss="ce"``, mean over the tokens that carry loss), or the KL divergence
-``KL(p_θ0 ‖ p_θ)`` of the next-token distributions at the same tokens (``loss="kl"``; θ0's distributions are
-recomputed each step by holding θ0 for one forward pass, so a pass costs two forward passes). Plain Adam
-(``torch.optim.Adam`` defaults but ``lr``) or SGD, on float32 copies of the parameters, written back into the
-model's dtype after each step. With ``new_task_weight``, each step also fits the next ``new_task_batch_size``
+training at another. The loss is the replay's next-token cross-entropy (``loss="ce"``, mean over the tokens that
+carry loss), or the KL divergence ``KL(p_θ0 ‖ p_θ)`` of the next-token distributions at the same tokens
+(``loss="kl"``; θ0's distributions are recomputed each step by holding θ0 for one forward pass, so a pass costs two
+forward passes). Plain Adam (``torch.optim.Adam`` defaults but ``lr``) or SGD, on float32 copies of the parameters,
+written back into the model's dtype after each step. With ``new_task_weight``, each step also fits the next ``new_task_batch_size``
 samples of the new task (the frontier's ``new_task_samples``, in the order given) at that weight of their
 cross-entropy, so that the passes keep the gain; the cost's pass counts leave that work out, its seconds do not.
 """
