@@ -196,7 +196,8 @@ class SelfReplay:
             what = f"a Dataset ({len(self.prompts)} rows)"
         else:
             what = f"{len(self.prompts)} given prompts" if hasattr(self.prompts, "__len__") else "given prompts"
-        count = "all" if self._num_samples() is None else str(self._num_samples())
+        wanted = self._num_samples()
+        count = "all" if wanted is None else str(wanted)
         return f"θ0's answers to {what} ({count} samples)"
 
     # ---- prompts ----------------------------------------------------------------------------------------

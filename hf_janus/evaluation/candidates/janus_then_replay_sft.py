@@ -103,7 +103,8 @@ class JanusThenReplaySft(ReplayTraining, JanusBased):
         toward = ("" if self.b is None else f" It is then moved toward θ0: θ0 + {self.b:g}·(θ_T − θ0).") + (
             "" if self.b_hat is None else f" It is then moved toward θ̂: θ_T + {self.b_hat:g}·(θ̂ − θ_T).")
         return (f"It is the JANUS result at τ={self.tau:g} trained further for {self.training_length(card=True)} "
-                f"on {target} ({self.optimizer}, lr {self.lr:g}), θ_T." + self.new_task_note() + toward + self.janus_note())
+                f"on {target} ({self.optimizer}, lr {self.lr:g}), θ_T."
+                + self.new_task_note() + toward + self.janus_note())
 
     def artifact_key(self) -> str:
         # b and b_hat only move the trained point: the points of every b share one training

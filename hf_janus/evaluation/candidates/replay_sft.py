@@ -10,9 +10,10 @@ training at another. The loss is the replay's next-token cross-entropy (``loss="
 carry loss), or the KL divergence ``KL(p_θ0 ‖ p_θ)`` of the next-token distributions at the same tokens
 (``loss="kl"``; θ0's distributions are recomputed each step by holding θ0 for one forward pass, so a pass costs two
 forward passes). Plain Adam (``torch.optim.Adam`` defaults but ``lr``) or SGD, on float32 copies of the parameters,
-written back into the model's dtype after each step. With ``new_task_weight``, each step also fits the next ``new_task_batch_size``
-samples of the new task (the frontier's ``new_task_samples``, in the order given) at that weight of their
-cross-entropy, so that the passes keep the gain; the cost's pass counts leave that work out, its seconds do not.
+written back into the model's dtype after each step. With ``new_task_weight``, each step also fits the next
+``new_task_batch_size`` samples of the new task (the frontier's ``new_task_samples``, in the order given) at that
+weight of their cross-entropy, so that the passes keep the gain; the cost's pass counts leave that work out, its
+seconds do not.
 """
 
 from __future__ import annotations
