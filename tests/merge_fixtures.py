@@ -38,7 +38,7 @@ def save_base(path, seed: int = 0, max_shard_size: Optional[str] = None, tokeniz
 
         torch.manual_seed(seed)
         common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                       tie_word_embeddings=False)
         common.update(overrides)
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common)).eval()

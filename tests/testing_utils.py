@@ -17,7 +17,7 @@ def build_tiny(family: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Modul
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                   tie_word_embeddings=False)
     if family == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))

@@ -45,6 +45,7 @@ import torch
 
 from hf_janus.engine.capture import PENDING_SKETCH_BYTES
 from hf_janus.engine.ghost import GRAM_BLOCK_ELEMS, MATERIALIZED_COST_FACTOR
+from hf_janus.engine.start_environment import START_ENVIRONMENT
 from hf_janus.engine.store import available_host_memory
 from hf_janus.engine.workspace import WORKSPACE_MAX_BYTES
 from hf_janus.errors import JanusError
@@ -389,10 +390,10 @@ def _retention(work: Workload, shared: bool) -> float:
 
 
 def heap_retention(environ: Optional[Mapping[str, str]] = None, libc: Optional[str] = None) -> float:
-    """:data:`HEAP_RETENTION` where the C allocator is glibc's malloc with its dynamic mmap threshold, else 0: with
-    the threshold fixed (``MALLOC_MMAP_THRESHOLD_`` or the ``glibc.malloc.mmap_threshold`` tunable) freed blocks
-    beyond it go back to the system and the RSS follows the live bytes; other C libraries are not modelled."""
-    environ = os.environ if environ is None else environ
+    """:data:`HEAP_RETENTION` where the C allocator is glibc's malloc with its dynamic mmap threshold, else 0: with it
+    fixed (``MALLOC_MMAP_THRESHOLD_`` or the ``glibc.malloc.mmap_threshold`` tunable in ``environ``, by default the
+    start-up environment, the only one glibc reads) freed blocks go back to the system; other libcs are not modelled."""
+    environ = START_ENVIRONMENT if environ is None else environ
     libc = platform.libc_ver()[0] if libc is None else libc
     if libc != "glibc":
         return 0.0

@@ -101,11 +101,7 @@ class Rectifier:
         modules = resolve_target_modules(model, self.config.target_modules, self.config.exclude_modules)
         check_sharding(model, {name: module.weight for name, module in modules.items()})
         self.batches = prepare_replay(replay, self.config.replay_batch_size)
-        try:
-            embeddings = model.get_input_embeddings()
-        except (AttributeError, NotImplementedError):  # not a language model: nothing to check ids against
-            embeddings = None
-        check_vocabulary(self.batches, getattr(embeddings, "num_embeddings", None))
+        check_vocabulary(self.batches, model, in_given_order=False)  # grouped by length
         # an explicit dtype wins over config.factor_dtype (the memory plan resolves "auto")
         factor_dtype = (self.config.factor_dtype if factor_dtype is None
                         else str(factor_dtype).replace("torch.", ""))

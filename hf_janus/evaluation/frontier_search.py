@@ -31,8 +31,8 @@ rectification.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -51,14 +51,16 @@ from hf_janus.evaluation.candidate_weights import WeightBuilder, differing_param
 from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
                                             DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS,
                                             DEFAULT_WISE_GRID, FINETUNED, INTRUDER_CURVE_SPEC, REFERENCE,
-                                            WISE_CURVE_SPEC, BuildContext, Candidate, Cost, Curve, SpecContext,
-                                            default_peers, kinds, parse_candidates)
+                                            WISE_CURVE_SPEC, BuildContext, Candidate, CandidateDiverged, Cost, Curve,
+                                            SpecContext, default_peers, kinds, parse_candidates)
 from hf_janus.evaluation.candidates import candidates as keyword_candidates
 from hf_janus.evaluation.candidates.registry import SpecLike
-from hf_janus.evaluation.intruder_reduction import IntruderReduction
+from hf_janus.evaluation.intruder_reduction import IntruderReduction, plain_lora
 from hf_janus.evaluation.harness import (ModelLike, Scorer, TaskLike, TaskResult, is_adapter, load_model,
                                          load_tokenizer, resolve_tasks)
+from hf_janus.evaluation.samples import check_frontier_samples, read_new_task_samples, read_samples
 from hf_janus.evaluation.scoring import ap_metrics
+from hf_janus.evaluation.strict_json import dumps, finite_or_none
 from hf_janus.io_utils import atomic_replace, atomic_write_text
 from hf_janus.replay.self_replay import SelfReplay
 
@@ -68,6 +70,8 @@ logger = logging.getLogger(__name__)
 #: The legacy columns of a point's JSON: every point has them (None where its kind has no such option), so that
 #: readers of earlier results (the benchmarks' summaries, the model card) keep working.
 LEGACY_OPTIONS = ("a", "tau", "b", "damping", "mitigation_lambda")
+#: a point's status: built and scored, or its build went non-finite (no scores, neither chosen nor plotted)
+SCORED, DIVERGED = "scored", "diverged"
 
 
 @dataclass
@@ -76,7 +80,7 @@ class FrontierPoint:
     over the peer curves and what building it cost."""
 
     candidate: Candidate
-    scores: dict[str, float]
+    scores: dict[str, Optional[float]]
     ap1: Optional[float] = None
     ap2: Optional[float] = None
     ap: Optional[float] = None
@@ -85,10 +89,18 @@ class FrontierPoint:
     above: dict[str, Optional[float]] = field(default_factory=dict)
     cost: Cost = field(default_factory=Cost)
     seconds: float = 0.0  # building and scoring it
+    status: str = SCORED
+    reason: Optional[str] = None  # why it diverged
 
     @property
     def label(self) -> str:
         return self.candidate.label
+
+    @property
+    def on_frontier(self) -> bool:
+        """Whether it can be chosen and drawn: scored, with finite AP1 and AP2."""
+        return (self.status == SCORED and self.ap1 is not None and self.ap2 is not None
+                and math.isfinite(self.ap1) and math.isfinite(self.ap2))
 
     @property
     def kind(self) -> str:
@@ -127,7 +139,8 @@ class FrontierPoint:
                 "forward_passes": self.cost.forward_passes, "backward_passes": self.cost.backward_passes,
                 "build_seconds": self.cost.seconds, "peak_memory_bytes": self.cost.peak_memory_bytes,
                 "build_reused": self.cost.reused,
-                "seconds": self.seconds, "description": self.candidate.describe()}
+                "seconds": self.seconds, "status": self.status, "reason": self.reason,
+                "description": self.candidate.describe()}
 
 
 #: The curves every frontier can hold: WiSE-FT (from θ0 to θ̂) and PEFT's intruder reduction (from θ̂); the other
@@ -137,7 +150,7 @@ INTRUDER_CURVE = INTRUDER_CURVE_SPEC.name
 
 
 def _on_curve(p: FrontierPoint, curve: str) -> bool:
-    return p.ap1 is not None and p.ap2 is not None and p.candidate.on_curve(curve)
+    return p.on_frontier and p.candidate.on_curve(curve)
 
 
 def wise_margin(points: Sequence[FrontierPoint], ap1: Optional[float], ap2: Optional[float],
@@ -159,7 +172,7 @@ def peer_curves(points: Sequence[FrontierPoint]) -> list[Curve]:
     out = [WISE_CURVE_SPEC]
     for p in points:
         curve = p.candidate.curve
-        if curve is not None and not p.candidate.is_anchor and curve not in out:
+        if curve is not None and not p.candidate.is_anchor and p.on_frontier and curve not in out:
             out.append(curve)
     return out
 
@@ -192,7 +205,7 @@ class FrontierResult:
         (neither given) the largest AP. Ties go to the cheaper point (fewer Jacobian evaluations)."""
         if min_ap2 is not None and min_ap1 is not None:
             raise JanusError("give min_ap2 or min_ap1, not both")
-        scored = [(i, p) for i, p in enumerate(self.points) if p.ap1 is not None and p.ap2 is not None]
+        scored = [(i, p) for i, p in enumerate(self.points) if p.on_frontier]
         if not scored:
             raise JanusError("no point has both AP1 and AP2: give past and new tasks, on which θ0 and θ̂ differ")
         if min_ap2 is not None:
@@ -218,8 +231,8 @@ class FrontierResult:
         return data
 
     def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write the result as JSON (atomically)."""
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the result as JSON (atomically); non-finite numbers as null."""
+        atomic_write_text(path, dumps(self.to_dict()) + "\n")
 
     def to_markdown(self) -> str:
         tasks = self.past_tasks + self.new_tasks
@@ -236,7 +249,8 @@ class FrontierResult:
         lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
         for i, p in enumerate(self.points):
             mark = "**→**" if i == self.chosen else ""
-            cells = [mark, p.label] + [fmt(p.scores.get(t), ".4f") for t in tasks]
+            label = p.label if p.status == SCORED else f"{p.label} ({p.status})"
+            cells = [mark, label] + [fmt(p.scores.get(t), ".4f") for t in tasks]
             cells += [fmt(p.ap1, ".1f"), fmt(p.ap2, ".1f"), fmt(p.ap, ".1f")]
             cells += [fmt(p.above.get(c.name), "+.1f") for c in curves]
             passes = ("shared" if p.cost.reused else f"{p.cost.forward_passes:g}/{p.cost.backward_passes:g}"
@@ -271,7 +285,7 @@ class FrontierResult:
         for kind in kinds():
             if kind.curve is not None:
                 continue
-            pts = [p for p in self.points if type(p.candidate) is kind and p.ap1 is not None and p.ap2 is not None]
+            pts = [p for p in self.points if type(p.candidate) is kind and p.on_frontier]
             if pts:
                 ax.scatter([p.ap2 for p in pts], [p.ap1 for p in pts], marker=kind.style.marker,
                            color=kind.style.color, label=kind.style.legend, zorder=3)
@@ -300,9 +314,10 @@ class FrontierResult:
     def publication_record(self) -> dict[str, Any]:
         """The ``frontier`` field of the chosen model's ``janus_rectification.json``."""
         best = self.best
-        return {"chosen": best.to_dict() if best else None, "criterion": self.criterion,
-                "past_tasks": self.past_tasks, "new_tasks": self.new_tasks, "metrics": self.metrics,
-                "points": [{k: v for k, v in p.to_dict().items() if k != "scores"} for p in self.points]}
+        points = [{k: v for k, v in p.to_dict().items() if k != "scores"} for p in self.points]
+        return finite_or_none({"chosen": best.to_dict() if best else None, "criterion": self.criterion,
+                               "past_tasks": self.past_tasks, "new_tasks": self.new_tasks, "metrics": self.metrics,
+                               "points": points})
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], *, overwrite: bool = False,
                         tokenizer: Any = None) -> str:
@@ -456,10 +471,11 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     if not past or not new:
         raise JanusError("the frontier needs past_tasks (for AP1) and new_tasks (for AP2)")
     tok = load_tokenizer(tokenizer, [reference, finetuned], token=token)
-    new_task = _new_task_samples(new_task_samples, tok, replay_options)
+    new_task = read_new_task_samples(new_task_samples, tok, replay_options)
     builder = _working_model(reference, finetuned, replay, tok, replay_options, device=device,
                              torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle,
                              intruders=any(c.lora_only for c in cands))
+    check_frontier_samples(builder.model, builder.replay, new_task)
     builder.new_task = new_task
     if candidates is None:  # the keyword grids offer intruder reduction where it is defined (LoRA adapters)
         cands = [c for c in cands if not c.lora_only or builder.intruders is not None]
@@ -502,24 +518,6 @@ def _checked(cands: list[Candidate], builder: WeightBuilder, optional: set[Candi
     return kept
 
 
-def _new_task_samples(samples: Any, tok: Any, replay_options: Any) -> Any:
-    """The new task's samples as a replay is given: a file or dataset id read as ``replay`` is."""
-    if isinstance(samples, SelfReplay):
-        raise JanusError("new_task_samples is a SelfReplay, but θ0's answers are not the new task: pass what "
-                         "fine-tuning trained on (a file, dataset id, Dataset or list of samples)")
-    return _read_samples(samples, tok, replay_options)
-
-
-def _read_samples(samples: Any, tok: Any, replay_options: Any) -> Any:
-    """Samples given as a file or dataset id read with ``replay_options`` (``hf-janus merge --replay``'s reader);
-    any other form as given."""
-    if isinstance(samples, (str, os.PathLike)):
-        from hf_janus.replay.sources import load_replay
-
-        return load_replay(os.fspath(samples), tok, replay_options)
-    return samples
-
-
 def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok: Any, replay_options: Any, *,
                    device: Any, torch_dtype: Any, token: Any, allow_pickle: bool,
                    intruders: bool = False) -> WeightBuilder:
@@ -528,7 +526,7 @@ def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok:
     A saved adapter on a reference given by name is merged by PEFT in float32: θ0 and θ̂ of its layers are kept in
     float32 (the model holds them rounded to its dtype), and for a plain LoRA the intruder detection is done once
     (``intruders``)."""
-    replay = _read_samples(replay, tok, replay_options)
+    replay = read_samples(replay, tok, replay_options)
     base_name = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None
     exact = None
     if base_name is not None and is_adapter(finetuned, token=token):
@@ -549,7 +547,7 @@ def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok:
         ranks = {name + ".weight": exact.layers[name].rank for name in exact.linear_layers}
         theta0.update({k: exact.reference[k].float() for k in keys})
         tuned.update({name + ".weight": exact.finetuned_weight(name) for name in exact.linear_layers})
-        if intruders and _plain_lora(exact.adapter.config):
+        if intruders and plain_lora(exact.adapter.config):
             base = {name + ".weight": exact.adapter_base(name) for name in exact.linear_layers}
             reduction = IntruderReduction({k: theta0[k] for k in keys}, {k: tuned[k] for k in keys}, ranks, base=base)
             logger.info("intruder reduction: %d of %d adapted layers have intruder dimensions",
@@ -570,12 +568,6 @@ def _exact_adapter(base_name: str, adapter: ModelLike, **load: Any) -> Any:
     return exact
 
 
-def _plain_lora(config: Any) -> bool:
-    """PEFT's intruder reduction is defined for LoRA (not DoRA, whose magnitude vector is not a low-rank update)."""
-    kind = getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None))
-    return str(kind) == "LORA" and not getattr(config, "use_dora", False)
-
-
 def _score_candidates(cands: Sequence[Candidate], builder: WeightBuilder,
                       scorer: Callable[[nn.Module], Mapping[str, TaskResult]], context: BuildContext,
                       past_names: list[str], new_names: list[str]
@@ -591,9 +583,11 @@ def _score_candidates(cands: Sequence[Candidate], builder: WeightBuilder,
         for c in bar:
             bar.set_postfix_str(c.label)
             point, results = _score_candidate(c, builder, scorer, context)
+            points.append(point)
+            if results is None:
+                continue
             metrics = {n: r.metric for n, r in results.items()}
             higher = {n: r.higher_is_better for n, r in results.items()}
-            points.append(point)
             logger.info("frontier: %s scored %s in %.1fs", c.label, point.scores, point.seconds)
             if len(points) == 2:  # θ0 and θ̂: fail now, not after every JANUS run, if AP is undefined
                 ap_metrics(points[0].scores, points[0].scores, points[1].scores, past_names, new_names, higher)
@@ -604,10 +598,15 @@ def _score_candidates(cands: Sequence[Candidate], builder: WeightBuilder,
 
 
 def _score_candidate(c: Candidate, builder: WeightBuilder, scorer: Callable[[nn.Module], Mapping[str, TaskResult]],
-                     context: BuildContext) -> tuple[FrontierPoint, Mapping[str, TaskResult]]:
-    """One candidate's point (what it builds first, unless an earlier candidate built it) and its task results."""
+                     context: BuildContext) -> tuple[FrontierPoint, Optional[Mapping[str, TaskResult]]]:
+    """One candidate's point (what it builds first, unless an earlier candidate built it) and its task results,
+    ``None`` for a build that diverged: its NaN weights would only score NaN."""
     t0 = time.perf_counter()
-    cost = c.prepare(builder, context)
+    try:
+        cost = c.prepare(builder, context)
+    except CandidateDiverged as err:
+        logger.warning("frontier: %s diverged and is left out of the choice and the plot: %s", c.label, err)
+        return FrontierPoint(c, {}, seconds=time.perf_counter() - t0, status=DIVERGED, reason=str(err)), None
     with builder.applied(c) as working, torch.no_grad():
         results = scorer(working)
     point = FrontierPoint(c, {n: r.score for n, r in results.items()}, cost=cost, seconds=time.perf_counter() - t0)
@@ -619,11 +618,14 @@ def _add_ap_figures(points: list[FrontierPoint], past_names: list[str], new_name
     """Fill in each point's AP1/AP2/AP (against the anchors, the first two points) and its margin over each peer
     curve it is not on (WiSE-FT points get none: they are the baseline every curve is compared with)."""
     for p in points:
+        if p.status != SCORED:  # every task's score and figure is null, so that readers find the same keys
+            p.scores = dict.fromkeys(past_names + new_names)
+            continue
         ap = ap_metrics(p.scores, points[0].scores, points[1].scores, past_names, new_names, higher)
         p.ap1, p.ap2, p.ap = ap["ap1"], ap["ap2"], ap["ap"]
     curves = peer_curves(points)
     for p in points:
-        if p.candidate.is_anchor or p.candidate.on_curve(WISE_CURVE):
+        if p.candidate.is_anchor or p.candidate.on_curve(WISE_CURVE) or p.status != SCORED:
             continue
         for curve in curves:
             if not p.candidate.on_curve(curve.name):

@@ -8,7 +8,6 @@ evaluation can run offline.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import time
@@ -21,6 +20,7 @@ from torch import nn
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.local_tasks import task_from_file
 from hf_janus.evaluation.scoring import ap_metrics
+from hf_janus.evaluation.strict_json import dumps
 from hf_janus.io_utils import atomic_write_text
 from hf_janus.model_modes import evaluation_mode
 
@@ -273,8 +273,8 @@ class EvaluationResult:
         return asdict(self)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write the result as JSON (atomically)."""
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the result as JSON (atomically); non-finite numbers as null."""
+        atomic_write_text(path, dumps(self.to_dict()) + "\n")
 
     def to_markdown(self) -> str:
         tasks = self.past_tasks + self.new_tasks

@@ -16,7 +16,7 @@ checks it against PEFT's own function.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -26,6 +26,12 @@ from hf_janus.errors import JanusError
 #: PEFT's defaults of ``reduce_intruder_dimension``.
 DEFAULT_TOP_K = 10
 DEFAULT_THRESHOLD_EPSILON = 0.5
+
+
+def plain_lora(config: Any) -> bool:
+    """PEFT's intruder reduction is defined for LoRA (not DoRA, whose magnitude vector is not a low-rank update)."""
+    kind = getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None))
+    return str(kind) == "LORA" and not getattr(config, "use_dora", False)
 
 
 @dataclass

@@ -398,8 +398,7 @@ class JanusCallback(TrainerCallback):
         else:
             replay = self._replay(tokenizer)
         batches = prepare_replay(replay, self.config.replay_batch_size)
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        check_vocabulary(batches, getattr(embeddings, "num_embeddings", None))
+        check_vocabulary(batches, model, in_given_order=False)  # grouped by length
         self._tokenized = replay
 
     def _self_replay(self, model: nn.Module, tokenizer: Any, resumed: bool,

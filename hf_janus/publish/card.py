@@ -231,7 +231,8 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
     if replay is None:
         replay_line = "not recorded"
     else:
-        replay_line = _code(replay.id) if replay.id else "in-memory samples"
+        generated = replay.self_replay_line()
+        replay_line = _code(replay.id) if replay.id else (_plain(generated) if generated else "in-memory samples")
         if replay.local and replay.id:
             replay_line += " (local)"
         if replay.split:

@@ -61,10 +61,32 @@ class ReplayInfo:
     fingerprint: Optional[str] = None  # datasets' Dataset._fingerprint, or "sha256:..." of in-memory token ids
     size: Optional[int] = None  # rows in the dataset (split); JANUS used report.num_samples of them
     local: bool = False
+    #: replay that θ0 generated (``SelfReplay``): the prompts, count, decoding settings and cache key
+    self_replay: Optional[dict[str, Any]] = None
 
     @property
     def is_hub(self) -> bool:
         return self.id is not None and not self.local
+
+    def self_replay_line(self) -> Optional[str]:
+        """``"θ0's own answers to generic: 100 samples, greedy, at most 64 new tokens, cache key 1a2b…"``, for
+        replay that θ0 generated; None otherwise."""
+        info = self.self_replay
+        if not info:
+            return None
+        decoding = info.get("decoding") or {}
+        how = "sampled" if decoding.get("do_sample") else "greedy"
+        if decoding.get("do_sample"):
+            settings = ", ".join(f"{k} {decoding[k]}" for k in ("temperature", "top_p", "top_k", "seed")
+                                 if decoding.get(k) is not None)
+            how += f" ({settings})" if settings else ""
+        parts = [f"θ0's own answers to {info.get('prompts')}: {info.get('num_samples')} samples, {how}",
+                 f"at most {decoding.get('max_new_tokens')} new tokens"]
+        if decoding.get("stop"):
+            parts.append("stopped at " + ", ".join(repr(s) for s in decoding["stop"]))
+        if info.get("cache_key"):
+            parts.append(f"cache key {str(info['cache_key'])[:16]}")
+        return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -158,6 +180,7 @@ def describe_replay(replay: Any, *, source: Optional[str] = None, split: Optiona
             info.split = str(data.split)
     elif isinstance(data, (list, tuple)):
         info.fingerprint = _samples_fingerprint(data)
+        info.self_replay = getattr(data, "provenance", None)  # hf_janus.replay.self_replay.GeneratedReplay
     try:
         info.size = len(data)
     except TypeError:

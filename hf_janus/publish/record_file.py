@@ -123,7 +123,8 @@ _REF = {"id": (_is_str, "a string"), "revision": (_opt(_is_str), "a string"), "s
 _REPLAY = {"id": (_opt(_is_str), "a string"), "source": (_opt(_is_str), "a string"), "split": (_opt(_is_str), "a string"),
            "revision": (_opt(_is_str), "a string"), "sha": (_opt(_is_str), "a string"),
            "fingerprint": (_opt(_is_str), "a string"), "size": (_opt(_count), "a count"),
-           "local": (_is_bool, "true or false")}
+           "local": (_is_bool, "true or false"),
+           "self_replay": (_opt(lambda v: isinstance(v, dict)), "an object")}
 _TOP = {"kind": (lambda v: v in KINDS, f"one of {KINDS}"), "hf_janus_version": (_is_str, "a string"),
         "created_at": (_is_str, "a string"), "merge": (_opt(lambda v: isinstance(v, dict)), "an object"),
         "frontier": (_opt(lambda v: isinstance(v, dict)), "an object")}
@@ -291,7 +292,7 @@ class PublishedReport:
             lines.append(f"  adapter: {ref(self.adapter)}")
         if self.replay is not None:
             rp = self.replay
-            lines.append(f"  replay: {rp.id or 'in-memory samples'}"
+            lines.append(f"  replay: {rp.id or rp.self_replay_line() or 'in-memory samples'}"
                          + (f" [{rp.split}]" if rp.split else "") + (f", {rp.size} rows" if rp.size is not None else "")
                          + (f", fingerprint {rp.fingerprint}" if rp.fingerprint else ""))
         lines.append(self.rectification.summary())

@@ -161,18 +161,70 @@ def _check_values(batch: Mapping[str, Tensor], index: int) -> None:
                          "non-padding position; token ids are non-negative (mask padding with attention_mask=0)")
 
 
-def check_vocabulary(batches: list[dict[str, Tensor]], vocab_size: Optional[int]) -> None:
-    """Every counted token id is below the model's vocabulary size (an embedding lookup would fail or, on some
-    devices, read garbage)."""
-    if not vocab_size:
+#: offending samples named in a vocabulary error; the count says how many more there are
+_SHOWN = 5
+
+
+def vocabulary_sizes(model: Any) -> tuple[Optional[int], Optional[int]]:
+    """How many token ids ``model`` embeds and how many it predicts (its logits); ``None`` where it does not say.
+    The two differ where the output head was resized apart from the embeddings."""
+    def call(name: str) -> Any:
+        method = getattr(model, name, None)
+        try:
+            return method() if callable(method) else None
+        except (NotImplementedError, AttributeError):
+            return None
+
+    embedded = getattr(call("get_input_embeddings"), "num_embeddings", None)
+    head = call("get_output_embeddings")
+    predicted = getattr(head, "out_features", None)
+    weight = getattr(head, "weight", None)
+    if predicted is None and isinstance(weight, Tensor) and weight.dim() == 2:
+        predicted = int(weight.shape[0])
+    return embedded, predicted if predicted is not None else embedded
+
+
+def _first_outside(values: Tensor, counted: Tensor, size: Optional[int]) -> list[Optional[int]]:
+    """For each row, the first counted value outside ``[0, size)``, or ``None``."""
+    if size is None:
+        return [None] * values.shape[0]
+    outside = counted & ((values < 0) | (values >= size))
+    return [int(row[hit][0]) if hit.any() else None for row, hit in zip(values, outside)]
+
+
+def check_vocabulary(batches: list[dict[str, Tensor]], model: Any, what: str = "replay",
+                     in_given_order: bool = True) -> None:
+    """Refuse samples whose input ids (where the attention mask counts them) or labels (other than -100) are not
+    token ids of ``model`` (an embedding lookup or the loss would fail or, on some devices, read garbage), before
+    any work. ``what`` names the samples in the error ("replay", "new-task"); with ``in_given_order`` the batches
+    keep the user's order and a sample is named by its position in it, else by its batch and row."""
+    embedded, predicted = vocabulary_sizes(model)
+    if embedded is None and predicted is None:
         return
+    found: list[tuple[str, str, int]] = []  # (where, "token id" or "label", the value)
+    seen = 0
     for index, batch in enumerate(batches):
-        ids = batch["input_ids"][batch["attention_mask"].bool()]
-        if ids.numel() and int(ids.max()) >= vocab_size:
-            raise JanusError(
-                f"replay batch {index} holds token id {int(ids.max())}, but the model's vocabulary has {vocab_size} "
-                "tokens: the replay was tokenized with another tokenizer; tokenize it with this model's"
-            )
+        ids = _first_outside(batch["input_ids"], batch["attention_mask"].bool(), embedded)
+        labels = batch.get("labels")
+        targets = [None] * len(ids) if labels is None else _first_outside(labels, labels != IGNORE_INDEX, predicted)
+        for row, (bad_id, bad_label) in enumerate(zip(ids, targets)):
+            where = f"sample {seen + row}" if in_given_order else f"batch {index}, row {row}"
+            if bad_id is not None:
+                found.append((where, "token id", bad_id))
+            elif bad_label is not None:
+                found.append((where, "label", bad_label))
+        seen += len(ids)
+    if not found:
+        return
+    where, key, value = found[0]
+    size = embedded if key == "token id" else predicted
+    field = "input_ids" if key == "token id" else "labels (token ids, or -100 where no loss counts)"
+    shown = "; ".join(w for w, _, _ in found[:_SHOWN]) + ("; ..." if len(found) > _SHOWN else "")
+    order = ", counting from 0 in the order given" if in_given_order else ""
+    raise JanusError(f"{what} {where} holds {key} {value} in its {field}, but the model has {size} tokens (ids 0 to "
+                     f"{size - 1}); {len(found)} {what} sample(s) are outside the vocabulary ({shown}{order}): they "
+                     f"were tokenized for another model; tokenize the {what} samples with this model's tokenizer, "
+                     "or drop them")
 
 
 def _sample_length(sample: Any) -> int:

@@ -78,6 +78,16 @@ def generic_prompts() -> list[Prompt]:
             for r in rows]
 
 
+class GeneratedReplay(list):
+    """θ0's answers as replay samples: a list like any other replay, that also says where it came from
+    (``provenance``: the prompts, the count, the decoding settings and the cache key), for the record and the
+    model card."""
+
+    def __init__(self, samples: Sequence[dict[str, list[int]]], provenance: dict[str, Any]):
+        super().__init__(samples)
+        self.provenance = provenance
+
+
 @dataclass
 class SelfReplay:
     """Replay that θ0 generates: give it as ``replay`` to :class:`~hf_janus.JanusCallback` (generated at train
@@ -171,34 +181,50 @@ class SelfReplay:
         tokenizer = require_tokenizer(tokenizer if tokenizer is not None else self.tokenizer)
         check_generative(model)
         rows, stops, do_sample = self._rows(model, tokenizer)
+        _check_context(model, rows, self.max_new_tokens)
         generation = self._generation_config(model, tokenizer, do_sample)
         settings = {"generation": _stable_generation(generation), "batch_size": self.batch_size,
                     "seed": self.seed if do_sample else None, "stops": [list(s) for s in stops]}
         folder = None if self.cache_dir is False else os.fspath(self.cache_dir or default_cache_dir())
-        key = cache_key(model_fingerprint(model), rows, settings) if folder else None
-        cached = read_entry(folder, key) if folder else None
+        key = cache_key(model_fingerprint(model, tokenizer), rows, settings)
+        provenance = self._provenance(rows, stops, do_sample, key)
+        cached = read_entry(folder, key, rows, self.max_new_tokens, _vocab_size(model)) if folder else None
         if cached is not None:
             logger.info("self-replay: %d sample(s) read from the cache %s", len(cached), folder)
-            return [_sample(s["input_ids"], s["prompt_length"]) for s in cached]
+            return GeneratedReplay([_sample(s["input_ids"], s["prompt_length"]) for s in cached], provenance)
         answers = [_cut_at_stop(a, stop, tokenizer) for a, stop in zip(self._answer(model, rows, generation), stops)]
         samples = [_sample(list(p) + a, len(p)) for p, a in zip(rows, answers)]
         if folder:
             write_entry(folder, key, [{"input_ids": s["input_ids"], "prompt_length": len(p)}
                                       for s, p in zip(samples, rows)],
                         {"settings": settings, "prompts": self.describe()})
-        return samples
+        return GeneratedReplay(samples, provenance)
+
+    def _provenance(self, rows: list[list[int]], stops: list[tuple[str, ...]], do_sample: bool,
+                    key: str) -> dict[str, Any]:
+        """What a record says of this replay: whose answers to which prompts, decoded how, under which cache key."""
+        decoding: dict[str, Any] = {"do_sample": do_sample, "max_new_tokens": self.max_new_tokens,
+                                    "stop": sorted({s for stop in stops for s in stop}),
+                                    "chat_template": self.chat_template}
+        if do_sample:
+            decoding.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+        return {"answers_of": "theta0", "prompts": self._prompts_name(fingerprint=True), "num_samples": len(rows),
+                "decoding": decoding, "cache_key": key}
+
+    def _prompts_name(self, fingerprint: bool = False) -> str:
+        """The prompts as a record names them: the file or dataset id, ``generic``, ``bos``, or a count."""
+        if isinstance(self.prompts, (str, os.PathLike)):
+            return os.fspath(self.prompts)
+        if hasattr(self.prompts, "_fingerprint"):
+            tail = f", fingerprint {self.prompts._fingerprint}" if fingerprint else ""
+            return f"a Dataset ({len(self.prompts)} rows{tail})"
+        return f"{len(self.prompts)} given prompts" if hasattr(self.prompts, "__len__") else "given prompts"
 
     def describe(self) -> str:
         """A short description for logs and records, e.g. ``"θ0's answers to generic (256 samples)"``."""
-        if isinstance(self.prompts, (str, os.PathLike)):
-            what = os.fspath(self.prompts)
-        elif hasattr(self.prompts, "_fingerprint"):
-            what = f"a Dataset ({len(self.prompts)} rows)"
-        else:
-            what = f"{len(self.prompts)} given prompts" if hasattr(self.prompts, "__len__") else "given prompts"
         wanted = self._num_samples()
         count = "all" if wanted is None else str(wanted)
-        return f"θ0's answers to {what} ({count} samples)"
+        return f"θ0's answers to {self._prompts_name()} ({count} samples)"
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def _num_samples(self) -> Optional[int]:
@@ -221,6 +247,10 @@ class SelfReplay:
         if isinstance(prompts, (str, os.PathLike)):
             name = os.fspath(prompts)
             source, spec_split = parse_replay_spec(name)
+            if isinstance(prompts, str) and not _names_data(source):
+                raise JanusError(f"self-replay prompts={name[:60]!r} is a string that is neither an existing file or "
+                                 "folder nor a Hub dataset id; to have θ0 answer it as a prompt, pass a list: "
+                                 f"prompts=[{name[:60]!r}]")
             if self.split is not None and spec_split is not None and self.split != spec_split:
                 raise JanusError(f"self-replay prompts {name!r} name split {spec_split!r} but split={self.split!r} "
                                  "was also given; give one")
@@ -416,8 +446,48 @@ def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
     return found
 
 
+def _vocab_size(model: nn.Module) -> Optional[int]:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)
+
+
+def _context_length(model: nn.Module) -> Optional[int]:
+    """The longest sequence θ0 takes: its config's position limit, where it has one."""
+    config = getattr(_generative_model(model), "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _check_context(model: nn.Module, rows: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse, before generating, a prompt whose answer would run past θ0's context."""
+    context = _context_length(model)
+    if context is None:
+        return
+    longest = max(range(len(rows)), key=lambda i: len(rows[i]))
+    if len(rows[longest]) + max_new_tokens > context:
+        raise JanusError(f"self-replay prompt {longest} has {len(rows[longest])} tokens, and with max_new_tokens="
+                         f"{max_new_tokens} its answer would run past θ0's context of {context} tokens: lower "
+                         "SelfReplay(max_new_tokens=...) or shorten the prompt")
+
+
 def _stable_generation(config: Any) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
+
+
+def _names_data(source: str) -> bool:
+    """Whether ``source`` can name replay data: an existing path, or a well-formed Hub dataset id."""
+    if os.path.exists(os.path.expanduser(source)):
+        return True
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _is_dataset(obj: Any) -> bool:

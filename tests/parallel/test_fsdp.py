@@ -230,3 +230,28 @@ def test_callback_on_sharded_model(tmp_path):
     assert [s["alpha"] for s in ranks[0]["report"]["steps"]] == single.alphas
     for key, value in twin.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-6)
+
+
+# ---- the self-replay cache key reads every shard -------------------------------------------------------------
+
+def _fingerprint_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from hf_janus.replay.generation_cache import model_fingerprint
+
+    _init(rank, world, init_file)
+    with rank_process():
+        keys = []
+        for change in (None, 0, 1):  # unchanged; one value changed in rank 0's shard; in rank 1's
+            model = build_tiny("llama")
+            weight = model.model.layers[1].mlp.down_proj.weight
+            if change is not None:
+                with torch.no_grad():
+                    weight[change * (weight.shape[0] - 1), 5] += 1e-3
+            keys.append(model_fingerprint(_shard(model)))
+        torch.save(keys, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_self_replay_key_differs_for_one_value_in_any_shard(tmp_path):
+    ranks = spawn_two(_fingerprint_worker, tmp_path)
+    assert ranks[0] == ranks[1]  # every rank names the model alike
+    unchanged, first_shard, second_shard = ranks[0]
+    assert len({unchanged, first_shard, second_shard}) == 3

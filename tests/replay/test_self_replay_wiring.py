@@ -61,8 +61,13 @@ def test_callback_generates_from_theta0_before_training_changes_a_weight(tmp_pat
 
     assert len(model.seen) == 1 and torch.equal(model.seen[0], theta0.get_parameter(WATCHED))
     assert not torch.equal(model.get_parameter(WATCHED), theta0.get_parameter(WATCHED))  # it did train
-    assert janus.replay_samples == options().generate(theta0, tok)
+    expected = options().generate(theta0, tok)
+    assert janus.replay_samples == expected
     assert janus.report is not None and janus.report.num_samples == len(PROMPTS)
+    # the record says the replay was θ0's own answers, to which prompts, decoded how, under which cache key
+    generated = json.loads((tmp_path / "out" / REPORT_NAME).read_text())["replay"]["self_replay"]
+    assert generated == expected.provenance and generated["prompts"] == "4 given prompts"
+    assert generated["decoding"]["max_new_tokens"] == 4 and not generated["decoding"]["do_sample"]
 
 
 def test_callback_on_a_peft_model_generates_from_its_initial_weights(tmp_path):
@@ -148,11 +153,17 @@ def test_cli_merge_with_replay_prompts_and_replay_self(saved, tmp_path):
     record = json.loads((out / REPORT_NAME).read_text())
     expected = SelfReplay(prompts=PROMPTS[:3], progress=False).generate(load_base(saved["base"]), char_tokenizer())
     assert record["replay"]["fingerprint"] == describe_replay(expected).fingerprint
+    generated = record["replay"]["self_replay"]
+    assert generated["prompts"] == prompts and generated["num_samples"] == 3
+    assert generated["cache_key"] == expected.provenance["cache_key"]
+    card = (out / "README.md").read_text()
+    assert f"θ0's own answers to {prompts}: 3 samples, greedy" in card.replace("\\", "")
 
     out = tmp_path / "data-free"
     assert main(["merge", "--base", saved["base"], "--adapter", saved["lora"], "--replay-self", "2",
                  "--output", str(out), *fast]) == 0
-    assert json.loads((out / REPORT_NAME).read_text())["replay"]["size"] == 2
+    record = json.loads((out / REPORT_NAME).read_text())["replay"]
+    assert record["size"] == 2 and record["self_replay"]["prompts"] == "generic"
 
     # answers cut at a character of θ0's first answer, given as an escape, to prompts given as plain text
     first = expected[0]["input_ids"][len(char_tokenizer()(PROMPTS[0])["input_ids"]):]

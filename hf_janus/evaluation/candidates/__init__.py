@@ -9,8 +9,8 @@ Kinds, by spec name: ``wise``, ``janus``, ``damped-janus``, ``janus-to-reference
 """
 
 from hf_janus.evaluation.candidates.anchor import FINETUNED, REFERENCE, Anchor
-from hf_janus.evaluation.candidates.base import (WISE_CURVE_SPEC, BuildContext, Candidate, Cost, Curve, Option,
-                                                 PlotStyle, SpecContext)
+from hf_janus.evaluation.candidates.base import (WISE_CURVE_SPEC, BuildContext, Candidate, CandidateDiverged, Cost,
+                                                 Curve, Option, PlotStyle, SpecContext)
 from hf_janus.evaluation.candidates.damped_janus import DampedJanus
 from hf_janus.evaluation.candidates.dg_hard import DgHard
 from hf_janus.evaluation.candidates.fisher import Fisher
@@ -42,7 +42,8 @@ del _kind
 __all__ = [
     "DEFAULT_DAMPINGS", "DEFAULT_HYBRID_GRID", "DEFAULT_PEERS", "DEFAULT_INTRUDER_LAMBDAS", "DEFAULT_PRE_JANUS_GRID",
     "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID", "FINETUNED", "INTRUDER_CURVE_SPEC",
-    "REFERENCE", "WISE_CURVE_SPEC", "Anchor", "BuildContext", "Candidate", "Cost", "Curve", "DampedJanus", "DgHard",
+    "REFERENCE", "WISE_CURVE_SPEC", "Anchor", "BuildContext", "Candidate", "CandidateDiverged", "Cost", "Curve",
+    "DampedJanus", "DgHard",
     "Fisher", "InputNull", "Intruder", "IntruderThenJanus", "Janus", "JanusBased", "JanusThenReplaySft",
     "JanusToFinetuned",
     "JanusToReference", "Lines", "NEW_TASK_PEERS", "Option", "PlotStyle", "RegMean", "ReplaySft", "SpecContext",

@@ -29,6 +29,11 @@ if TYPE_CHECKING:  # the weight builder imports the candidates
     from hf_janus.evaluation.candidate_weights import WeightBuilder
 
 
+class CandidateDiverged(JanusError):
+    """A candidate's build went non-finite (replay training at too large a learning rate): the frontier reports its
+    point as diverged, with no scores, instead of scoring weights that hold NaN."""
+
+
 @dataclass(frozen=True)
 class PlotStyle:
     """How a kind's points (or its curve) look on the frontier plot: a matplotlib marker/line format and colour."""

@@ -29,9 +29,9 @@ from torch import Tensor
 from hf_janus.engine.capture import model_device
 from hf_janus.engine.memory_plan import GIB
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle, SpecContext,
-                                                 finite_positive, grid_product, measured, parse_float, parse_int,
-                                                 parse_str, require)
+from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, CandidateDiverged, Cost, Curve, Option,
+                                                 PlotStyle, SpecContext, finite_positive, grid_product, measured,
+                                                 parse_float, parse_int, parse_str, require)
 from hf_janus.evaluation.candidates.janus import Janus
 from hf_janus.evaluation.candidates.replay_statistics import (holding, logits_of, new_task_batches, on_device,
                                                                replay_batches)
@@ -82,13 +82,25 @@ def replay_loss(model: torch.nn.Module, batch: Mapping[str, Tensor], loss: str,
     return (log_p0.exp() * (log_p0 - log_p)).sum(-1).mean()
 
 
+def non_finite(loss: Tensor, weights: Sequence[Tensor]) -> Optional[str]:
+    """What of a training step is not finite, ``"loss"`` or ``"weights"``, or ``None``: one host sync a step, so that
+    a diverging run stops at once rather than spending its remaining steps on NaN."""
+    finite = torch.isfinite(loss.detach()).all()
+    for w in weights:
+        finite = finite & torch.isfinite(w.detach()).all()
+    if bool(finite):
+        return None
+    return "loss" if not bool(torch.isfinite(loss.detach()).all()) else "weights"
+
+
 def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimizer: str, lr: float,
                     batch_size: int, start: Optional[Mapping[str, Tensor]] = None,
                     new_task: Optional[Sequence[Mapping[str, Tensor]]] = None,
                     new_task_weight: float = 1.0) -> dict[str, Tensor]:
     """The changed parameters after ``passes`` passes of replay training from ``start`` (default θ̂), float32, on
     the host. With ``new_task`` (labelled batches of what fine-tuning trained on, taken in turn, one per step),
-    each step's loss also counts ``new_task_weight`` times their cross-entropy, so that the passes keep the gain."""
+    each step's loss also counts ``new_task_weight`` times their cross-entropy, so that the passes keep the gain.
+    A step whose loss or weights are not finite stops the training with :class:`CandidateDiverged`."""
     names = list(builder.theta0)
     start = builder.finetuned if start is None else start
     params = [builder.params[k] for k in names]
@@ -118,6 +130,11 @@ def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimiz
                     m.grad = g.detach().float()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                what = non_finite(value, master)
+                if what is not None:
+                    raise CandidateDiverged(
+                        f"replay training diverged: its {what} went non-finite at step {step + 1} of "
+                        f"{passes * len(batches)} ({optimizer}, lr={lr:g}); lower lr")
                 builder.write({k: m.detach() for k, m in zip(names, master)})
     finally:
         for p, flag in zip(params, flags):
@@ -233,11 +250,17 @@ class ReplayTraining:
 
     def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
         key = self.artifact_key()
+        if isinstance(builder.artifacts.get(key), CandidateDiverged):  # the candidates sharing a training share this
+            raise builder.artifacts[key]
         if key in builder.artifacts:
             return Cost(reused=True)
 
         def work() -> Cost:
-            builder.artifacts[key], cost = self.train(builder, context)
+            try:
+                builder.artifacts[key], cost = self.train(builder, context)
+            except CandidateDiverged as err:
+                builder.artifacts[key] = err
+                raise
             return cost
 
         return measured(builder, work)
