@@ -85,6 +85,10 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
     rep.add_argument("--replay", metavar="DATASET[:SPLIT]", help=REPLAY_HELP)
     add_self_replay_options(rep)
     add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
+    rep.add_argument("--new-task-samples", metavar="DATASET[:SPLIT]",
+                     help="what the adapter was trained on, read as --replay is, for the repair after JANUS "
+                          "(--distill-steps): it fits them and keeps --keep-gain of their gain; without them the "
+                          "repair is skipped and the JANUS point kept")
 
     jan = p.add_argument_group("JANUS")
     jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
@@ -177,13 +181,14 @@ def _run_merge(args: argparse.Namespace) -> int:
     replay = replay_argument(args, options)
     # Fail before the expensive part, and never over an input: a replay given as a file, the base or the adapter.
     output = check_output_dir(args.output, args.overwrite, {"base model": args.base, "adapter": args.adapter,
-                                                            "replay data": replay_input(args)})
+                                                            "replay data": replay_input(args),
+                                                            "new-task samples": args.new_task_samples})
     merger = JanusMerger(
         args.base, args.adapter, replay, merge_config(args), revision=args.revision, torch_dtype=args.dtype,
         device=args.device, base_revision=args.base_revision, initial_adapter=args.initial_adapter,
         allow_base_mismatch=args.allow_base_mismatch, replay_options=options,
         progress=not args.no_progress, quantization_config=_quantization_config(args),
-        allow_pickle=args.allow_pickle,
+        allow_pickle=args.allow_pickle, new_task_samples=args.new_task_samples,
     )
     delta = merger.run()
     if args.output_format == "adapter":

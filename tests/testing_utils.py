@@ -61,6 +61,19 @@ def fine_tune(model: torch.nn.Module, steps: int = 15, lr: float = 5e-3, seed: i
     return reference
 
 
+def fine_tune_samples(seed: int = 2, vocab: int = VOCAB) -> list[dict]:
+    """What :func:`fine_tune` trains on, as labelled samples (16: the 8 sequences twice), for the repair after JANUS,
+    which holds out every eighth."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab, (8, 10), generator=gen)
+    return [{"input_ids": row.tolist(), "labels": row.tolist()} for row in data] * 2
+
+
+#: a rectification with the repair after JANUS, small enough for tests: on these tiny models the distillation gives
+#: back replay NLL for most of the gain, so a small keep_gain lets it choose a point on the line toward θ0
+REPAIR_CONFIG = dict(rank=4, replay_batch_size=4, tau=0.9, distill_steps=12, distill_lr=1e-2, keep_gain=0.05)
+
+
 def fail_capture(at: int, exc: BaseException):
     """Hooks for ``Rectifier(..., observer=)`` that make the run's ``at``-th Jacobian capture raise ``exc`` (a
     failure in the middle of a run)."""

@@ -85,7 +85,8 @@ def frozen_eval(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-def _forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+def forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+    """The model's logits on a batch, without a KV cache (the engine's one forward)."""
     kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
         kwargs["use_cache"] = False
@@ -103,7 +104,7 @@ def token_summed_loss(model: nn.Module, batch: Mapping[str, Tensor], offset: int
     loss when ``None``): ``(B,)``, or ``(B, k)`` for k functions per sample. ``sample_loss`` is always the loss at
     temperature 1, the replay loss reported and compared.
     """
-    logits = _forward_logits(model, batch)
+    logits = forward_logits(model, batch)
     targets = loss_targets(batch).to(logits.device)
     shifted = logits[:, :-1].float()
     view = ReplayLogits(shifted, targets, per_token_cross_entropy(shifted, targets))

@@ -171,6 +171,19 @@ class JanusConfig:
         "help": "with constraint loss: the softmax temperature T of the per-sample replay loss whose Jacobian is "
                 "kept (1 = the paper's; T > 1 softens confident predictions so that they keep a gradient where the "
                 "past task is well fit; the replay loss reported and compared stays at T = 1)"})
+    distill_steps: int = field(default=0, metadata={
+        "help": "the repair after JANUS: optimizer steps on the replay's KL divergence to θ0 that also fit the new "
+                "task's samples (new_task_weight), from the JANUS point, after which the point on the line back "
+                "toward θ0 that keeps keep_gain of the new task's gain and best keeps the replay is taken, both "
+                "measured on held-out slices; needs the new task's samples (0 = off: the paper's method alone)"})
+    keep_gain: float = field(default=0.95, metadata={
+        "help": "with distill_steps: the share of the fine-tune's new-task gain (its loss drop from θ0 to θ̂ on "
+                "the held-out new-task samples) the chosen point must keep, in (0, 1]"})
+    distill_lr: float = field(default=1e-5, metadata={
+        "help": "with distill_steps: the Adam learning rate of the distillation"})
+    new_task_weight: float = field(default=1.0, metadata={
+        "help": "with distill_steps: the weight of the new task's cross-entropy beside the replay's KL in each "
+                "distillation step (what keeps the gain while the past behaviour returns)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.gram_dtype, str):
@@ -247,6 +260,13 @@ class JanusConfig:
         _check(isinstance(self.cache, (str, os.PathLike)) and str(self.cache) != "",
                "cache", self.cache, "'memory' or a directory path")
         _check(_is_int(self.seed), "seed", self.seed, "an int")
+        _check(_is_int(self.distill_steps) and self.distill_steps >= 0, "distill_steps", self.distill_steps,
+               "an int >= 0 (0 = no repair after JANUS)")
+        _check(_is_real(self.keep_gain) and 0.0 < self.keep_gain <= 1.0, "keep_gain", self.keep_gain,
+               "a float in (0, 1]")
+        _check(_is_real(self.distill_lr) and self.distill_lr > 0, "distill_lr", self.distill_lr, "a float > 0")
+        _check(_is_real(self.new_task_weight) and self.new_task_weight >= 0, "new_task_weight",
+               self.new_task_weight, "a float >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

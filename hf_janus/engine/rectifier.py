@@ -43,6 +43,7 @@ from hf_janus.engine.memory_plan import (
     model_dimensions,
     plan_schedule,
 )
+from hf_janus.engine.repair import Repair, check_samples
 from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport, rounded_reference
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.statistics import layer_statistics
@@ -53,8 +54,8 @@ from hf_janus.engine.target_layers import Reference, TargetLayers, WeightSource,
 from hf_janus.engine.timing import PhaseTimer
 from hf_janus.errors import JanusError, RectificationError
 from hf_janus.parallel.distributed import World
-from hf_janus.parallel.sharding import check_sharding, passes_are_collective, reshard
-from hf_janus.replay.prepare import check_vocabulary, prepare_replay
+from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3_param, passes_are_collective, reshard
+from hf_janus.replay.prepare import check_vocabulary, prepare_replay, samples_without_loss
 from hf_janus.replay.self_replay import SelfReplay
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Rectifier:
     def __init__(self, model: nn.Module, reference: Union[WeightSource, Reference], replay: Any,
                  config: Optional[JanusConfig] = None, progress: bool = True, keep_reference_factors: bool = False,
                  factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
-                 observer: Optional[RunObserver] = None):
+                 observer: Optional[RunObserver] = None, new_task: Any = None):
         """See :func:`rectify` for the first four arguments.
 
         Args:
@@ -89,6 +90,8 @@ class Rectifier:
             observer: the run's hooks (:class:`~hf_janus.engine.observer.RunObserver`): the clock of
                 ``config.max_seconds``, each capture, each trial's comparison and c̄. For tests and experiments that
                 drive the loop through chosen landscapes; the default changes nothing.
+            new_task: samples of what fine-tuning trained on, with labels, as ``replay`` takes them: the repair
+                after JANUS (``config.distill_steps``) fits them and measures the gain it keeps on them.
         """
         self.model, self.progress, self.keep_reference_factors = model, progress, keep_reference_factors
         self.observer = observer if observer is not None else RunObserver()
@@ -102,6 +105,7 @@ class Rectifier:
         check_sharding(model, {name: module.weight for name, module in modules.items()})
         self.batches = prepare_replay(replay, self.config.replay_batch_size)
         check_vocabulary(self.batches, model, in_given_order=False)  # grouped by length
+        self.new_task_batches = self._new_task_batches(new_task, modules)
         # an explicit dtype wins over config.factor_dtype (the memory plan resolves "auto")
         factor_dtype = (self.config.factor_dtype if factor_dtype is None
                         else str(factor_dtype).replace("torch.", ""))
@@ -128,6 +132,31 @@ class Rectifier:
         # passes: a rank with a shorter share repeats a batch and discards what it measured.
         collective = passes_are_collective(model)
         self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if collective else []
+
+    def _new_task_batches(self, new_task: Any, modules: dict[str, nn.Module]) -> Optional[list[dict[str, Tensor]]]:
+        """The new task's batches for the repair after JANUS (every rank holds them all and takes its rows of each),
+        None when there is no repair. Everything the repair cannot do is refused here, before any work."""
+        if not self.config.distill_steps:
+            return None
+        if new_task is None:
+            logger.warning("JANUS: distill_steps=%d but no new-task samples were given, so the gain the repair must "
+                           "keep cannot be measured: the repair is skipped and the JANUS point kept (pass "
+                           "new_task=, or hf-janus merge --new-task-samples)", self.config.distill_steps)
+            return None
+        for name, module in modules.items():
+            rule = rule_for(module)
+            if rule.quantized or is_sharded(module.weight) or is_zero3_param(module.weight):
+                raise JanusError(f"the repair after JANUS (distill_steps) trains the target layers' weights, and "
+                                 f"{name} is {'quantized' if rule.quantized else 'sharded (FSDP2 or ZeRO-3)'}: set "
+                                 "distill_steps=0, or rectify the saved adapter or model with JanusMerger / rectify")
+        batches = prepare_replay(new_task, self.config.replay_batch_size, group_by_length=False)
+        check_vocabulary(batches, self.model, what="new-task")
+        unlabelled = samples_without_loss(batches)
+        if unlabelled:
+            raise JanusError(f"{len(unlabelled)} new-task sample(s) have no token that carries loss (the first at "
+                             f"{unlabelled[0]}, counting from 0): give them labels or drop them")
+        check_samples(self.batches, batches)
+        return batches
 
     def _plan_memory(self, modules: dict[str, nn.Module], factor_dtype: str,
                      reference_borrowed: bool, backup_kept: bool, reference_held: bool) -> MemoryPlan:
@@ -230,6 +259,13 @@ class Rectifier:
             report.replay_loss = {"reference": base.loss, "finetuned": finetuned_loss.loss, "rectified": last.loss}
             jacobians = ({layer.name: self.jacobians.jacobian(layer.name, "c0", pooled=False, exact=True)
                           for layer in self.layers} if self.keep_reference_factors else {})
+            if self.new_task_batches is not None:
+                loop.phase = "repairing after JANUS (distillation)"
+                loop.release_current()
+                self.store.close()  # the captures are read; the distillation needs their memory
+                with self.timer.phase("repair"):
+                    report.repair = Repair(self.layers, self.batches, self.new_task_batches, self.config,
+                                           self.world, progress=self.progress).run()
         except BaseException as err:
             self._fail(err, loop.phase)
         finally:
@@ -330,7 +366,8 @@ class Rectifier:
 
 
 def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None, *,
-            progress: bool = True, finetuned: Optional[Mapping[str, Tensor]] = None) -> RectificationReport:
+            progress: bool = True, finetuned: Optional[Mapping[str, Tensor]] = None,
+            new_task: Any = None) -> RectificationReport:
     """Rectify a fine-tuned model in place so that it forgets less of a past task.
 
     Args:
@@ -348,6 +385,8 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
         finetuned: θ̂ of every target layer (``"<layer name>.weight"``), when it is known more exactly than the
             model holds it, e.g. float32 θ0 + ΔW of an adapter merged into a bf16 model: ΔW is then taken from it
             (see :class:`Rectifier`). The model receives θ_rect rounded to its dtype.
+        new_task: samples of what fine-tuning trained on (labelled, as ``replay`` takes them), for the repair after
+            JANUS (``config.distill_steps``): it fits them, and keeps ``config.keep_gain`` of their gain.
 
     Returns:
         A :class:`RectificationReport`. On failure the model is restored to θ̂ exactly and a
@@ -357,4 +396,4 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
     if isinstance(replay, SelfReplay) and isinstance(reference, nn.Module):
         replay = replay.generate(reference)
     weights = WeightSource(reference, finetuned=finetuned)
-    return Rectifier(model, weights, replay, config, progress=progress).run().report
+    return Rectifier(model, weights, replay, config, progress=progress, new_task=new_task).run().report

@@ -85,6 +85,72 @@ class LayerStats:
 
 
 @dataclass
+class PointFigures:
+    """One point's figures on the held-out slices: the new task's loss, the replay's NLL and token agreement."""
+
+    new_task_loss: Optional[float] = None
+    replay_nll: Optional[float] = None
+    replay_agreement: Optional[float] = None
+
+
+@dataclass
+class RepairReport:
+    """What the repair after JANUS did: the training, the point chosen and why, the validation figures."""
+
+    steps: int = 0
+    lr: float = 0.0
+    new_task_weight: float = 0.0
+    keep_gain: float = 0.0
+    #: ``"b=<move>"`` (``θ0 + b(θ_T − θ0)``), ``"janus"`` (the JANUS point kept), or None when nothing was trained
+    chosen: Optional[str] = None
+    b: Optional[float] = None
+    reason: str = ""
+    #: figures per point: ``reference`` (θ0), ``finetuned`` (θ̂), ``janus``, ``trained`` (θ_T), ``chosen``
+    validation: dict[str, PointFigures] = field(default_factory=dict)
+    validation_samples: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def gain_kept(self, point: str = "chosen") -> Optional[float]:
+        """The share of the fine-tune's new-task gain (on the held-out slice) that ``point`` keeps."""
+        figures = {k: v.new_task_loss for k, v in self.validation.items()}
+        ref, ft, at = figures.get("reference"), figures.get("finetuned"), figures.get(point)
+        if None in (ref, ft, at) or ref == ft:
+            return None
+        return (ref - at) / (ref - ft)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["validation"] = {k: asdict(v) for k, v in self.validation.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Optional[dict[str, Any]]) -> Optional["RepairReport"]:
+        if data is None:
+            return None
+        report = cls(**known_fields(cls, data))
+        report.validation = {k: PointFigures(**known_fields(PointFigures, v))
+                             for k, v in (data.get("validation") or {}).items()}
+        return report
+
+    def summary(self) -> str:
+        if self.chosen is None:
+            return f"repair after JANUS: none ({self.reason})"
+        kept = self.gain_kept()
+        lines = [f"repair after JANUS: {self.steps} distillation steps (lr {self.lr:g}, new task ×"
+                 f"{self.new_task_weight:g}), chosen {self.chosen}: {self.reason}"
+                 + (f"; gain kept {kept:.0%}" if kept is not None else "") + f" ({self.seconds:.1f} s)",
+                 "  validation (new-task loss / replay NLL / replay agreement):"]
+        for name, figures in self.validation.items():
+            lines.append(f"    {name:<10} {_fmt(figures.new_task_loss)} / {_fmt(figures.replay_nll)} / "
+                         f"{_fmt(figures.replay_agreement)}")
+        return "\n".join(lines)
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+@dataclass
 class RectificationReport:
     """The record of one :func:`hf_janus.rectify` run; ``to_dict()``/``save()`` give JSON."""
 
@@ -117,6 +183,8 @@ class RectificationReport:
     # The memory plan made before the run (hf_janus.engine.memory_plan.MemoryPlan.to_dict()): where θ0, θ_t, the
     # projection and the factors lived, and the predicted peak device and host bytes.
     memory_plan: dict[str, Any] = field(default_factory=dict)
+    # the repair after JANUS (JanusConfig.distill_steps): the training, the point chosen and why; None without one
+    repair: Optional[RepairReport] = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -128,7 +196,9 @@ class RectificationReport:
         return sum(len(s.trials) for s in self.steps)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["repair"] = self.repair.to_dict() if self.repair is not None else None
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RectificationReport":
@@ -141,7 +211,8 @@ class RectificationReport:
             trials = [TrialRecord.from_dict(t) for t in s.pop("trials", [])]
             steps.append(StepRecord(trials=trials, **s))
         layers = [LayerStats(**layer) for layer in data.pop("layers", [])]
-        return cls(steps=steps, layers=layers, **data)
+        repair = RepairReport.from_dict(data.pop("repair", None))
+        return cls(steps=steps, layers=layers, repair=repair, **data)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the report as JSON (atomically)."""
@@ -171,6 +242,8 @@ class RectificationReport:
         if residuals:
             against = f" (against {self.residual_jacobian})" if self.residual_jacobian else ""
             lines.append(f"  first-order residual ||J0 ΔW_rect||/||J0 ΔW||: max {max(residuals):.3g}{against}")
+        if self.repair is not None:
+            lines += ["  " + line for line in self.repair.summary().splitlines()]
         if self.timings:
             lines.append("  time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         return "\n".join(lines)

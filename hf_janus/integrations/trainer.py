@@ -20,6 +20,7 @@ import os
 import weakref
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -35,6 +36,9 @@ from hf_janus.publish.record_file import REPORT_NAME
 from hf_janus.replay.self_replay import SelfReplay
 
 logger = logging.getLogger(__name__)
+
+#: the new task's samples the repair after JANUS takes from the Trainer's train dataloader (each rank's), at least
+NEW_TASK_SAMPLES = 256
 
 # Trainer uploads these checkpoint folders whole (no ignore patterns), so θ0 must stay out of them.
 _PUSHED_CHECKPOINTS = ("checkpoint", "all_checkpoints")
@@ -212,6 +216,17 @@ class JanusCallback(TrainerCallback):
 
     def _check_supported(self, model: nn.Module, args: TrainingArguments) -> Optional[dict[str, nn.Module]]:
         """Refuse unsupported setups before training; the adapted layers of a PEFT model (None otherwise)."""
+        if self.config.distill_steps:
+            quantized = any(hasattr(p, "quant_state") or p.dtype in (torch.int8, torch.uint8)
+                            for p in model.parameters())
+            sharded = any(is_sharded(p) or is_zero3_param(p) for p in model.parameters())
+            if quantized or sharded:
+                raise JanusError(
+                    "the repair after JANUS (distill_steps) trains the target layers' full weights, which it cannot "
+                    f"on a {'quantized base' if quantized else 'model sharded with FSDP or ZeRO-3'}: set "
+                    "distill_steps=0 (the JANUS point), or save the model or adapter and repair it with "
+                    "JanusMerger(..., new_task_samples=...) or hf_janus.rectify(..., new_task=...) unsharded"
+                )
         # args.fsdp alone is no reason to refuse: FSDP2 weights are handled, FSDP1 is caught by check_sharding.
         if getattr(args, "deepspeed", None):
             if is_peft_model(model):
@@ -332,13 +347,15 @@ class JanusCallback(TrainerCallback):
         try:
             replay = self._tokenized if self._tokenized is not None else self._replay(processing_class)
             theta0 = self.theta0()
+            new_task = self._new_task_samples()
             if is_peft_model(model):
-                run = rectify_live_peft(model, theta0, replay, self.config, self.peft_output, progress=progress)
+                run = rectify_live_peft(model, theta0, replay, self.config, self.peft_output, progress=progress,
+                                        new_task=new_task)
                 self.report, self.model, self.rectifier = run.report, run.model, run.rectifier
                 if self.model is not model:  # merged: the trainer saves and pushes the plain model from now on
                     self.trainer.model = self.trainer.model_wrapped = self.model
             else:
-                self.rectifier = Rectifier(model, theta0, replay, self.config, progress=progress)
+                self.rectifier = Rectifier(model, theta0, replay, self.config, progress=progress, new_task=new_task)
                 self.report = self.rectifier.run().report
                 self.model = model
         except (JanusError, RectificationError) as err:
@@ -426,6 +443,30 @@ class JanusCallback(TrainerCallback):
                 raise JanusError("the replay holds raw 'text' but the Trainer has no tokenizer: tokenize it first")
             return [dict(tokenizer(row["text"], truncation=True)) for row in replay]
         return replay
+
+    def _new_task_samples(self) -> Optional[list[dict[str, Any]]]:
+        """What the Trainer trained on, for the repair after JANUS (``config.distill_steps``): the first batches of
+        the Trainer's own train dataloader (its dataset through its collator), every rank's, the same list on every
+        rank. None without a repair, or when the callback does not know its Trainer (logged)."""
+        if not self.config.distill_steps:
+            return None
+        trainer = self._publishing_trainer()
+        if trainer is None or getattr(trainer, "train_dataset", None) is None:
+            logger.warning("JANUS: distill_steps=%d but the callback does not know its Trainer's train dataset, so "
+                           "the repair after JANUS is skipped; pass JanusCallback(..., trainer=trainer)",
+                           self.config.distill_steps)
+            return None
+        batches = []
+        for batch in trainer.get_train_dataloader():
+            batches.append({k: batch[k].detach().cpu() for k in ("input_ids", "attention_mask", "labels")
+                            if k in batch and batch[k] is not None})
+            if sum(len(b["input_ids"]) for b in batches) >= NEW_TASK_SAMPLES:
+                break
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, batches)
+            batches = [b for rank in gathered for b in rank]
+        return batches
 
     def _log(self, state: TrainerState) -> None:
         report = self.report

@@ -140,3 +140,15 @@ class World:
             wire = tensor.detach().to(self.device).contiguous()
             _dist().broadcast(wire, src=0, group=self.group)
             tensor.copy_(wire)
+
+    def sum_(self, tensor: Tensor) -> Tensor:
+        """Every rank's ``tensor`` summed, in place (travelling through :attr:`device`); returns it."""
+        if self.active:
+            wire = tensor.detach().to(self.device).contiguous()
+            _dist().all_reduce(wire, group=self.group)
+            tensor.copy_(wire)
+        return tensor
+
+    def mean_(self, tensor: Tensor) -> Tensor:
+        """Every rank's ``tensor`` averaged, in place; returns it."""
+        return self.sum_(tensor).div_(self.size) if self.active else tensor

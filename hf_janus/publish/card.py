@@ -59,6 +59,19 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 # A record may come from anywhere (a downloaded janus_rectification.json): every string from it is made inert
 # before it goes into the card's markdown, so that an id or a reason cannot add links, images, HTML or table cells.
+def _repair_line(repair: Any) -> str:
+    """What the repair after JANUS trained, which point it took and why, with the held-out figures."""
+    if repair.chosen is None:
+        return f"none ({repair.reason})"
+    kept = repair.gain_kept()
+    janus, chosen = repair.validation.get("janus"), repair.validation.get("chosen")
+    nll = ("" if janus is None or chosen is None else
+           f"; held-out replay NLL {janus.replay_nll:.4f} at the JANUS point, {chosen.replay_nll:.4f} chosen")
+    return (f"{repair.steps} distillation steps (Adam, lr {repair.lr:g}, new task ×{repair.new_task_weight:g}); "
+            f"chosen {repair.chosen}: {repair.reason}"
+            + (f"; {kept:.0%} of the new task's held-out gain kept" if kept is not None else "") + nll)
+
+
 def _plain(text: Any) -> str:
     """Free text on one line, with HTML and markdown link/image syntax escaped."""
     escaped = html.escape(" ".join(str(text).split()), quote=False)
@@ -255,6 +268,7 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
         "base_line": _ref_line(base),
         "adapter_line": _ref_line(published.adapter),
         "replay_line": replay_line,
+        "repair_line": _plain(_repair_line(rect.repair)) if rect.repair is not None else None,
         "tau": _fmt(cfg.get("tau"), "g"),
         **_acceptance_variables(cfg),
         "beta": _fmt(cfg.get("beta"), "g"),

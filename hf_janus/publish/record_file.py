@@ -116,7 +116,8 @@ _RECTIFICATION = {
     "stop_reason": (_is_str, "a string"), "stopped_early": (_is_bool, "true or false"),
     "discarded_final_step": (_opt(_str_keyed(_opt(_number))), "an object of numbers"),
     "output": (lambda v: isinstance(v, dict), "an object"), "memory_plan": (lambda v: isinstance(v, dict), "an object"),
-    "report_schema_version": (_opt(_count), "a count")}
+    "report_schema_version": (_opt(_count), "a count"),
+    "repair": (_opt(lambda v: isinstance(v, dict)), "an object")}
 _REF = {"id": (_is_str, "a string"), "revision": (_opt(_is_str), "a string"), "sha": (_opt(_is_str), "a string"),
         "local": (_is_bool, "true or false"), "kind": (_opt(_is_str), "a string"),
         "peft_type": (_opt(_is_str), "a string")}

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from testing_utils import build_tiny, fine_tune, random_replay
+from testing_utils import REPAIR_CONFIG, build_tiny, fine_tune, fine_tune_samples, random_replay
 
 from hf_janus import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
@@ -175,4 +175,36 @@ def test_callback_under_ddp_matches_single_process_rectify(tmp_path, use_peft):
     single = rectify(twin, ranks[0]["theta0"], replay_data(), config, progress=False)
     assert [s["alpha"] for s in ranks[0]["report"]["steps"]] == single.alphas
     for key, value in twin.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
+
+
+# ---- the repair after JANUS: each rank takes its rows of every batch, so two ranks train as one process ----------
+
+def _repair_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, reference = _setup()
+        report = Rectifier(model, reference, random_replay(24), JanusConfig(**REPAIR_CONFIG), progress=False,
+                           new_task=fine_tune_samples()).run().report
+        torch.save({"state": model.state_dict(), "report": report.to_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_repair_as_one(tmp_path):
+    mp.spawn(_repair_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for key, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
+
+    torch.set_num_threads(1)
+    model, reference = _setup()
+    single = Rectifier(model, reference, random_replay(24), JanusConfig(**REPAIR_CONFIG), progress=False,
+                       new_task=fine_tune_samples()).run().report
+    repair = ranks[0]["report"]["repair"]
+    assert repair["chosen"] == single.repair.chosen
+    for point, figures in single.repair.to_dict()["validation"].items():
+        assert repair["validation"][point] == pytest.approx(figures, rel=1e-4), point
+    for key, value in model.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)

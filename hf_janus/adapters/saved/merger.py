@@ -118,6 +118,10 @@ class JanusMerger:
         quantization_config: load the base quantized, as ``from_pretrained`` takes it (a
             ``BitsAndBytesConfig``): rectify a QLoRA adapter against the quantized base it was trained on. The
             result can then be saved as an adapter only (see docs/guides/adapters-and-qlora.md).
+        new_task_samples: what the adapter was trained on, for the repair after JANUS (``config.distill_steps``):
+            samples as ``replay`` takes them (labelled; a file or dataset id is read with ``replay_options``, and
+            prompt/response data counts the response only). The repair fits them and keeps ``config.keep_gain`` of
+            their gain; without them it is skipped (logged, and the record has no repair).
         allow_pickle: accept weights stored only as a pickle (``adapter_model.bin`` of the adapter or of
             ``initial_adapter``, ``pytorch_model.bin`` of the base). They are refused by default, because
             unpickling can run code; with ``True`` they are read with torch's restricted unpickler
@@ -130,7 +134,8 @@ class JanusMerger:
                  base_revision: Optional[str] = None, initial_adapter: Union[str, os.PathLike, None] = None,
                  allow_base_mismatch: bool = False, tokenizer: Any = None,
                  replay_options: Optional[ReplayOptions] = None, token: Union[str, bool, None] = None,
-                 progress: bool = True, quantization_config: Any = None, allow_pickle: bool = False):
+                 progress: bool = True, quantization_config: Any = None, allow_pickle: bool = False,
+                 new_task_samples: Any = None):
         if config is not None and not isinstance(config, JanusConfig):
             raise JanusError(f"config must be a JanusConfig, got {type(config).__name__}")
         if replay is None:
@@ -155,6 +160,7 @@ class JanusMerger:
         self.progress = progress
         self.quantization_config = quantization_config
         self.allow_pickle = allow_pickle
+        self.new_task_samples = new_task_samples
 
     def _load_tokenizer(self) -> Any:
         if self.tokenizer is not None:
@@ -194,6 +200,19 @@ class JanusMerger:
         finally:
             del base
 
+    def _load_new_task(self, tokenizer: Any) -> Any:
+        """The new task's samples for the repair, read as a replay given by name is; None without a repair."""
+        if self.new_task_samples is None or not self.config.distill_steps:
+            return None
+        if isinstance(self.new_task_samples, SelfReplay):
+            raise JanusError("new_task_samples is a SelfReplay, but θ0's answers are not the new task: pass what the "
+                             "adapter was trained on (a file, dataset id, Dataset or list of samples)")
+        if not isinstance(self.new_task_samples, (str, os.PathLike)):
+            return self.new_task_samples
+        source = os.fspath(self.new_task_samples)
+        dataset, _ = open_replay(source, self.replay_options, token=self.token)
+        return tokenize_replay(dataset, tokenizer, self.replay_options, source=source)
+
     def run(self) -> RectifiedDelta:
         """Load, merge, rectify. The replay is read first, so that bad replay fails before the model loads."""
         base = os.path.expanduser(os.fspath(self.base_model))
@@ -203,6 +222,7 @@ class JanusMerger:
                              "model was saved to (save_pretrained), or its Hub repo id")
         tokenizer = self._load_tokenizer()
         replay, replay_info = self._load_replay(tokenizer)
+        new_task = self._load_new_task(tokenizer)
         effective = load_effective_model(
             self.base_model, self.adapter, revision=self.revision, base_revision=self.base_revision,
             torch_dtype=self.torch_dtype, device=self.device, initial_adapter=self.initial_adapter,
@@ -215,7 +235,7 @@ class JanusMerger:
         # ΔW in float32 from PEFT's float32 merge, not from the model's weights (rounded on a bf16 base)
         finetuned = {k: v for k, v in effective.finetuned.items() if k[: -len(".weight")] in targets}
         rectifier = Rectifier(effective.model, WeightSource(reference, finetuned=finetuned), replay, config,
-                              progress=self.progress, keep_reference_factors=True)
+                              progress=self.progress, keep_reference_factors=True, new_task=new_task)
         del reference, finetuned
         result = rectifier.run()
         rect_report = result.report

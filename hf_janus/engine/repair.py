@@ -1,0 +1,275 @@
+"""The repair after JANUS: distillation toward θ0 that keeps the new task, then the point it chooses itself.
+
+JANUS keeps the replay's losses to first order; what the first order misses (θ0's answers are often near-ties that a
+small move flips) a few hundred optimizer steps bring back: each step lowers the KL divergence ``KL(p_θ0 ‖ p_θ)`` of
+the next-token distributions on a replay batch and, at ``new_task_weight``, the cross-entropy of a batch of the new
+task's samples, so that the gain is kept while the past behaviour returns. The target layers train from the JANUS
+point (Adam on float32 copies, written back into the model's dtype after each step; the model in eval mode, so the
+run is deterministic).
+
+The point is then chosen without an evaluation harness, on held-out slices: every eighth replay sample and every
+eighth new-task sample are kept out of the training. Along the line ``θ0 + b(θ_T − θ0)`` (and the JANUS point), the
+points whose new-task loss keeps at least ``keep_gain`` of the fine-tune's gain (``L(θ0) − L(θ̂)`` on the new-task
+slice) are feasible; of those, the one whose replay NLL on the replay slice is lowest is taken. The report says which
+point, why, and the validation figures of θ0, θ̂, the JANUS point, the trained point and the chosen one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from hf_janus.engine.capture import forward_logits, model_device
+from hf_janus.engine.report import PointFigures, RepairReport
+from hf_janus.engine.target_layers import TargetLayers
+from hf_janus.errors import JanusError
+from hf_janus.model_modes import evaluation_mode
+from hf_janus.parallel.distributed import World
+from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
+
+logger = logging.getLogger(__name__)
+
+#: one sample in this many, of the replay and of the new task's samples, is held out to choose the point
+VALIDATION_EVERY = 8
+#: the moves toward θ0 tried, ``b`` in ``θ0 + b(θ_T − θ0)``
+MOVES = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))
+
+
+def split_validation(batches: list[dict[str, Tensor]]) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
+    """(training, held-out) batches: every :data:`VALIDATION_EVERY`-th sample, counted across batches in their
+    order, is held out (none when there are fewer samples than that: then nothing can be held out)."""
+    train, held = [], []
+    seen = 0
+    for batch in batches:
+        rows = int(batch["input_ids"].shape[0])
+        index = torch.arange(seen, seen + rows)
+        out = (index % VALIDATION_EVERY) == VALIDATION_EVERY - 1
+        seen += rows
+        for mask, into in ((~out, train), (out, held)):
+            if mask.any():
+                into.append({k: v[mask] for k, v in batch.items()})
+    return train, held
+
+
+def check_samples(replay: list[dict[str, Tensor]], new_task: list[dict[str, Tensor]]) -> None:
+    """Refuse, before any work, replay or new-task batches too few to hold a sample out and train on the rest."""
+    for name, batches in (("replay", replay), ("new-task", new_task)):
+        train, held = split_validation(batches)
+        if not train or not held:
+            raise JanusError(f"the repair after JANUS holds out one {name} sample in {VALIDATION_EVERY} to choose "
+                             f"its point, and {name} has too few samples for that: give at least "
+                             f"{VALIDATION_EVERY} {name} samples, or set distill_steps=0")
+
+
+def _logits(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Float32 next-token logits, aligned with :func:`~hf_janus.replay.prepare.loss_targets`."""
+    return forward_logits(model, batch)[:, :-1].float()
+
+
+def _on(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+class Repair:
+    """Distil the model the :class:`TargetLayers` hold (the JANUS point) toward θ0 while fitting the new task, then
+    choose the point; the layers' ``current`` end at the chosen point and the model holds it."""
+
+    def __init__(self, layers: TargetLayers, replay: list[dict[str, Tensor]], new_task: list[dict[str, Tensor]],
+                 config: Any, world: World, progress: bool = True):
+        """``replay`` and ``new_task``: the whole batches, the same on every rank (each rank takes its rows)."""
+        self.layers, self.config, self.world, self.progress = layers, config, world, progress
+        self.model = layers.model
+        self.device = model_device(self.model)
+        check_samples(replay, new_task)
+        self.replay_train, self.replay_held = split_validation(replay)
+        self.new_train, self.new_held = split_validation(new_task)
+
+    # ---- figures ------------------------------------------------------------------------------------------
+    def _share(self, batch: dict[str, Tensor]) -> Optional[dict[str, Tensor]]:
+        """This rank's rows of ``batch`` on the model's device (every row in one process), None when it has none:
+        the ranks split each batch, so that a step sees the samples one process would."""
+        rows = torch.arange(self.world.rank, int(batch["input_ids"].shape[0]), self.world.size)
+        return _on({k: v[rows] for k, v in batch.items()}, self.device) if len(rows) else None
+
+    @torch.no_grad()
+    def _figures(self) -> PointFigures:
+        """The held-out figures of the point the model holds, summed over every rank's rows."""
+        sums = torch.zeros(5, dtype=torch.float64)  # new-task loss, its tokens, replay NLL, agreement, tokens
+        for batches, offset in ((self.new_held, 0), (self.replay_held, 2)):
+            for whole in batches:
+                batch = self._share(whole)
+                if batch is None:
+                    continue
+                logits = _logits(self.model, batch)
+                targets = loss_targets(batch).to(logits.device)
+                counted = targets != IGNORE_INDEX
+                if not counted.any():
+                    continue
+                sums[offset] += float(F.cross_entropy(logits[counted], targets[counted], reduction="sum"))
+                if offset == 0:
+                    sums[1] += int(counted.sum())
+                else:
+                    sums[3] += int((logits[counted].argmax(-1) == targets[counted]).sum())
+                    sums[4] += int(counted.sum())
+        sums = self.world.sum_(sums)
+        tokens, replay_tokens = max(float(sums[1]), 1.0), max(float(sums[4]), 1.0)
+        return PointFigures(new_task_loss=float(sums[0]) / tokens, replay_nll=float(sums[2]) / replay_tokens,
+                            replay_agreement=float(sums[3]) / replay_tokens)
+
+    def _figures_at(self, matrices: list[Tensor]) -> PointFigures:
+        self._write(matrices)
+        return self._figures()
+
+    def _write(self, matrices: list[Tensor]) -> None:
+        self.layers.held = None
+        for layer, matrix in zip(self.layers, matrices):
+            layer.write(matrix.to(self.device))
+
+    # ---- training -----------------------------------------------------------------------------------------
+    def _train(self, start: list[Tensor], reference: list[Tensor]) -> tuple[list[Tensor], Optional[str]]:
+        """θ_T after ``distill_steps`` steps from ``start``, and why it stopped early (None when it did not)."""
+        cfg = self.config
+        master = [s.detach().float().to(self.device).clone().requires_grad_(True) for s in start]
+        optimizer = torch.optim.Adam(master, lr=cfg.distill_lr)
+        weights = [layer.module.weight for layer in self.layers]
+        flags = [w.requires_grad for w in weights]
+        bar = tqdm(total=cfg.distill_steps, desc="JANUS repair: distillation", unit="step",
+                   disable=not self.progress, leave=False)
+        try:
+            for w in weights:
+                w.requires_grad_(True)
+            for step in range(cfg.distill_steps):
+                replay = self.replay_train[step % len(self.replay_train)]
+                fitted = self.new_train[step % len(self.new_train)]
+                loss, grads = self._gradients(replay, fitted, reference, master, weights)
+                for m, g, layer in zip(master, grads, self.layers):
+                    m.grad = self.world.sum_(layer.rule.to_matrix(g).float())
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(m).all()) for m in master)):
+                    return start, f"the distillation diverged at step {step + 1} (lr {cfg.distill_lr:g})"
+                bar.update(1)
+        finally:
+            for w, flag in zip(weights, flags):
+                w.requires_grad_(flag)
+            bar.close()
+        return [m.detach() for m in master], None
+
+    def _gradients(self, replay: dict[str, Tensor], fitted: dict[str, Tensor], reference: list[Tensor],
+                   master: list[Tensor], weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """This rank's share of one step's loss (the mean over the whole batches' counted tokens of the replay's
+        KL to θ0, plus ``new_task_weight`` times the new task's cross-entropy) and its gradients in the weights'
+        layout: summed over the ranks they are one process's."""
+        replay_tokens = _counted(replay)
+        fitted_tokens = _counted(fitted)
+        mine_replay, mine_fitted = self._share(replay), self._share(fitted)
+        loss = torch.zeros((), device=self.device)
+        grads = [torch.zeros_like(w) for w in weights]
+        if mine_replay is None and mine_fitted is None:
+            return self.world.sum_(loss), grads
+        with torch.no_grad():
+            self._write(reference)
+            reference_logits = _logits(self.model, mine_replay) if mine_replay is not None else None
+        self._write([m.detach() for m in master])
+        with torch.enable_grad():
+            total = torch.zeros((), device=self.device)
+            if mine_replay is not None:
+                total = total + _kl_sum(_logits(self.model, mine_replay), reference_logits,
+                                        mine_replay) / replay_tokens
+            if mine_fitted is not None and self.config.new_task_weight:
+                total = total + self.config.new_task_weight * _cross_entropy_sum(
+                    _logits(self.model, mine_fitted), mine_fitted) / fitted_tokens
+            if total.requires_grad:
+                grads = list(torch.autograd.grad(total, weights, allow_unused=True))
+                grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, weights)]
+        return self.world.sum_(total.detach()), grads
+
+    # ---- the run ------------------------------------------------------------------------------------------
+    def run(self) -> RepairReport:
+        cfg = self.config
+        started = time.perf_counter()
+        report = RepairReport(steps=cfg.distill_steps, lr=cfg.distill_lr, new_task_weight=cfg.new_task_weight,
+                              keep_gain=cfg.keep_gain,
+                              validation_samples={"replay": sum(len(b["input_ids"]) for b in self.replay_held),
+                                                  "new_task": sum(len(b["input_ids"]) for b in self.new_held)})
+        reference = [layer.reference(self.device) for layer in self.layers]
+        janus = [layer.current.detach().float().clone() for layer in self.layers]
+        finetuned = [layer.finetuned(self.device) for layer in self.layers]
+        with evaluation_mode(self.model):
+            figures = {"reference": self._figures_at(reference), "finetuned": self._figures_at(finetuned),
+                       "janus": self._figures_at(janus)}
+            trained, stopped = self._train(janus, reference)
+            if stopped is not None:
+                logger.warning("JANUS repair: %s; the JANUS point is kept", stopped)
+                report.chosen, report.reason = "janus", stopped + "; the JANUS point is kept"
+                chosen = janus
+            else:
+                figures["trained"] = self._figures_at(trained)
+                chosen = self._choose(report, figures, reference, janus, trained)
+            report.validation = {**figures, "chosen": figures[_figure_key(report)]}
+        for layer, matrix in zip(self.layers, chosen):
+            layer.current.copy_(matrix.to(layer.current.device))
+        self.layers.rewrite_current()
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _choose(self, report: RepairReport, figures: dict[str, PointFigures], reference: list[Tensor],
+                janus: list[Tensor], trained: list[Tensor]) -> list[Tensor]:
+        """The feasible point (keeping ``keep_gain`` of the gain) with the lowest held-out replay NLL."""
+        keep = self.config.keep_gain
+        ref_loss, ft_loss = figures["reference"].new_task_loss, figures["finetuned"].new_task_loss
+        gain = ref_loss - ft_loss
+        floor = ref_loss - keep * gain if gain > 0 else float("inf")  # no gain to keep: every point is feasible
+        points = {"janus": janus}
+        for b in MOVES:
+            matrices = [r + b * (t - r) for r, t in zip(reference, trained)]
+            point = self._figures_at(matrices)
+            if point.new_task_loss > floor:
+                break  # further toward θ0 keeps less of the gain
+            figures[f"b={b:g}"] = point
+            points[f"b={b:g}"] = matrices
+        feasible = [k for k in points if figures[k].new_task_loss <= floor]
+        if not feasible:
+            report.chosen, report.b = "janus", None
+            report.reason = (f"no point keeps {keep:.0%} of the new task's gain on the held-out slice; the JANUS "
+                             "point is kept")
+            return janus
+        best = min(feasible, key=lambda k: figures[k].replay_nll)
+        report.chosen = best
+        report.b = float(best.split("=")[1]) if best.startswith("b=") else None
+        report.reason = (f"of the points keeping ≥ {keep:.0%} of the new task's gain on the held-out slice, the "
+                         "lowest replay NLL" if gain > 0 else
+                         "fine-tuning did not lower the held-out new-task loss, so no gain limits the move; the "
+                         "lowest replay NLL")
+        for name in [k for k in figures if k.startswith("b=") and k != best]:
+            del figures[name]  # the report keeps the chosen move's figures, not the whole search
+        return points[best]
+
+
+def _figure_key(report: RepairReport) -> str:
+    return report.chosen if report.chosen is not None else "janus"
+
+
+def _counted(batch: dict[str, Tensor]) -> int:
+    """The whole batch's tokens that carry loss (at least 1, so that a batch without any divides by 1)."""
+    return max(int((loss_targets(batch) != IGNORE_INDEX).sum()), 1)
+
+
+def _kl_sum(logits: Tensor, reference_logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
+    """``KL(p_θ0 ‖ p_θ)`` summed over the tokens that carry loss."""
+    counted = loss_targets(batch).to(logits.device) != IGNORE_INDEX
+    log_p = F.log_softmax(logits[counted], dim=-1)
+    log_p0 = F.log_softmax(reference_logits[counted], dim=-1)
+    return (log_p0.exp() * (log_p0 - log_p)).sum()
+
+
+def _cross_entropy_sum(logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
+    targets = loss_targets(batch).to(logits.device)
+    counted = targets != IGNORE_INDEX
+    return F.cross_entropy(logits[counted], targets[counted], reduction="sum")

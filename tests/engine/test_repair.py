@@ -1,0 +1,172 @@
+"""The repair after JANUS (``JanusConfig.distill_steps``): it holds out every eighth sample, keeps the share of the
+new task's gain it is asked to, says which point it took and why with figures an independent computation gives, is
+bit-for-bit the JANUS point where it must be, refuses what it cannot do before any work, and leaves θ̂ when
+interrupted."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from testing_utils import REPAIR_CONFIG, build_tiny, fine_tune, fine_tune_samples, random_replay
+
+from hf_janus import JanusConfig, JanusError, RectificationReport, rectify
+from hf_janus.engine.rectifier import Rectifier
+from hf_janus.engine.repair import VALIDATION_EVERY, split_validation
+from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay
+
+FAST = {k: v for k, v in REPAIR_CONFIG.items() if k in ("rank", "replay_batch_size", "tau")}
+REPAIR = {k: v for k, v in REPAIR_CONFIG.items() if k not in FAST}
+
+
+def new_task_samples() -> list[dict]:
+    return fine_tune_samples()
+
+
+@pytest.fixture
+def models():
+    finetuned = build_tiny("llama")
+    theta0 = fine_tune(finetuned)
+    return finetuned, theta0
+
+
+def run(models, **overrides):
+    finetuned, theta0 = models
+    model = copy.deepcopy(finetuned)
+    new_task = overrides.pop("new_task", new_task_samples())
+    report = rectify(model, theta0, random_replay(24), JanusConfig(**FAST, **overrides), progress=False,
+                     new_task=new_task)
+    return model, report
+
+
+def held_out_figures(model, replay, new_task):
+    """The held-out slices' figures computed here, apart from the engine: every eighth sample in the order the
+    engine batches them."""
+    def nll(samples, agreement=False):
+        total = tokens = agree = 0
+        for batch in samples:
+            with torch.no_grad():
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            targets = loss_targets(batch)
+            counted = targets != IGNORE_INDEX
+            total += float(F.cross_entropy(logits[counted].float(), targets[counted], reduction="sum"))
+            agree += int((logits[counted].argmax(-1) == targets[counted]).sum())
+            tokens += int(counted.sum())
+        return (total / tokens, agree / tokens) if agreement else total / tokens
+
+    _, replay_held = split_validation(prepare_replay(replay, FAST["replay_batch_size"]))
+    _, new_held = split_validation(prepare_replay(new_task, FAST["replay_batch_size"], group_by_length=False))
+    return nll(new_held), *nll(replay_held, agreement=True)
+
+
+def test_every_eighth_sample_across_batches_is_held_out():
+    batches = prepare_replay(random_replay(20), 6, group_by_length=False)
+    train, held = split_validation(batches)
+    assert sum(len(b["input_ids"]) for b in held) == 20 // VALIDATION_EVERY
+    rows = torch.cat([b["input_ids"][:, :4] for b in batches])
+    assert torch.equal(torch.cat([b["input_ids"][:, :4] for b in held]), rows[VALIDATION_EVERY - 1::VALIDATION_EVERY])
+    assert sum(len(b["input_ids"]) for b in train) == 20 - 2
+
+
+def test_the_chosen_point_keeps_the_gain_and_its_figures_are_the_models(models):
+    model, report = run(models, **REPAIR)
+    repair = report.repair
+    assert repair is not None and repair.steps == REPAIR["distill_steps"]
+    assert set(repair.validation) >= {"reference", "finetuned", "janus", "trained", "chosen"}
+    assert repair.validation_samples == {"replay": 3, "new_task": 2}
+    assert repair.chosen.startswith("b=") and repair.b == float(repair.chosen[2:])
+    assert repair.gain_kept("chosen") >= REPAIR["keep_gain"]
+    assert repair.validation["chosen"].replay_nll < repair.validation["janus"].replay_nll
+    chosen = repair.validation["chosen"]
+    new_loss, replay_nll, agreement = held_out_figures(model, random_replay(24), new_task_samples())
+    assert chosen.new_task_loss == pytest.approx(new_loss, rel=1e-5)  # the model holds the point it reports
+    assert chosen.replay_nll == pytest.approx(replay_nll, rel=1e-5)
+    assert chosen.replay_agreement == pytest.approx(agreement)
+    # of the feasible points it reports, none keeps the replay better
+    feasible = [f for k, f in repair.validation.items() if k not in ("reference", "finetuned", "chosen")
+                and repair.gain_kept(k) is not None and repair.gain_kept(k) >= REPAIR["keep_gain"]]
+    assert all(chosen.replay_nll <= f.replay_nll + 1e-12 for f in feasible)
+    assert "repair after JANUS" in report.summary() and repair.chosen in report.summary()
+    assert RectificationReport.from_dict(report.to_dict()).repair == repair  # survives the record
+
+
+def test_when_no_point_keeps_the_gain_the_janus_point_is_kept(models):
+    plain, _ = run(models)
+    model, report = run(models, **{**REPAIR, "keep_gain": 1.0})
+    assert report.repair.chosen == "janus" and "no point keeps 100%" in report.repair.reason
+    assert report.repair.gain_kept("janus") < 1.0
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value)
+
+
+def test_no_steps_and_no_new_task_are_the_janus_point_bit_for_bit(models, caplog):
+    plain, plain_report = run(models)
+    off, off_report = run(models, distill_steps=0)
+    assert off_report.repair is None
+    with caplog.at_level(logging.WARNING, logger="hf_janus"):
+        skipped, skipped_report = run(models, distill_steps=5, new_task=None)
+    assert skipped_report.repair is None and "no new-task samples" in caplog.text
+    for key, value in plain.state_dict().items():
+        assert torch.equal(off.state_dict()[key], value) and torch.equal(skipped.state_dict()[key], value)
+
+
+def test_a_diverging_distillation_keeps_the_janus_point(models, caplog):
+    plain, _ = run(models)
+    with caplog.at_level(logging.WARNING, logger="hf_janus"):
+        model, report = run(models, distill_steps=6, distill_lr=1e6)
+    assert report.repair.chosen == "janus" and "diverged" in report.repair.reason
+    assert "diverged" in caplog.text
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value)
+
+
+def test_an_interrupted_distillation_leaves_the_fine_tuned_weights(models):
+    finetuned, theta0 = models
+    model = copy.deepcopy(finetuned)
+    model.requires_grad_(False)  # only the distillation turns the target weights' gradients on
+
+    def interrupt(module, args):
+        if module.model.layers[0].mlp.up_proj.weight.requires_grad:
+            raise KeyboardInterrupt
+
+    model.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        rectify(model, theta0, random_replay(24), JanusConfig(**FAST, **REPAIR), progress=False,
+                new_task=new_task_samples())
+    for key, value in finetuned.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("new_task, match", [
+    (new_task_samples()[:7], "too few samples"),
+    ([{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}] * 8, "no token that carries loss"),
+    ([{"input_ids": [1, 2, 999], "labels": [1, 2, 999]}] * 8, "new-task.*999.*vocabulary"),
+])
+def test_what_the_repair_cannot_use_is_refused_before_any_work(models, new_task, match):
+    finetuned, theta0 = models
+    model = copy.deepcopy(finetuned)
+    with pytest.raises(JanusError, match=match):
+        Rectifier(model, theta0, random_replay(24), JanusConfig(**FAST, **REPAIR), progress=False,
+                  new_task=new_task)  # refused by the constructor: no capture has run
+    for key, value in finetuned.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value)
+
+
+def test_a_bfloat16_model_is_repaired(models):
+    finetuned, theta0 = models
+    model = copy.deepcopy(finetuned).to(torch.bfloat16)
+    report = rectify(model, {k: v.to(torch.bfloat16) for k, v in theta0.items()}, random_replay(24),
+                     JanusConfig(**FAST, **REPAIR), progress=False, new_task=new_task_samples())
+    figures = report.repair.validation["chosen"]
+    assert all(torch.isfinite(torch.tensor(v)) for v in (figures.new_task_loss, figures.replay_nll))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("field, value", [("distill_steps", -1), ("keep_gain", 0.0), ("keep_gain", 1.5),
+                                          ("distill_lr", 0.0), ("new_task_weight", -1.0)])
+def test_invalid_repair_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"JanusConfig.{field}"):
+        JanusConfig(**{field: value})
