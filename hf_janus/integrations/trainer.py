@@ -37,7 +37,8 @@ from hf_janus.replay.self_replay import SelfReplay
 
 logger = logging.getLogger(__name__)
 
-#: the new task's samples the repair after JANUS takes from the Trainer's train dataloader (each rank's), at least
+#: how many new-task samples each rank takes from the Trainer's train dataloader for the repair after JANUS (whole
+#: batches, so the last one may take it past this)
 NEW_TASK_SAMPLES = 256
 
 # Trainer uploads these checkpoint folders whole (no ignore patterns), so θ0 must stay out of them.
