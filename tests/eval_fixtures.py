@@ -76,3 +76,41 @@ def saved_lora_setting(folder, target_modules, base_steps: int = 40, lora_steps:
             "new": write_jsonl(os.path.join(folder, "new.jsonl"),
                                [{"prompt": t[:6], "completion": t[7:]} for t in NEW[:6]]),
             "replay": [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]}
+
+
+def tiny_frontier_setting() -> tuple:
+    """``(tokenizer, θ0, θ̂, replay)``: a tiny Llama that learned PAST, fine-tuned on NEW, replaying PAST[6:]."""
+    import copy
+
+    from testing_utils import build_tiny
+
+    tok = char_tokenizer()
+    base = build_tiny("llama", seed=0, vocab=len(tok))
+    train_on_texts(base, PAST, tok, steps=40, lr=1e-2)
+    tuned = copy.deepcopy(base)
+    train_on_texts(tuned, NEW, tok, steps=25, lr=1e-2, seed=1)
+    replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]
+    return tok, base, tuned, replay
+
+
+def nll_scorer(tok):
+    """A frontier scorer without lm-eval: each side's mean next-token loss on its texts (a loss: lower is better);
+    ``score.calls`` counts the models it scored."""
+    import torch
+
+    from hf_janus.evaluation.harness import TaskResult
+
+    sides = {"past": tok(PAST[:6], padding=True, return_tensors="pt"),
+             "new": tok(NEW[:6], padding=True, return_tensors="pt")}
+
+    def score(model):
+        score.calls += 1
+        out = {}
+        for name, batch in sides.items():
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            with torch.no_grad():
+                out[name] = TaskResult(float(model(**batch, labels=labels).loss), "nll", False)
+        return out
+
+    score.calls = 0
+    return score

@@ -10,18 +10,14 @@ import json
 import pytest
 import torch
 
-from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
+from eval_fixtures import NEW, PAST, nll_scorer, tiny_frontier_setting, write_jsonl
 from hf_janus import JanusConfig, load_report
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates import (DEFAULT_PEERS, NEW_TASK_PEERS, DampedJanus, DgHard, Janus,
                                             JanusThenReplaySft, JanusToReference, Lines, ReplaySft, SpecContext, Wise,
                                             WiseThenJanus, candidates, default_peers, kinds, parse_candidates)
 from hf_janus.evaluation.frontier_search import frontier, wise_margin
-from hf_janus.evaluation.harness import TaskResult
-from testing_utils import build_tiny
 
-PAST = [f"the cat sat on mat {i}" for i in range(12)]
-NEW = [f"{i} plus {i} is {2 * i}" for i in range(12)]
 
 
 def test_spec_grammar_builds_the_kinds():
@@ -112,32 +108,7 @@ def test_keyword_grids_keep_their_order_labels_and_messages():
 # ---- frontiers on a tiny model, scored by an injected scorer ------------------------------------------------------
 @pytest.fixture(scope="module")
 def setting():
-    tok = char_tokenizer()
-    base = build_tiny("llama", seed=0, vocab=len(tok))
-    train_on_texts(base, PAST, tok, steps=40, lr=1e-2)
-    tuned = copy.deepcopy(base)
-    train_on_texts(tuned, NEW, tok, steps=25, lr=1e-2, seed=1)
-    replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]
-    return tok, base, tuned, replay
-
-
-def nll_scorer(tok):
-    """Each side's mean next-token loss on its texts (a loss: lower is better), so no lm-eval run is needed."""
-    sides = {"past": tok(PAST[:6], padding=True, return_tensors="pt"),
-             "new": tok(NEW[:6], padding=True, return_tensors="pt")}
-    calls = []
-
-    def score(model):
-        calls.append(1)
-        out = {}
-        for name, batch in sides.items():
-            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-            with torch.no_grad():
-                out[name] = TaskResult(float(model(**batch, labels=labels).loss), "nll", False)
-        return out
-
-    score.calls = calls
-    return score
+    return tiny_frontier_setting()
 
 
 def run(setting, **kwargs):

@@ -11,16 +11,15 @@ import math
 import pytest
 import torch
 
-from eval_fixtures import NEW, PAST, char_tokenizer, train_on_texts
+from eval_fixtures import NEW, PAST, nll_scorer, tiny_frontier_setting
 from hf_janus import JanusConfig
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates import FINETUNED, REFERENCE, Wise
 from hf_janus.evaluation.candidates import replay_sft
 from hf_janus.evaluation.candidates.replay_sft import non_finite
 from hf_janus.evaluation.frontier_search import DIVERGED, SCORED, FrontierPoint, FrontierResult, frontier
-from hf_janus.evaluation.harness import EvaluationResult, TaskResult
+from hf_janus.evaluation.harness import EvaluationResult
 from hf_janus.evaluation.strict_json import finite_or_none
-from testing_utils import build_tiny
 
 
 def strict_loads(text: str):
@@ -32,31 +31,7 @@ def strict_loads(text: str):
 
 @pytest.fixture(scope="module")
 def setting():
-    tok = char_tokenizer()
-    base = build_tiny("llama", seed=0, vocab=len(tok))
-    train_on_texts(base, PAST, tok, steps=40, lr=1e-2)
-    tuned = copy.deepcopy(base)
-    train_on_texts(tuned, NEW, tok, steps=25, lr=1e-2, seed=1)
-    replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST[6:]]
-    return tok, base, tuned, replay
-
-
-def nll_scorer(tok):
-    """Each side's mean next-token loss on its texts, so that no lm-eval run is needed; counts its calls."""
-    sides = {"past": tok(PAST[:6], padding=True, return_tensors="pt"),
-             "new": tok(NEW[:6], padding=True, return_tensors="pt")}
-
-    def score(model):
-        score.calls += 1
-        out = {}
-        for name, batch in sides.items():
-            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-            with torch.no_grad():
-                out[name] = TaskResult(float(model(**batch, labels=labels).loss), "nll", False)
-        return out
-
-    score.calls = 0
-    return score
+    return tiny_frontier_setting()
 
 
 def run(setting, replay=None, **kwargs):

@@ -11,8 +11,7 @@ import os
 import pytest
 import torch
 import transformers as tf
-from merge_fixtures import char_tokenizer, write_jsonl
-from testing_utils import build_tiny
+from merge_fixtures import write_jsonl
 
 from hf_janus import JanusError, SelfReplay, rectify, self_replay
 from hf_janus.replay.generation_cache import CACHE_ENV
@@ -56,16 +55,6 @@ def greedy_loop(model, ids: list[int], eos: set[int], new: int = NEW) -> list[in
             if out[-1] in eos:
                 break
     return out
-
-
-@pytest.fixture
-def model():
-    return build_tiny("llama")
-
-
-@pytest.fixture
-def tok():
-    return char_tokenizer()
 
 
 def test_labels_are_theta0_greedy_answer_token_for_token(model, tok):

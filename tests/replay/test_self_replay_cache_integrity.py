@@ -20,16 +20,6 @@ from hf_janus.replay.prepare import check_vocabulary, prepare_replay
 from test_self_replay import PROMPTS, counting_copy, options
 
 
-@pytest.fixture
-def model():
-    return build_tiny("llama")
-
-
-@pytest.fixture
-def tok():
-    return char_tokenizer()
-
-
 def _unsampled_index(numel: int, sampled: int = 64) -> int:
     """An element that a fingerprint of ``sampled`` evenly spaced values per tensor never reads."""
     seen = {i * (numel - 1) // (sampled - 1) for i in range(sampled)}
