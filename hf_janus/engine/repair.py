@@ -261,12 +261,17 @@ def _counted(batch: dict[str, Tensor]) -> int:
     return max(int((loss_targets(batch) != IGNORE_INDEX).sum()), 1)
 
 
+def token_kl(logits: Tensor, reference_logits: Tensor) -> Tensor:
+    """``KL(p_θ0 ‖ p_θ)`` of the next-token distributions, one value per row of the ``(tokens, vocab)`` logits."""
+    log_p = F.log_softmax(logits, dim=-1)
+    log_p0 = F.log_softmax(reference_logits, dim=-1)
+    return (log_p0.exp() * (log_p0 - log_p)).sum(-1)
+
+
 def _kl_sum(logits: Tensor, reference_logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
     """``KL(p_θ0 ‖ p_θ)`` summed over the tokens that carry loss."""
     counted = loss_targets(batch).to(logits.device) != IGNORE_INDEX
-    log_p = F.log_softmax(logits[counted], dim=-1)
-    log_p0 = F.log_softmax(reference_logits[counted], dim=-1)
-    return (log_p0.exp() * (log_p0 - log_p)).sum()
+    return token_kl(logits[counted], reference_logits[counted]).sum()
 
 
 def _cross_entropy_sum(logits: Tensor, batch: dict[str, Tensor]) -> Tensor:

@@ -31,6 +31,7 @@ from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError, RectificationError
 from hf_janus.integrations.snapshot import SNAPSHOT_NAME, Theta0Snapshot, weights_fingerprint
+from hf_janus.engine.quantized import quantization_of
 from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3, is_zero3_param
 from hf_janus.publish.record_file import REPORT_NAME
 from hf_janus.replay.self_replay import SelfReplay
@@ -218,8 +219,7 @@ class JanusCallback(TrainerCallback):
     def _check_supported(self, model: nn.Module, args: TrainingArguments) -> Optional[dict[str, nn.Module]]:
         """Refuse unsupported setups before training; the adapted layers of a PEFT model (None otherwise)."""
         if self.config.distill_steps:
-            quantized = any(hasattr(p, "quant_state") or p.dtype in (torch.int8, torch.uint8)
-                            for p in model.parameters())
+            quantized = any(quantization_of(m) is not None for m in model.modules())
             sharded = any(is_sharded(p) or is_zero3_param(p) for p in model.parameters())
             if quantized or sharded:
                 raise JanusError(

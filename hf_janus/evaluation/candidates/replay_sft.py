@@ -28,6 +28,7 @@ from torch import Tensor
 
 from hf_janus.engine.capture import model_device
 from hf_janus.engine.memory_plan import GIB
+from hf_janus.engine.repair import token_kl
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, CandidateDiverged, Cost, Curve, Option,
                                                  PlotStyle, SpecContext, finite_positive, grid_product, measured,
@@ -77,9 +78,7 @@ def replay_loss(model: torch.nn.Module, batch: Mapping[str, Tensor], loss: str,
         raise JanusError(f"a {source} batch has no token that carries loss; give its samples labels or drop them")
     if loss == "ce":
         return F.cross_entropy(logits[counted], targets[counted])
-    log_p = F.log_softmax(logits[counted], dim=-1)
-    log_p0 = F.log_softmax(reference_logits[:, :-1].float()[counted], dim=-1)
-    return (log_p0.exp() * (log_p0 - log_p)).sum(-1).mean()
+    return token_kl(logits[counted], reference_logits[:, :-1].float()[counted]).mean()
 
 
 def non_finite(loss: Tensor, weights: Sequence[Tensor]) -> Optional[str]:
