@@ -322,9 +322,9 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
     add_self_replay_options(rep)
     add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
     rep.add_argument("--new-task-samples", metavar="DATASET[:SPLIT]",
-                     help="samples of the new task (what fine-tuning trained on), read as --replay is, for the "
-                          "replay-training candidates' new_task_weight= (e.g. 'janus-then-replay-sft:"
-                          "new_task_weight=1'), which fits them beside the replay so that the passes keep the gain")
+                     help="samples of the new task (what fine-tuning trained on), read as --replay is, for "
+                          "janus-repair (the repair after JANUS, added to the default peers when given) and "
+                          "replay-sft's new_task_weight=, which fit them beside the replay so that the gain is kept")
 
     grid = p.add_argument_group("candidates")
     grid.add_argument("--candidates", metavar="SPEC",
@@ -336,7 +336,7 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
                       help="the post-hoc peers scored after the grids below, in --candidates syntax; '' for none; "
                            "one that is not defined here or does not fit in memory is left out with a warning "
                            f"(default: '{DEFAULT_PEERS}', those that beat JANUS on a benchmark run, and with "
-                           f"--new-task-samples also '{NEW_TASK_PEERS}', the real-model study's recommended repair)")
+                           f"--new-task-samples also '{NEW_TASK_PEERS}', JANUS with the repair after it as the entry points run it)")
     grid.add_argument("--wise-grid", type=_floats, default=list(DEFAULT_WISE_GRID), metavar="A,A,...",
                       help=f"WiSE-FT coefficients a in (0, 1) (default: {shown(DEFAULT_WISE_GRID)})")
     grid.add_argument("--taus", type=_floats, default=list(DEFAULT_TAUS), metavar="T,T,...",

@@ -474,22 +474,28 @@ def levers(name: str) -> dict:
     ``token`` (one sample per early answer token), ``whole``, ``selfgen``, ``logitproj``, ``targetlogit``,
     ``marginonly[k]`` / ``margin[k]`` (:class:`TokenMargin` without / with the token losses), ``damp<N>``
     (``damping`` = 0.N); ``ref<N>`` and ``hat<N>`` (repeatable) also score the frontier's hybrids of the JANUS
-    point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``kl<N>`` (repeatable)
-    also scores the JANUS point trained further for N passes on the replay's KL to θ0 (the frontier's
-    ``janus-then-replay-sft`` candidate; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that
-    point's hybrids; ``anchor<N>`` makes each step of that training also fit N of the fine-tuning's own samples
-    (the candidate's ``new_task_weight=1``), and ``fromhat`` starts it from θ̂ instead, making no JANUS point (the
-    frontier's ``replay-sft``, to compare); ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from that
-    training-time peer's θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning rate."""
+    point, JANUS → θ0 (θ0 + b(θ_J − θ0)) and JANUS → θ̂ (θ_J + b(θ̂ − θ_J)), at b = 0.N; ``fromhat+kl<N>``
+    (repeatable) scores θ̂ trained for N passes on the replay's KL to θ0 without JANUS (the frontier's
+    ``replay-sft``; ``kllr<X>e-<Y>`` its learning rate), and ``kref<N>`` / ``khat<N>`` that point's hybrids;
+    ``anchor<N>`` makes each step of that training also fit N of the fine-tuning's own samples (the candidate's
+    ``new_task_weight=1``); ``base`` and ``janus`` are the defaults; ``corda``/``osf`` start from that
+    training-time peer's θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning rate;
+    ``repair<N>`` is the product's own repair after JANUS (``JanusConfig.distill_steps=N``, through ``rectify``'s
+    ``new_task``: the fine-tuning's own samples), which chooses its point itself (``kllr`` its ``distill_lr``,
+    ``anchor<N>`` its ``new_task_batch_size``, ``keep<NN>`` its ``keep_gain`` = 0.NN)."""
     out: dict = {"m": 64}
     for part in name.split("+"):
         number = re.fullmatch(r"(m|r|tau|steps|tokenloss|margin|marginonly)(\d*)", part)
         fraction = re.fullmatch(r"(damp|ref|hat|kref|khat)(\d+)", part)
         then = re.fullmatch(r"kl(\d+)", part)
         anchored = re.fullmatch(r"anchor(\d+)", part)
+        repaired = re.fullmatch(r"(repair|keep)(\d+)", part)
         rate = re.fullmatch(r"(kl)?lr(\d+(?:\.\d+)?e-\d+)", part)
         if rate:
             out[(rate.group(1) or "") + "lr"] = float(rate.group(2))
+        elif repaired:
+            value = int(repaired.group(2))
+            out[repaired.group(1)] = value if repaired.group(1) == "repair" else value / 10 ** len(repaired.group(2))
         elif anchored:  # the replay training also fits N fine-tuning samples per step
             out["anchor"] = int(anchored.group(1))
         elif then:  # replay training after the JANUS point, scored beside it
@@ -509,6 +515,11 @@ def levers(name: str) -> dict:
             out[key] = value / 10 ** len(number.group(2)) if key == "tau" else value
         else:
             raise SystemExit(f"unknown lever {part!r} in variant {name!r}: see the docstring of levers()")
+    if "kl" in out and not out.get("fromhat"):
+        raise SystemExit(f"variant {name!r}: kl<N> after the JANUS point was the frontier's janus-then-replay-sft, "
+                         "now the product's repair after JANUS: use repair<N> (the runs recorded with it: "
+                         "git show f0a64fc:benchmarks/forgetting/real_study.py); kl<N> with fromhat is the "
+                         "distillation alone")
     if out.get("fromhat") and ("ref" in out or "hat" in out):
         raise SystemExit(f"variant {name!r}: fromhat makes no JANUS point for ref/hat to mix; use kref/khat")
     return out
@@ -597,9 +608,13 @@ def variant_config(lever: dict) -> JanusConfig:
         if kind in lever:
             options.update(constraint=TokenMargin.register(lever[kind], with_loss=kind == "margin"),
                            cache=FACTOR_CACHE)
-    for key, field in (("r", "rank"), ("tau", "tau"), ("steps", "max_steps"), ("damp", "damping")):
+    for key, field in (("r", "rank"), ("tau", "tau"), ("steps", "max_steps"), ("damp", "damping"),
+                       ("repair", "distill_steps"), ("keep", "keep_gain")):
         if key in lever:
             options[field] = lever[key]
+    if "repair" in lever:
+        options.update({field: lever[key] for key, field in (("kllr", "distill_lr"), ("anchor", "new_task_batch_size"))
+                        if key in lever})
     return JanusConfig(**options)
 
 
@@ -633,16 +648,12 @@ def new_task_samples(tok) -> list[dict]:
 
 def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, replay: list[dict], tok,
                    config: JanusConfig):
-    """The JANUS point (made with ``config``) trained further on the replay's KL to θ0, for each ``kl<N>``: the
-    frontier's ``janus-then-replay-sft`` candidate, given the JANUS run this study already made (with ``fromhat``,
-    θ̂ trained so: ``replay-sft``); yields (label, weights, its :class:`Cost`)."""
+    """θ̂ trained on the replay's KL to θ0 for each ``kl<N>`` (with ``fromhat``: the distillation alone, without
+    JANUS, the frontier's ``replay-sft``); yields (label, weights, its :class:`Cost`)."""
     from hf_janus.evaluation.candidate_weights import WeightBuilder
-    from hf_janus.evaluation.candidates import BuildContext, JanusThenReplaySft, ReplaySft
+    from hf_janus.evaluation.candidates import BuildContext, ReplaySft
     from hf_janus.evaluation.candidates.replay_sft import DEFAULT_LR
 
-    # with fromhat there is no JANUS point: ``rectified`` holds θ̂ and the passes start there
-    janus = None if lever.get("fromhat") else {k: rectified.get_parameter(k).detach().float().clone()
-                                                for k in finetuned}
     origin = {k: theta0.get_parameter(k).detach().float() for k in finetuned}
     finetuned = {k: w.float() for k, w in finetuned.items()}
     context = BuildContext(config=config, rectify_fn=rectify)
@@ -652,16 +663,11 @@ def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, r
                                 new_task=anchor)
         settings = dict(passes=passes, lr=lever.get("kllr", DEFAULT_LR),
                         **({} if anchor is None else {"new_task_weight": 1.0, "new_task_batch_size": lever["anchor"]}))
-        if lever.get("fromhat"):
-            candidate = ReplaySft(loss="kl", **settings)
-        else:
-            candidate = JanusThenReplaySft(tau=config.tau, **settings)
-            builder.janus[candidate.run_key()] = janus  # the run this variant made: the candidate starts from it
+        candidate = ReplaySft(loss="kl", **settings)
         cost = candidate.prepare(builder, context)
         rate = f", lr {candidate.lr:g}" if "kllr" in lever else ""
         fitted = "" if anchor is None else f", anchored on {lever['anchor']} fine-tuning samples a step"
-        start = f"{name}: θ̂" if lever.get("fromhat") else name
-        yield f"{start} → replay KL {passes} passes{rate}{fitted}", candidate.weights(builder), cost
+        yield f"{name}: θ̂ → replay KL {passes} passes{rate}{fitted}", candidate.weights(builder), cost
 
 
 def main() -> None:
@@ -785,15 +791,18 @@ def main() -> None:
         if not lever.get("fromhat"):  # with fromhat the passes start from θ̂: no JANUS point to make
             t = time.perf_counter()
             # an adapter's θ̂ is known exactly in float32 (θ0 + s·BA), more exactly than its bf16 model holds it
-            peak, report = own_peak_bytes(lambda: rectify(model, theta0, replay, config, progress=False,
-                                                          finetuned=start if args.run != "full" or peer else None))
+            peak, report = own_peak_bytes(lambda: rectify(
+                model, theta0, replay, config, progress=False,
+                finetuned=start if args.run != "full" or peer else None,
+                new_task=new_task_samples(tok) if "repair" in lever else None))
             seconds = time.perf_counter() - t
             point = evaluate(model, tok, sets, data["gsm"], pad)
             record["points"][name] = scored_point(
                 point, replay_samples=len(replay), replay_tokens=sum(len(r["input_ids"]) for r in replay),
                 replay_seconds=replay_s, rectify_seconds=seconds, peak_host_bytes=peak,
                 jacobian_evaluations=report.num_jacobian_evals,
-                stop_reason=report.stop_reason, replay_loss=report.replay_loss, config=config.to_dict())
+                stop_reason=report.stop_reason, replay_loss=report.replay_loss, config=config.to_dict(),
+                timings=report.timings, repair_after_janus=None if report.repair is None else report.repair.to_dict())
             log(f"[{name}] {seconds:.0f}s, {report.num_jacobian_evals} evals: {record['points'][name]['repair']}")
             save()
         for label, weights in hybrids(name, lever, theta0, model, start):

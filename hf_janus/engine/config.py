@@ -184,6 +184,9 @@ class JanusConfig:
     new_task_weight: float = field(default=1.0, metadata={
         "help": "with distill_steps: the weight of the new task's cross-entropy beside the replay's KL in each "
                 "distillation step (what keeps the gain while the past behaviour returns)"})
+    new_task_batch_size: int = field(default=2, metadata={
+        "help": "with distill_steps: the new task's samples fitted in each distillation step, beside one replay "
+                "batch (they are usually longer than the replay's, so they set a step's cost)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.gram_dtype, str):
@@ -267,6 +270,8 @@ class JanusConfig:
         _check(_is_real(self.distill_lr) and self.distill_lr > 0, "distill_lr", self.distill_lr, "a float > 0")
         _check(_is_real(self.new_task_weight) and self.new_task_weight >= 0, "new_task_weight",
                self.new_task_weight, "a float >= 0")
+        _check(_is_int(self.new_task_batch_size) and self.new_task_batch_size >= 1, "new_task_batch_size",
+               self.new_task_batch_size, "an int >= 1")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

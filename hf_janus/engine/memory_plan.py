@@ -27,7 +27,11 @@ Pieces (all bytes, summed over the target layers):
   capture is taken once more in float32 at the end, for the residuals, after every other capture is dropped: the
   bytes of two bf16 captures, within what the plan counts;
 * ``activations``: one replay batch's forward/backward with the recorders' inputs held until their gradient arrives;
-* ``ghost``: the largest layer's Gram blocks, eigendecompositions and update-sized temporaries.
+* ``ghost``: the largest layer's Gram blocks, eigendecompositions and update-sized temporaries;
+* ``repair`` (with ``JanusConfig.distill_steps``, after the factors are dropped): the distillation's float32 copies
+  of the target layers (the trained point, its gradient, Adam's two moments, θ0, the JANUS point, θ̂ and the point
+  being scored) and the weights' gradients in their dtype; its phase adds one step's forward/backward, gradients
+  flowing into the weights, over the longer of a replay batch and a new-task batch.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ DISK_FILL = 0.9
 # Captures alive at the peak: θ0's, the current point's, and the trial's; the adaptive controller may also hold a
 # passing trial while it checks a larger step. With captures="two" only the current point's and the trial's.
 CAPTURES_ALIVE = {"adaptive": 4, "paper": 3}
+#: float32 copies of the target layers the repair after JANUS holds (see ``repair`` in the module docstring)
+REPAIR_FP32_COPIES = 8
 LEAN_CAPTURES_ALIVE = 2
 
 
@@ -113,6 +119,8 @@ class Workload:
     reference_held: bool = True
     # host bytes the C allocator keeps beyond the live ones, as a share of the work's host bytes (heap_retention())
     heap_retention: float = 0.0
+    # tokens of one new-task batch of the repair after JANUS (new_task_batch_size x its longest sample); 0: no repair
+    repair_tokens: int = 0
 
     @property
     def rows(self) -> int:
@@ -131,13 +139,19 @@ class Workload:
                           for layer in self.layers)
         # two eigendecompositions (current point, trial) of an m x m Gram per layer stay alive between phases
         eigs = 2 * len(self.layers) * self.rows * self.rows * 8
-        return {"backup": weights, "theta0": weights, "current": fp32, "proj": fp32,
-                "factors": per_capture * self.captures_alive, "eigendecompositions": eigs,
-                "activations": self.activation_bytes(), "ghost": self.ghost_bytes()}
+        pieces = {"backup": weights, "theta0": weights, "current": fp32, "proj": fp32,
+                  "factors": per_capture * self.captures_alive, "eigendecompositions": eigs,
+                  "activations": self.activation_bytes(), "ghost": self.ghost_bytes()}
+        if self.repair_tokens:
+            pieces["repair"] = REPAIR_FP32_COPIES * fp32 + weights
+            pieces["repair_activations"] = self.activation_bytes(max(self.repair_tokens,
+                                                                     self.batch_size * self.seq_len))
+        return pieces
 
-    def activation_bytes(self) -> int:
-        """One batch's forward/backward through frozen weights, gradients flowing only through activations."""
-        tokens = self.batch_size * self.seq_len
+    def activation_bytes(self, tokens: Optional[int] = None) -> int:
+        """One batch's forward/backward (of ``tokens`` tokens, by default a replay batch's) through frozen weights,
+        gradients flowing only through activations."""
+        tokens = self.batch_size * self.seq_len if tokens is None else tokens
         act = self.activation_itemsize
         # recorders hold every target layer's input until its output gradient arrives (an upper bound: q/k/v and
         # gate/up share one tensor)
@@ -376,11 +390,19 @@ def _phase_bytes(work: Workload, pieces: dict[str, int], placements: dict[str, s
     # a trial's capture runs while the current point's materialized gradients wait for its comparison
     capture[work_on] += pieces["activations"] + work.kept_gradient_bytes()
     ghost[work_on] += pieces["ghost"]
+    phases = {"capture": capture, "ghost": ghost}
+    if "repair" in pieces:  # after the run: the factors and eigendecompositions are dropped, the layers stay
+        repair = dict(resident)
+        repair["host"] -= held
+        if placements["factors"] != "disk":
+            repair["host" if shared or placements["factors"] == "host" else "device"] -= pieces["factors"]
+        repair[work_on] += pieces["repair"] + pieces["repair_activations"] - pieces["eigendecompositions"]
+        phases["repair"] = repair
     share = _retention(work, shared)
     if share:
-        for phase in (capture, ghost):
+        for phase in phases.values():
             phase["host"] = math.ceil(phase["host"] * (1.0 + share))
-    return {"capture": capture, "ghost": ghost}
+    return phases
 
 
 def _retention(work: Workload, shared: bool) -> float:
@@ -414,6 +436,11 @@ def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, i
     where = "host" if shared or (capacity.get("host") is not None
                                  and in_use["host"] + max(p["host"] for p in plan.values()) > capacity["host"]) else "device"
     need = in_use[where] + max(p[where] for p in plan.values())
+    if "repair" in plan and max(plan, key=lambda phase: plan[phase][where]) == "repair":
+        return (f"the repair after JANUS needs about {need / GIB:.1f} GiB of "
+                f"{'host' if where == 'host' else 'device'} memory at its peak (its float32 copies of the target "
+                f"layers: {pieces['repair'] / GIB:.1f} GiB) but {capacity[where] / GIB:.1f} GiB can be used; lower "
+                "new_task_batch_size or the target layers, or set distill_steps=0 (the JANUS point)")
     knobs = ["replay_batch_size (activations: {:.1f} GiB)".format(pieces["activations"] / GIB),
              "rank (factors: {:.1f} GiB for {} captures)".format(pieces["factors"] / GIB, work.captures_alive),
              "fewer replay samples", "target_modules / exclude_modules (fewer layers)"]

@@ -44,7 +44,7 @@ from hf_janus.engine.memory_plan import (
     plan_schedule,
 )
 from hf_janus.engine.repair import Repair, check_samples
-from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport, rounded_reference
+from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport, RepairReport, rounded_reference
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.statistics import layer_statistics
 from hf_janus.engine.observer import RunObserver
@@ -105,6 +105,8 @@ class Rectifier:
         check_sharding(model, {name: module.weight for name, module in modules.items()})
         self.batches = prepare_replay(replay, self.config.replay_batch_size)
         check_vocabulary(self.batches, model, in_given_order=False)  # grouped by length
+        #: why a repair asked for (``config.distill_steps``) is not run, for the report; None otherwise
+        self.repair_skipped: Optional[str] = None
         self.new_task_batches = self._new_task_batches(new_task, modules)
         # an explicit dtype wins over config.factor_dtype (the memory plan resolves "auto")
         factor_dtype = (self.config.factor_dtype if factor_dtype is None
@@ -139,9 +141,10 @@ class Rectifier:
         if not self.config.distill_steps:
             return None
         if new_task is None:
-            logger.warning("JANUS: distill_steps=%d but no new-task samples were given, so the gain the repair must "
-                           "keep cannot be measured: the repair is skipped and the JANUS point kept (pass "
-                           "new_task=, or hf-janus merge --new-task-samples)", self.config.distill_steps)
+            self.repair_skipped = ("no new-task samples were given, so the gain the repair must keep cannot be "
+                                   "measured: the JANUS point is kept (pass new_task=, JanusCallback(..., "
+                                   "trainer=trainer), or hf-janus merge --new-task-samples)")
+            logger.warning("JANUS: distill_steps=%d but %s", self.config.distill_steps, self.repair_skipped)
             return None
         for name, module in modules.items():
             rule = rule_for(module)
@@ -149,7 +152,7 @@ class Rectifier:
                 raise JanusError(f"the repair after JANUS (distill_steps) trains the target layers' weights, and "
                                  f"{name} is {'quantized' if rule.quantized else 'sharded (FSDP2 or ZeRO-3)'}: set "
                                  "distill_steps=0, or rectify the saved adapter or model with JanusMerger / rectify")
-        batches = prepare_replay(new_task, self.config.replay_batch_size, group_by_length=False)
+        batches = prepare_replay(new_task, self.config.new_task_batch_size, group_by_length=False)
         check_vocabulary(batches, self.model, what="new-task")
         unlabelled = samples_without_loss(batches)
         if unlabelled:
@@ -179,7 +182,9 @@ class Rectifier:
             tempered=cfg.constraint_temperature != 1.0,
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
             reference_borrowed=reference_borrowed, backup_kept=backup_kept, reference_held=reference_held,
-            heap_retention=heap_retention(), **model_dimensions(self.model, shapes))
+            heap_retention=heap_retention(),
+            repair_tokens=max((b["input_ids"].numel() for b in self.new_task_batches or ()), default=0),
+            **model_dimensions(self.model, shapes))
         check_cache_directory(cfg.cache)
         in_use, capacity = self.observer.measure_memory(self.device, cfg.cache)
         capacity = self.world.shared_capacity(in_use, capacity)
@@ -266,6 +271,8 @@ class Rectifier:
                 with self.timer.phase("repair"):
                     report.repair = Repair(self.layers, self.batches, self.new_task_batches, self.config,
                                            self.world, progress=self.progress).run()
+            elif self.repair_skipped is not None:
+                report.repair = RepairReport(keep_gain=self.config.keep_gain, reason=self.repair_skipped)
         except BaseException as err:
             self._fail(err, loop.phase)
         finally:

@@ -8,9 +8,11 @@ point (Adam on float32 copies, written back into the model's dtype after each st
 run is deterministic).
 
 The point is then chosen without an evaluation harness, on held-out slices: every eighth replay sample and every
-eighth new-task sample are kept out of the training. Along the line ``θ0 + b(θ_T − θ0)`` (and the JANUS point), the
+eighth new-task sample (at most :data:`NEW_TASK_VALIDATION_MAX` of these) are kept out of the training. Along the line ``θ0 + b(θ_T − θ0)`` (and the JANUS point), the
 points whose new-task loss keeps at least ``keep_gain`` of the fine-tune's gain (``L(θ0) − L(θ̂)`` on the new-task
-slice) are feasible; of those, the one whose replay NLL on the replay slice is lowest is taken. The report says which
+slice) are feasible. The gain kept falls as the point moves toward θ0, so the line is bisected (on a grid of 0.05)
+for the farthest feasible move; of the points scored, the feasible one whose replay NLL on the replay slice is lowest
+is taken. The report says which
 point, why, and the validation figures of θ0, θ̂, the JANUS point, the trained point and the chosen one.
 """
 
@@ -37,19 +39,26 @@ logger = logging.getLogger(__name__)
 
 #: one sample in this many, of the replay and of the new task's samples, is held out to choose the point
 VALIDATION_EVERY = 8
+#: new-task samples held out at most: each point the choice scores runs all of them, and the new task's samples are
+#: the long ones (the gain is a difference between points on the same samples, so a few dozen measure it)
+NEW_TASK_VALIDATION_MAX = 16
 #: the moves toward θ0 tried, ``b`` in ``θ0 + b(θ_T − θ0)``
 MOVES = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))
 
 
-def split_validation(batches: list[dict[str, Tensor]]) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
+def split_validation(batches: list[dict[str, Tensor]], most: Optional[int] = None,
+                     ) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
     """(training, held-out) batches: every :data:`VALIDATION_EVERY`-th sample, counted across batches in their
-    order, is held out (none when there are fewer samples than that: then nothing can be held out)."""
+    order, is held out, the first ``most`` of them when given (none when there are fewer samples than
+    :data:`VALIDATION_EVERY`: then nothing can be held out)."""
     train, held = [], []
     seen = 0
     for batch in batches:
         rows = int(batch["input_ids"].shape[0])
         index = torch.arange(seen, seen + rows)
         out = (index % VALIDATION_EVERY) == VALIDATION_EVERY - 1
+        if most is not None:
+            out &= index // VALIDATION_EVERY < most
         seen += rows
         for mask, into in ((~out, train), (out, held)):
             if mask.any():
@@ -88,7 +97,7 @@ class Repair:
         self.device = model_device(self.model)
         check_samples(replay, new_task)
         self.replay_train, self.replay_held = split_validation(replay)
-        self.new_train, self.new_held = split_validation(new_task)
+        self.new_train, self.new_held = split_validation(new_task, NEW_TASK_VALIDATION_MAX)
 
     # ---- figures ------------------------------------------------------------------------------------------
     def _share(self, batch: dict[str, Tensor]) -> Optional[dict[str, Tensor]]:
@@ -195,7 +204,7 @@ class Repair:
         cfg = self.config
         started = time.perf_counter()
         report = RepairReport(steps=cfg.distill_steps, lr=cfg.distill_lr, new_task_weight=cfg.new_task_weight,
-                              keep_gain=cfg.keep_gain,
+                              new_task_batch_size=cfg.new_task_batch_size, keep_gain=cfg.keep_gain,
                               validation_samples={"replay": sum(len(b["input_ids"]) for b in self.replay_held),
                                                   "new_task": sum(len(b["input_ids"]) for b in self.new_held)})
         reference = [layer.reference(self.device) for layer in self.layers]
@@ -226,15 +235,25 @@ class Repair:
         ref_loss, ft_loss = figures["reference"].new_task_loss, figures["finetuned"].new_task_loss
         gain = ref_loss - ft_loss
         floor = ref_loss - keep * gain if gain > 0 else float("inf")  # no gain to keep: every point is feasible
-        points = {"janus": janus}
-        for b in MOVES:
-            matrices = [r + b * (t - r) for r, t in zip(reference, trained)]
-            point = self._figures_at(matrices)
-            if point.new_task_loss > floor:
-                break  # further toward θ0 keeps less of the gain
-            figures[f"b={b:g}"] = point
-            points[f"b={b:g}"] = matrices
-        feasible = [k for k in points if figures[k].new_task_loss <= floor]
+        points = {"janus": janus, "b=1": trained}
+        figures["b=1"] = figures["trained"]
+
+        def kept(index: int) -> bool:
+            """Whether the move ``MOVES[index]`` keeps the gain, scoring it the first time it is asked."""
+            name = f"b={MOVES[index]:g}"
+            if name not in figures:
+                points[name] = [r + MOVES[index] * (t - r) for r, t in zip(reference, trained)]
+                figures[name] = self._figures_at(points[name])
+            return figures[name].new_task_loss <= floor
+
+        # the gain kept falls as the point moves toward θ0: bisect for the farthest move that keeps it, scoring
+        # a handful of points where walking the grid would score them all (each scores every held-out sample)
+        if kept(0):
+            lo, hi = 0, len(MOVES)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if kept(mid) else (lo, mid)
+        feasible = [k for k in points if k in figures and figures[k].new_task_loss <= floor]
         if not feasible:
             report.chosen, report.b = "janus", None
             report.reason = (f"no point keeps {keep:.0%} of the new task's gain on the held-out slice; the JANUS "

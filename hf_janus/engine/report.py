@@ -100,6 +100,7 @@ class RepairReport:
     steps: int = 0
     lr: float = 0.0
     new_task_weight: float = 0.0
+    new_task_batch_size: int = 0
     keep_gain: float = 0.0
     #: ``"b=<move>"`` (``θ0 + b(θ_T − θ0)``), ``"janus"`` (the JANUS point kept), or None when nothing was trained
     chosen: Optional[str] = None

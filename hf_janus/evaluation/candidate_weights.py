@@ -117,9 +117,11 @@ def run_janus(builder: WeightBuilder, key: str, start: Mapping[str, Tensor], cha
     # θ0 and θ̂ of every layer: the kept copies where fine-tuning changed it, the model's own weights elsewhere.
     own = {k: p.detach() for k, p in builder.params.items()}
     reference = {**own, **builder.theta0}
-    report = context.rectify_fn(builder.model, reference, builder.replay,
-                                dataclasses.replace(context.config, **changes), progress=context.progress,
-                                finetuned={**own, **start})
+    # the repair after JANUS only where the candidate asks for it: a JANUS point is the projection's alone
+    config = dataclasses.replace(context.config, **{"distill_steps": 0, **changes})
+    repair = {"new_task": builder.new_task} if config.distill_steps else {}
+    report = context.rectify_fn(builder.model, reference, builder.replay, config, progress=context.progress,
+                                finetuned={**own, **start}, **repair)
     builder.janus[key] = {k: builder.params[k].detach().to("cpu", copy=True) for k in builder.theta0}
     builder.reports[key] = report
     builder.write(builder.finetuned)

@@ -433,9 +433,8 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
             default, :data:`~hf_janus.evaluation.candidates.DEFAULT_PEERS`, names those that beat JANUS on a
             benchmark run (replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, Fisher interpolation, the
             input-covariance null space at energies 0.5 and 0.9), so that the frontier can choose them; with
-            ``new_task_samples`` it adds :data:`~hf_janus.evaluation.candidates.NEW_TASK_PEERS` (JANUS, then 32
-            passes on the replay's KL to θ0 that also fit those samples, then toward θ0 at b = 0.8, 0.7, 0.6: the
-            real-model study's recommended repair). A peer that is not defined here, or does not fit (replay
+            ``new_task_samples`` it adds :data:`~hf_janus.evaluation.candidates.NEW_TASK_PEERS` (JANUS with the
+            repair after it, ``JanusConfig.distill_steps``, as ``rectify`` and the entry points run it). A peer that is not defined here, or does not fit (replay
             training's optimizer state on the model's device), is left out with a logged warning.
         scorer: scores a model on the tasks, ``model -> {task name: TaskResult}`` with the names of
             ``past_tasks`` and ``new_tasks`` (default: lm-evaluation-harness, :class:`~hf_janus.evaluation.

@@ -486,6 +486,14 @@ class JanusCallback(TrainerCallback):
             "janus/snapshot_mib": self.snapshot_bytes / 2**20,
             "janus/seconds": report.timings.get("total", 0.0),
         })
+        repair = report.repair
+        if repair is not None and repair.chosen is not None:
+            chosen, janus = repair.validation["chosen"], repair.validation["janus"]
+            figures = {"janus/repair_gain_kept": repair.gain_kept(), "janus/repair_b": repair.b,
+                       "janus/repair_replay_nll_janus": janus.replay_nll, "janus/repair_replay_nll": chosen.replay_nll,
+                       "janus/repair_replay_agreement": chosen.replay_agreement, "janus/repair_seconds": repair.seconds}
+            # the JANUS point kept has no move, and a fine-tune without gain no share of it: the loggers take numbers
+            entries.append({k: v for k, v in figures.items() if v is not None})
         for logs in entries:
             if self.trainer is not None:
                 self.trainer.log(logs)

@@ -43,5 +43,7 @@ def test_merge_repairs_with_the_adapters_training_samples_and_writes_an_adapter(
     with caplog.at_level(logging.WARNING, logger="hf_janus"):
         assert main(["merge", "--base", base, "--adapter", lora, "--replay", replay, "--output", str(out), *REPAIR,
                      *FAST]) == 0
-    assert json.loads((out / REPORT_NAME).read_text())["repair"] is None
+    skipped = json.loads((out / REPORT_NAME).read_text())["repair"]
+    assert skipped["chosen"] is None and "no new-task samples" in skipped["reason"]
+    assert "repair after JANUS" in (out / "README.md").read_text()  # the card says what was done instead
     assert "no new-task samples" in caplog.text

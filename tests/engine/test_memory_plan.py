@@ -21,7 +21,7 @@ from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.observer import RunObserver
-from hf_janus.engine.memory_plan import (HEAP_RETENTION, HOST_FILL, HostPeak, LayerShape, Workload,
+from hf_janus.engine.memory_plan import (HEAP_RETENTION, HOST_FILL, REPAIR_FP32_COPIES, HostPeak, LayerShape, Workload,
                                          container_available_memory, current_host_bytes, free_bytes, free_disk_bytes,
                                          heap_retention, measure_in_use_and_capacity, plan_memory, plan_schedule,
                                          plan_with_captures)
@@ -326,6 +326,32 @@ def test_on_the_cpu_everything_counts_against_the_host():
     tight = plan_memory(work, torch.device("cpu"), "memory", {"device": 0, "host": 1 << 30},
                         {"device": None, "host": (1 << 30) + 1000})
     assert not tight.fits and "host memory" in tight.notes[0]
+
+
+def test_the_repair_after_janus_is_a_phase_of_its_own_after_the_factors_are_dropped():
+    """Its float32 copies of the target layers and one training step's activations, beside the layers' pieces but
+    not the factors, which the store drops before the distillation."""
+    work = small_work(repair_tokens=512)  # longer than a replay batch (8 x 32 tokens)
+    plain = plan_memory(small_work(), torch.device("cpu"), "memory", {"device": 0, "host": 0},
+                        {"device": None, "host": 8 << 30})
+    plan = plan_memory(work, torch.device("cpu"), "memory", {"device": 0, "host": 0}, {"device": None, "host": 8 << 30})
+    fp32 = sum(layer.numel * 4 for layer in work.layers)
+    assert plan.pieces["repair"] == REPAIR_FP32_COPIES * fp32 + sum(layer.numel * layer.itemsize for layer in work.layers)
+    assert plan.pieces["repair_activations"] == work.activation_bytes(512)
+    assert "repair" not in plain.phases and plain.phases == {k: plan.phases[k] for k in plain.phases}
+    layers_only = sum(plan.pieces[p] for p in ("backup", "theta0", "current", "proj"))
+    assert plan.phases["repair"]["host"] == layers_only + plan.pieces["repair"] + plan.pieces["repair_activations"]
+
+
+def test_a_repair_that_cannot_fit_is_refused_naming_its_own_knobs():
+    work = small_work(repair_tokens=1 << 16)  # a long new-task batch: the repair's step is the peak
+    need = plan_memory(small_work(), torch.device("cpu"), "memory", {"device": 0, "host": 0},
+                       {"device": None, "host": 8 << 30}).peak_host_bytes
+    plan = plan_memory(work, torch.device("cpu"), "memory", {"device": 0, "host": 0},
+                       {"device": None, "host": need + 1})
+    assert not plan.fits
+    assert "repair after JANUS" in plan.notes[0] and "new_task_batch_size" in plan.notes[0]
+    assert "distill_steps=0" in plan.notes[0]
 
 
 @pytest.mark.parametrize("environ, libc, share", [

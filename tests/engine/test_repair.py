@@ -15,7 +15,7 @@ from testing_utils import REPAIR_CONFIG, build_tiny, fine_tune, fine_tune_sample
 
 from hf_janus import JanusConfig, JanusError, RectificationReport, rectify
 from hf_janus.engine.rectifier import Rectifier
-from hf_janus.engine.repair import VALIDATION_EVERY, split_validation
+from hf_janus.engine.repair import MOVES, NEW_TASK_VALIDATION_MAX, VALIDATION_EVERY, split_validation
 from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay
 
 FAST = {k: v for k, v in REPAIR_CONFIG.items() if k in ("rank", "replay_batch_size", "tau")}
@@ -58,7 +58,9 @@ def held_out_figures(model, replay, new_task):
         return (total / tokens, agree / tokens) if agreement else total / tokens
 
     _, replay_held = split_validation(prepare_replay(replay, FAST["replay_batch_size"]))
-    _, new_held = split_validation(prepare_replay(new_task, FAST["replay_batch_size"], group_by_length=False))
+    batch_size = JanusConfig(**FAST, **REPAIR).new_task_batch_size
+    _, new_held = split_validation(prepare_replay(new_task, batch_size, group_by_length=False),
+                                   NEW_TASK_VALIDATION_MAX)
     return nll(new_held), *nll(replay_held, agreement=True)
 
 
@@ -69,6 +71,8 @@ def test_every_eighth_sample_across_batches_is_held_out():
     rows = torch.cat([b["input_ids"][:, :4] for b in batches])
     assert torch.equal(torch.cat([b["input_ids"][:, :4] for b in held]), rows[VALIDATION_EVERY - 1::VALIDATION_EVERY])
     assert sum(len(b["input_ids"]) for b in train) == 20 - 2
+    train, held = split_validation(prepare_replay(random_replay(40), 6, group_by_length=False), most=3)
+    assert sum(len(b["input_ids"]) for b in held) == 3 and sum(len(b["input_ids"]) for b in train) == 37
 
 
 def test_the_chosen_point_keeps_the_gain_and_its_figures_are_the_models(models):
@@ -91,6 +95,32 @@ def test_the_chosen_point_keeps_the_gain_and_its_figures_are_the_models(models):
     assert all(chosen.replay_nll <= f.replay_nll + 1e-12 for f in feasible)
     assert "repair after JANUS" in report.summary() and repair.chosen in report.summary()
     assert RectificationReport.from_dict(report.to_dict()).repair == repair  # survives the record
+    assert "repair" in report.memory_plan["phases"]  # its copies of the layers were planned before any work
+
+
+def test_the_bisection_takes_the_point_a_walk_of_the_whole_grid_takes(models):
+    """The line is bisected rather than walked (a handful of points scored instead of twenty); where the gain falls
+    toward θ0, as here, it takes the point a walk of every move takes, found here apart from the engine: θ_T rebuilt
+    from the weights the model holds, each move scored on the held-out slices."""
+    finetuned, theta0 = models
+    model, report = run(models, **REPAIR)
+    b = report.repair.b
+    assert b is not None
+    figures = report.repair.validation
+    floor = figures["reference"].new_task_loss - REPAIR["keep_gain"] * (
+        figures["reference"].new_task_loss - figures["finetuned"].new_task_loss)
+    walk = {}
+    for move in MOVES:
+        point = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, p in point.named_parameters():
+                if not torch.equal(p, finetuned.get_parameter(name)):  # a target layer: θ0 + move (θ_T − θ0)
+                    p.copy_(theta0[name] + move / b * (p - theta0[name]))
+        new_loss, replay_nll, _ = held_out_figures(point, random_replay(24), new_task_samples())
+        walk[move] = (new_loss, replay_nll)
+    feasible = [move for move in MOVES if walk[move][0] <= floor]
+    assert 0 < len(feasible) < len(MOVES) and feasible == list(MOVES[:len(feasible)])  # every move down to one b
+    assert min(feasible, key=lambda move: walk[move][1]) == b
 
 
 def test_when_no_point_keeps_the_gain_the_janus_point_is_kept(models):
@@ -108,7 +138,10 @@ def test_no_steps_and_no_new_task_are_the_janus_point_bit_for_bit(models, caplog
     assert off_report.repair is None
     with caplog.at_level(logging.WARNING, logger="hf_janus"):
         skipped, skipped_report = run(models, distill_steps=5, new_task=None)
-    assert skipped_report.repair is None and "no new-task samples" in caplog.text
+    assert "no new-task samples" in caplog.text
+    # the record and the card say that the repair asked for was not run, and why
+    assert skipped_report.repair.chosen is None and "no new-task samples" in skipped_report.repair.reason
+    assert "repair after JANUS: none (no new-task samples" in skipped_report.summary()
     for key, value in plain.state_dict().items():
         assert torch.equal(off.state_dict()[key], value) and torch.equal(skipped.state_dict()[key], value)
 
@@ -166,7 +199,8 @@ def test_a_bfloat16_model_is_repaired(models):
 
 
 @pytest.mark.parametrize("field, value", [("distill_steps", -1), ("keep_gain", 0.0), ("keep_gain", 1.5),
-                                          ("distill_lr", 0.0), ("new_task_weight", -1.0)])
+                                          ("distill_lr", 0.0), ("new_task_weight", -1.0),
+                                          ("new_task_batch_size", 0)])
 def test_invalid_repair_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"JanusConfig.{field}"):
         JanusConfig(**{field: value})

@@ -19,7 +19,7 @@ from hf_janus import JanusConfig
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidate_weights import WeightBuilder
-from hf_janus.evaluation.candidates import (BuildContext, DgHard, Fisher, InputNull, JanusThenReplaySft, Lines,
+from hf_janus.evaluation.candidates import (BuildContext, DgHard, Fisher, InputNull, Janus, JanusRepair, Lines,
                                             RegMean, ReplaySft, Wise)
 from hf_janus.evaluation.candidates.dg_hard import hard_threshold, omega
 from testing_utils import build_tiny, fine_tune
@@ -283,105 +283,83 @@ def test_replay_fine_tuning_budget_counts_janus_evaluations():
     assert runs == [0.9]
 
 
-def test_janus_then_replay_fine_tuning_trains_from_the_janus_result():
-    """The JANUS run's result (here a stand-in rectifier that halves the update), then the plain training loop from
-    there; a second candidate of the same τ shares the run and is charged only its passes."""
+def test_janus_repair_is_one_rectification_with_the_repair_and_a_janus_point_has_none():
+    """The candidate is a view of the engine's stage: one call of the rectifier with its settings as the
+    ``JanusConfig``'s repair fields and the frontier's new-task samples; a plain JANUS point of the same frontier runs
+    with the repair off even where the run's config has it on. What the rectifier leaves in the model is the point."""
     model, theta0 = tiny_pair(seed=3)
-    builder = builder_for(model, theta0, replay=EQUAL)
-    runs = []
+    new_task = [{"input_ids": [3, 1, 4, 2]} for _ in range(8)]
+    builder = builder_for(model, theta0, replay=EQUAL * 3, new_task=new_task)
+    calls = []
 
-    def halving_janus(model, reference, replay, config, progress, finetuned):
-        runs.append(config.tau)
+    def halving_rectifier(model, reference, replay, config, progress, finetuned, **repair):
+        calls.append((config, repair))
         with torch.no_grad():
             for k, p in model.named_parameters():
                 p.copy_((reference[k] + finetuned[k]) / 2)
         return RectificationReport(config={}, num_jacobian_evals=3)
 
-    ctx = context(batch_size=len(EQUAL), rectify_fn=halving_janus)
-    candidate = JanusThenReplaySft(passes=2, tau=0.9, lr=1e-2)
+    ctx = BuildContext(config=JanusConfig(replay_batch_size=3, distill_steps=7), rectify_fn=halving_rectifier)
+    candidate = JanusRepair(tau=0.9, steps=6, keep_gain=0.8, lr=1e-3, new_task_weight=0.5, new_task_batch_size=3)
+    candidate.check(builder)
     weights, cost = built(candidate, builder, ctx)
-    assert runs == [0.9] and (cost.jacobian_evaluations, cost.forward_passes, cost.backward_passes) == (3, 4.0, 2.0)
-    halfway = copy.deepcopy(model)
-    with torch.no_grad():
-        for k, p in halfway.named_parameters():
-            p.copy_((theta0[k] + builder.finetuned[k]) / 2)
-    want = train_by_hand(halfway, theta0, 2, "kl", "adam", 1e-2)
-    for k, w in want.items():
-        assert torch.allclose(weights[k], w, atol=1e-6), k
+    config, repair = calls[-1]
+    assert (config.tau, config.distill_steps, config.keep_gain, config.distill_lr, config.new_task_weight,
+            config.new_task_batch_size) == (0.9, 6, 0.8, 1e-3, 0.5, 3)
+    assert repair == {"new_task": new_task}
+    for k, w in weights.items():
+        assert torch.allclose(w, (theta0[k].float() + builder.finetuned[k].float()) / 2, atol=1e-6), k
+    # JANUS's evaluations, and 6 steps of one 3-sample replay batch over 9 samples: 2 replay passes forward and
+    # backward, the forward twice (θ0's distributions)
+    assert (cost.jacobian_evaluations, cost.forward_passes, cost.backward_passes) == (3, 4.0, 2.0)
     assert all(torch.equal(builder.params[k].detach(), v) for k, v in builder.finetuned.items())
-    more = JanusThenReplaySft(passes=1, tau=0.9, loss="ce", lr=1e-2).prepare(builder, ctx)
-    assert runs == [0.9] and (more.jacobian_evaluations, more.forward_passes, more.backward_passes) == (0, 1.0, 1.0)
-    assert candidate.prepare(builder, ctx).reused
-    # moved toward θ0 by b: no more training, θ0 + b(θ_T − θ0)
-    moved = JanusThenReplaySft(passes=2, tau=0.9, lr=1e-2, b=0.5)
-    assert moved.prepare(builder, ctx).reused and moved.label.endswith("lr=0.01) → θ0 b=0.5")
-    for k, w in moved.weights(builder).items():
-        assert torch.allclose(w, (theta0[k].float() + weights[k]) / 2, atol=1e-6), k
-    # ... or toward θ̂ by b_hat: θ_T + b_hat(θ̂ − θ_T)
-    back = JanusThenReplaySft(passes=2, tau=0.9, lr=1e-2, b_hat=0.25)
-    assert back.prepare(builder, ctx).reused and back.label.endswith("lr=0.01) → θ̂ b=0.25")
-    for k, w in back.weights(builder).items():
-        assert torch.allclose(w, weights[k] + 0.25 * (builder.finetuned[k].float() - weights[k]), atol=1e-6), k
-    assert "moved toward θ̂: θ_T + 0.25·(θ̂ − θ_T)" in back.describe()
-    assert "JANUS result at τ=0.9 trained further for 2 passes on the KL" in candidate.describe()
-    full = builder_for(model, theta0, replay=EQUAL, free_memory=lambda device: 0)
-    with pytest.raises(JanusError, match="janus-then-replay-sft needs .* GiB on cpu for its adam state"):
-        candidate.check(full)  # before the JANUS run, like replay-sft
+    assert candidate.prepare(builder, ctx).reused and len(calls) == 1
+    built(Janus(0.9), builder, ctx)
+    assert calls[-1][0].distill_steps == 0 and calls[-1][1] == {}
+    assert "distill_steps=6" in candidate.describe() and candidate.label.startswith("JANUS τ=0.9 → repair 6 steps")
+    with pytest.raises(JanusError, match="janus-repair fits the new task's samples .* none were given"):
+        candidate.check(builder_for(model, theta0, replay=EQUAL * 3))
+    with pytest.raises(JanusError, match="give at least 8 new-task samples"):
+        candidate.check(builder_for(model, theta0, replay=EQUAL * 3, new_task=new_task[:7]))
 
 
-@pytest.mark.parametrize("kind", ["replay-sft", "janus-then-replay-sft"])
-def test_replay_training_that_fits_the_new_task_too_matches_a_plain_training_loop(kind):
+def test_replay_training_that_fits_the_new_task_too_matches_a_plain_training_loop():
     """With ``new_task_weight``, each replay step also fits the next new-task batch (in turn) at that weight of its
     cross-entropy; without the new task's samples the candidate is refused before any training."""
     model, theta0 = tiny_pair(seed=3)
     builder = builder_for(model, theta0, replay=EQUAL, new_task=NEW_TASK)
-    runs = []
-
-    def identity_janus(model, reference, replay, config, progress, finetuned):
-        runs.append(config.tau)  # leaves θ̂ as it is: the passes start from θ̂ either way
-        return RectificationReport(config={}, num_jacobian_evals=1)
-
-    settings = dict(loss="kl", lr=1e-2, new_task_weight=0.5, new_task_batch_size=1)
-    candidate = (ReplaySft(passes=3, **settings) if kind == "replay-sft"
-                 else JanusThenReplaySft(passes=3, tau=0.9, **settings))
+    candidate = ReplaySft(passes=3, loss="kl", lr=1e-2, new_task_weight=0.5, new_task_batch_size=1)
     candidate.check(builder)
-    weights, cost = built(candidate, builder, context(batch_size=len(EQUAL), rectify_fn=identity_janus))
+    weights, cost = built(candidate, builder, context(batch_size=len(EQUAL)))
     want = train_by_hand(model, theta0, 3, "kl", "adam", 1e-2, new_task_weight=0.5)
     replay_only = train_by_hand(model, theta0, 3, "kl", "adam", 1e-2)
     for k, w in want.items():
         assert torch.allclose(weights[k], w, atol=1e-6), k
         assert not torch.allclose(w, replay_only[k], atol=1e-4), k  # the new task's samples moved it
     assert all(torch.equal(builder.params[k].detach(), v) for k, v in builder.finetuned.items())
-    assert runs == ([] if kind == "replay-sft" else [0.9])
     without = builder_for(model, theta0, replay=EQUAL)
-    with pytest.raises(JanusError, match=f"{kind}: new_task_weight fits the new task's samples too, but none were "
+    with pytest.raises(JanusError, match="replay-sft: new_task_weight fits the new task's samples too, but none were "
                                          "given; pass new_task_samples= to frontier"):
         candidate.check(without)
 
 
-@pytest.mark.parametrize("kind", ["replay-sft", "janus-then-replay-sft"])
-def test_replay_training_steps_are_the_nearest_whole_passes(kind):
+def test_replay_training_steps_are_the_nearest_whole_passes():
     """``steps`` counts optimizer steps, one per replay batch, and trains the nearest whole number of passes (at
     least one): the same training as ``passes`` gives, so that a recipe measured at one replay size keeps its
     training at another."""
     model, theta0 = tiny_pair(seed=3)
 
-    def identity_janus(model, reference, replay, config, progress, finetuned):
-        return RectificationReport(config={}, num_jacobian_evals=1)
-
     def make(**length):
-        settings = dict(loss="kl", lr=1e-2, batch_size=1, **length)  # EQUAL in batches of one: 3 steps a pass
-        return ReplaySft(**settings) if kind == "replay-sft" else JanusThenReplaySft(tau=0.9, **settings)
+        return ReplaySft(loss="kl", lr=1e-2, batch_size=1, **length)  # EQUAL in batches of one: 3 steps a pass
 
-    ctx = context(rectify_fn=identity_janus)
+    ctx = context()
     for steps, passes in ((1, 1), (4, 1), (5, 2), (7, 2), (8, 3)):
         builder = builder_for(model, theta0, replay=EQUAL)
         weights, cost = built(make(steps=steps), builder, ctx)
         want, _ = built(make(passes=passes), builder_for(model, theta0, replay=EQUAL), ctx)
         assert cost.backward_passes == passes, steps
         assert all(torch.equal(weights[k], w) for k, w in want.items()), steps
-    assert make(steps=8).label.startswith("replay SFT 8 steps" if kind == "replay-sft" else
-                                          "JANUS τ=0.9 → replay SFT 8 steps")
+    assert make(steps=8).label.startswith("replay SFT 8 steps")
     assert "about 8 optimizer steps (the nearest whole number of passes over the replay)" in make(steps=8).describe()
 
 

@@ -14,7 +14,7 @@ from eval_fixtures import NEW, PAST, nll_scorer, tiny_frontier_setting, write_js
 from hf_janus import JanusConfig, load_report
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates import (DEFAULT_PEERS, NEW_TASK_PEERS, DampedJanus, DgHard, Janus,
-                                            JanusThenReplaySft, JanusToReference, Lines, ReplaySft, SpecContext, Wise,
+                                            JanusRepair, JanusToReference, Lines, ReplaySft, SpecContext, Wise,
                                             WiseThenJanus, candidates, default_peers, kinds, parse_candidates)
 from hf_janus.evaluation.frontier_search import frontier, wise_margin
 
@@ -34,21 +34,17 @@ def test_spec_grammar_builds_the_kinds():
     budgets = parse_candidates("replay-sft", SpecContext(tau=0.9))
     assert [(c.budget, c.janus_tau, c.run_key()) for c in budgets] == [(1.0, 0.9, None), (2.0, 0.9, None),
                                                                       (4.0, 0.9, None)]
-    polished = parse_candidates("janus-then-replay-sft janus-then-replay-sft:passes=8:tau=0.9:loss=ce",
-                                SpecContext(tau=0.95))
-    assert polished == [JanusThenReplaySft(passes=16, tau=0.95), JanusThenReplaySft(passes=8, tau=0.9, loss="ce")]
-    assert polished[0].loss == "kl" and polished[0].run_key() == Janus(0.95).run_key()  # shares JANUS's run
-    assert [c.b for c in parse_candidates("janus-then-replay-sft:b=0.9,0.8")] == [0.9, 0.8]
-    assert [c.b_hat for c in parse_candidates("janus-then-replay-sft:b_hat=0.1")] == [0.1]
-    fitted = parse_candidates("janus-then-replay-sft:new_task_weight=1,0.5:new_task_batch_size=4 "
-                              "replay-sft:passes=2:new_task_weight=1")
-    assert [(c.new_task_weight, c.new_task_batch_size) for c in fitted] == [(1.0, 4), (0.5, 4), (1.0, 2)]
-    assert fitted[0].label.endswith("lr=1e-05, new task ×1)") and fitted[2].label.endswith(", new task ×1)")
+    repairs = parse_candidates("janus-repair janus-repair:steps=8:keep_gain=0.9:tau=0.9", SpecContext(tau=0.95))
+    assert repairs == [JanusRepair(tau=0.95), JanusRepair(tau=0.9, steps=8, keep_gain=0.9)]
+    assert repairs[0].steps == 256 and repairs[0].run_key() != Janus(0.95).run_key()  # a rectification of its own
+    assert repairs[1].changes() == {"tau": 0.9, "distill_steps": 8, "keep_gain": 0.9, "distill_lr": 1e-5,
+                                    "new_task_weight": 1.0, "new_task_batch_size": 2}
+    fitted = parse_candidates("replay-sft:passes=2:new_task_weight=1,0.5:new_task_batch_size=4")
+    assert [(c.new_task_weight, c.new_task_batch_size) for c in fitted] == [(1.0, 4), (0.5, 4)]
+    assert fitted[0].label.endswith("lr=1e-05, new task ×1)")
     assert "Each step also fits 4 of the new task's samples" in fitted[0].describe()
-    assert fitted[0].artifact_key() != JanusThenReplaySft(passes=16, tau=0.95).artifact_key()  # trained apart
+    assert fitted[0].artifact_key() != ReplaySft(passes=2).artifact_key()  # trained apart
     # steps= instead of passes= (no default passes then); replay-sft's default budgets only when neither is given
-    assert parse_candidates("janus-then-replay-sft:steps=256:b=0.8", SpecContext(tau=0.9)) == [
-        JanusThenReplaySft(tau=0.9, steps=256, b=0.8)]
     assert parse_candidates("replay-sft:steps=64") == [ReplaySft(steps=64)]
     assert parse_candidates("input-null fisher:1 lines dg-hard")[-2:] == [Lines(0.0, 1.0), DgHard()]
     assert [c.energy for c in parse_candidates("input_null")] == [0.9, 0.99, 0.999]  # the JSON kind works too
@@ -67,17 +63,15 @@ def test_spec_grammar_builds_the_kinds():
     ("replay-sft:steps=2:budget=1", "one of passes=, steps= and budget=, not steps and budget"),
     ("replay-sft:steps=2:janus_tau=0.9", "janus_tau names the JANUS run a budget= counts; with steps= it is unused"),
     ("replay-sft:steps=0", "replay-sft: steps must be a whole number ≥ 1"),
-    ("janus-then-replay-sft:passes=4:steps=32", "takes passes= or steps=, not both"),
-    ("janus-then-replay-sft:steps=0", "janus-then-replay-sft: steps must be a whole number ≥ 1"),
+    ("janus-repair:steps=0", "janus-repair: steps must be a whole number ≥ 1"),
+    ("janus-repair:keep_gain=1.5", "janus-repair: keep_gain must be in \\(0, 1\\]"),
+    ("janus-repair:new_task_batch_size=0", "janus-repair: new_task_batch_size must be a whole number ≥ 1"),
     ("replay-sft:passes=0", "passes must be a whole number ≥ 1"),
     ("replay-sft:passes=2:loss=mse", "loss must be one of \\('ce', 'kl'\\)"),
-    ("janus-then-replay-sft:passes=0", "janus-then-replay-sft: passes must be a whole number ≥ 1"),
-    ("janus-then-replay-sft:b=1", "janus-then-replay-sft: b must be strictly between 0 and 1"),
-    ("janus-then-replay-sft:b_hat=0", "janus-then-replay-sft: b_hat must be strictly between 0 and 1"),
-    ("janus-then-replay-sft:b=0.9:b_hat=0.1", "takes b= or b_hat=, not both"),
-    ("janus-then-replay-sft:new_task_weight=0", "new_task_weight must be finite and > 0"),
+    ("janus-repair:lr=0", "janus-repair: lr must be finite and > 0"),
+    ("janus-repair:new_task_weight=0", "new_task_weight must be finite and > 0"),
     ("replay-sft:passes=1:new_task_batch_size=0", "new_task_batch_size must be a whole number ≥ 1"),
-    ("janus-then-replay-sft:optimizer=lbfgs", "optimizer must be one of \\('adam', 'sgd'\\)"),
+    ("replay-sft:passes=1:optimizer=lbfgs", "optimizer must be one of \\('adam', 'sgd'\\)"),
     ("input-null:1", "energy must be strictly between 0 and 1"),
     ("input-null:0.9:tokens=some", "tokens must be one of"),
     ("regmean:0", "lam must be finite and > 0"),
@@ -150,36 +144,48 @@ def test_the_keyword_grids_end_with_the_default_peers(setting):
                                 peers="").points] == ["anchor", "anchor", "wise"]
 
 
-def test_with_new_task_samples_the_default_peers_add_the_recommended_repair(setting):
-    """Given the new task's samples, the default peers also hold JANUS → KL passes that fit them → θ0 at the real-model
-    study's grid: the same points as naming them after the others in a spec. A peers spec the user gives is taken
-    as given, and without the samples the default is the peers alone."""
-    tok, base, tuned, replay = setting
-    new_task = [{"input_ids": tok(t)["input_ids"]} for t in NEW[6:]]
+def test_with_new_task_samples_the_default_peers_add_the_repair_after_janus(setting):
+    """Given the new task's samples, the default peers also hold JANUS with the repair after it: the engine's own
+    stage (one rectification with distill_steps, which chooses its point), the same point as naming it after the
+    others in a spec. A peers spec the user gives is taken as given, and without the samples the default is the peers
+    alone."""
+    tok, base, tuned, _ = setting
+    replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST]  # the repair holds one sample in eight out
+    new_task = [{"input_ids": tok(t)["input_ids"]} for t in NEW]
     grids = dict(wise_grid=(0.5,), taus=(0.9,), dampings=(), hybrids=False)
-    by_default = run(setting, new_task_samples=new_task, **grids)
-    by_spec = run(setting, candidates="wise:0.5 janus:tau=0.9 " + default_peers(True), new_task_samples=new_task)
+    mine = (tok, base, tuned, replay)
+    by_default = run(mine, new_task_samples=new_task, **grids)
+    by_spec = run(mine, candidates="wise:0.5 janus:tau=0.9 " + default_peers(True), new_task_samples=new_task)
     assert default_peers(True) == DEFAULT_PEERS + " " + NEW_TASK_PEERS and default_peers(False) == DEFAULT_PEERS
-    assert [p.kind for p in by_default.points][-7:] == (["replay_sft", "fisher", "input_null", "input_null"]
-                                                        + ["janus_then_replay_sft"] * 3)
-    repairs = [p.candidate for p in by_default.points[-3:]]
-    assert [c.b for c in repairs] == [0.8, 0.7, 0.6]
-    assert all(c.steps == 256 and c.new_task_weight == 1 and c.tau == 0.9 for c in repairs)
-    # the 6 replay samples are one batch of JanusConfig's 8: a step a pass
-    assert by_default.points[-3].cost.backward_passes == 256 and by_default.points[-2].cost.reused
+    assert [p.kind for p in by_default.points][-5:] == ["replay_sft", "fisher", "input_null", "input_null",
+                                                        "janus_repair"]
+    repaired = by_default.points[-1]
+    assert repaired.candidate == JanusRepair(tau=0.9)
+    report = by_default.reports[repaired.candidate.run_key()]
+    assert report["config"]["distill_steps"] == 256 and report["repair"]["steps"] == 256
+    assert report["repair"]["chosen"] is not None and report["repair"]["validation_samples"] == {
+        "replay": 1, "new_task": 1}
+    # the plain JANUS point is JANUS alone, although the config of its run is the same but for the repair
+    assert "repair" not in by_default.reports["tau=0.9"] or by_default.reports["tau=0.9"]["repair"] is None
+    # the 12 replay samples are two batches of JanusConfig's 8: 256 steps are 256 x 8 / 12 replay passes
+    assert repaired.cost.backward_passes == pytest.approx(256 * 8 / 12)
     assert [comparable(p) for p in by_default.points] == [comparable(p) for p in by_spec.points]
-    assert "janus_then_replay_sft" not in {p.kind for p in run(setting, peers="fisher", new_task_samples=new_task,
-                                                                 **grids).points}
+    assert "janus_repair" not in {p.kind for p in run(mine, peers="fisher", new_task_samples=new_task,
+                                                        **grids).points}
+    with pytest.raises(JanusError, match="janus-repair fits the new task's samples .* none were given"):
+        run(mine, candidates="janus-repair")
+    with pytest.raises(JanusError, match="holds out one replay sample in 8 .* give at least 8 replay samples"):
+        run(setting, candidates="janus-repair", new_task_samples=new_task)
 
 
 def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     tok, base, tuned, replay = setting
     spec = ("wise:0.5 janus:0.9 replay-sft:passes=2:lr=1e-3 input-null:0.9,0.99 regmean:0.01 fisher:1 lines "
-            "dg-hard janus-then-replay-sft:passes=2:tau=0.9:lr=1e-3")
+            "dg-hard")
     result = run(setting, candidates=spec, min_ap2=0.0)
     kinds_seen = [p.kind for p in result.points]
     assert kinds_seen == ["anchor", "anchor", "wise", "janus", "replay_sft", "input_null", "input_null", "regmean",
-                          "fisher", "lines", "dg_hard", "janus_then_replay_sft"]
+                          "fisher", "lines", "dg_hard"]
     builder, scorer = result._builder, nll_scorer(tok)
     for p in result.points:  # each point's scores are its weights' scores
         with builder.applied(p) as model:
@@ -188,10 +194,6 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     costs = {k: (p.cost.jacobian_evaluations, p.cost.forward_passes, p.cost.backward_passes) for k, p in by.items()}
     assert costs["replay_sft"] == (0, 2.0, 2.0) and costs["regmean"] == (0, 0.0, 0.0)  # the Grams were shared
     assert costs["fisher"] == (0, 1.0, 1.0) and costs["janus"][0] > 0 and costs["lines"] == (0, 0.0, 0.0)
-    # JANUS then replay training: the JANUS run is the janus point's (charged there), the KL passes its own
-    polished = by["janus_then_replay_sft"]
-    assert costs["janus_then_replay_sft"] == (0, 4.0, 2.0) and not polished.cost.reused
-    assert polished.candidate.run_key() == by["janus"].candidate.run_key() == "tau=0.9"
     assert [p.cost.forward_passes for p in result.points if p.kind == "input_null"] == [1.0, 0.0]
     # what building took at its peak, on the CPU the process's resident memory (a kind that builds nothing, or a
     # point built from an earlier one's Grams: none, and the latter says its cost is that point's)

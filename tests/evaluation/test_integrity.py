@@ -101,15 +101,13 @@ def test_diverging_replay_training_is_a_diverged_point_logged_unchosen_unplotted
         return train(*args, **kwargs)
 
     monkeypatch.setattr(replay_sft, "train_on_replay", counted)
-    spec = ("wise:0.5 replay-sft:passes=2:lr=1e4 replay-sft:passes=1:lr=1e-4 "
-            "janus-then-replay-sft:tau=0.9:passes=2:lr=1e4:b=0.5,0.7")
+    spec = "wise:0.5 replay-sft:passes=2:lr=1e4 replay-sft:passes=1:lr=1e-4 replay-sft:passes=3:loss=kl:lr=1e4"
     with caplog.at_level("WARNING", logger="hf_janus.evaluation.frontier_search"):
         result = run(setting, candidates=spec, scorer=nll_scorer(tok))
     by = {p.label: p for p in result.points}
     diverged = [p for p in result.points if p.status == DIVERGED]
-    assert [p.kind for p in diverged] == ["replay_sft", "janus_then_replay_sft", "janus_then_replay_sft"]
+    assert [p.kind for p in diverged] == ["replay_sft", "replay_sft"]
     assert by["replay SFT 1 passes (CE, adam lr=0.0001)"].status == SCORED
-    # the points of every b share one training: it diverged once, and is not run again for the second b
     assert trainings == [1e4, 1e-4, 1e4]
     for p in diverged:
         assert p.scores == {"past": None, "new": None} and (p.ap1, p.ap2, p.ap) == (None, None, None)

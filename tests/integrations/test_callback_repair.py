@@ -31,6 +31,10 @@ def test_the_callback_repairs_with_the_trainers_own_samples(tmp_path):
     assert repair.chosen is not None and "repair after JANUS" in janus.report.summary()
     record = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
     assert record["repair"]["chosen"] == repair.chosen
+    # its figures go where the Trainer's logs go
+    logged = next(entry for entry in trainer.state.log_history if "janus/repair_replay_nll" in entry)
+    assert logged["janus/repair_replay_nll"] == repair.validation["chosen"].replay_nll
+    assert logged["janus/repair_seconds"] == repair.seconds
     trainer.save_model(str(tmp_path / "saved"))
     assert "repair after JANUS" in (tmp_path / "saved" / "README.md").read_text()
 

@@ -121,7 +121,7 @@ class JanusMerger:
         new_task_samples: what the adapter was trained on, for the repair after JANUS (``config.distill_steps``):
             samples as ``replay`` takes them (labelled; a file or dataset id is read with ``replay_options``, and
             prompt/response data counts the response only). The repair fits them and keeps ``config.keep_gain`` of
-            their gain; without them it is skipped (logged, and the record has no repair).
+            their gain; without them it is skipped (logged, and the record and card say so).
         allow_pickle: accept weights stored only as a pickle (``adapter_model.bin`` of the adapter or of
             ``initial_adapter``, ``pytorch_model.bin`` of the base). They are refused by default, because
             unpickling can run code; with ``True`` they are read with torch's restricted unpickler

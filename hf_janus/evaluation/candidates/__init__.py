@@ -4,8 +4,8 @@ of the kinds, a spec syntax (:func:`parse_candidates`) and the keyword grids of 
 
 Kinds, by spec name: ``wise``, ``janus``, ``damped-janus``, ``janus-to-reference``, ``janus-to-finetuned``,
 ``wise-then-janus``, ``intruder`` and ``intruder-then-janus`` (LoRA adapters), the post-hoc peers ``replay-sft``,
-``input-null``, ``regmean``, ``fisher``, ``lines`` and ``dg-hard`` (full fine-tuning), and
-``janus-then-replay-sft`` (JANUS, then replay fine-tuning from its result).
+``input-null``, ``regmean``, ``fisher``, ``lines`` and ``dg-hard`` (full fine-tuning), and ``janus-repair`` (JANUS
+with the repair after it, ``JanusConfig.distill_steps``: the engine's own stage).
 """
 
 from hf_janus.evaluation.candidates.anchor import FINETUNED, REFERENCE, Anchor
@@ -18,7 +18,7 @@ from hf_janus.evaluation.candidates.input_null import InputNull
 from hf_janus.evaluation.candidates.intruder import INTRUDER_CURVE_SPEC, Intruder
 from hf_janus.evaluation.candidates.intruder_then_janus import IntruderThenJanus
 from hf_janus.evaluation.candidates.janus import Janus, JanusBased
-from hf_janus.evaluation.candidates.janus_then_replay_sft import JanusThenReplaySft
+from hf_janus.evaluation.candidates.janus_repair import JanusRepair
 from hf_janus.evaluation.candidates.janus_to_finetuned import JanusToFinetuned
 from hf_janus.evaluation.candidates.janus_to_reference import JanusToReference
 from hf_janus.evaluation.candidates.keywords import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
@@ -35,7 +35,7 @@ from hf_janus.evaluation.candidates.wise_then_janus import WiseThenJanus
 
 # the order of the plot's legend and of the docs
 for _kind in (Wise, Intruder, Janus, DampedJanus, JanusToReference, JanusToFinetuned, WiseThenJanus,
-              IntruderThenJanus, ReplaySft, InputNull, RegMean, Fisher, Lines, DgHard, JanusThenReplaySft):
+              IntruderThenJanus, ReplaySft, InputNull, RegMean, Fisher, Lines, DgHard, JanusRepair):
     register(_kind)
 del _kind
 
@@ -44,7 +44,7 @@ __all__ = [
     "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID", "FINETUNED", "INTRUDER_CURVE_SPEC",
     "REFERENCE", "WISE_CURVE_SPEC", "Anchor", "BuildContext", "Candidate", "CandidateDiverged", "Cost", "Curve",
     "DampedJanus", "DgHard",
-    "Fisher", "InputNull", "Intruder", "IntruderThenJanus", "Janus", "JanusBased", "JanusThenReplaySft",
+    "Fisher", "InputNull", "Intruder", "IntruderThenJanus", "Janus", "JanusBased", "JanusRepair",
     "JanusToFinetuned",
     "JanusToReference", "Lines", "NEW_TASK_PEERS", "Option", "PlotStyle", "RegMean", "ReplaySft", "SpecContext",
     "Wise", "WiseThenJanus", "candidates", "check_grids", "default_peers", "kind_named", "kinds",

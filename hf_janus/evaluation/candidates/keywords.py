@@ -26,12 +26,10 @@ from hf_janus.evaluation.candidates.wise_then_janus import DEFAULT_PRE_JANUS_GRI
 # README.md, issue 40), at a cost of the order of one JANUS run (replay SFT), one Jacobian evaluation (Fisher) or one
 # forward pass over the replay (the null space, shared by its two points).
 DEFAULT_PEERS = "replay-sft:budget=4:loss=kl fisher:strength=1 input-null:energy=0.5,0.9"
-# JANUS, then 256 steps on the replay's KL to θ0 that also fit the new task's samples, then back toward θ0: what
-# brought back the most on the real model's three fine-tunings at AP2 ≥ 95, on questions never used to choose it
-# (benchmarks/forgetting/README.md, issue 43). It needs the new task's samples, so only a frontier given them adds it.
-# Steps, not passes: the study measured 32 passes over 64 answers and 20 over 100 (batches of 8), the same training,
-# and steps=256 gives each of those.
-NEW_TASK_PEERS = "janus-then-replay-sft:steps=256:new_task_weight=1:b=0.8,0.7,0.6"
+# JANUS with the repair after it (the engine's stage, JanusConfig.distill_steps): JANUS, then steps on the replay's KL
+# to θ0 that also fit the new task's samples, then the point back toward θ0 it chooses itself. It needs the new task's
+# samples, so only a frontier given them adds it.
+NEW_TASK_PEERS = "janus-repair"
 
 __all__ = ["DEFAULT_DAMPINGS", "DEFAULT_PEERS", "DEFAULT_HYBRID_GRID", "DEFAULT_INTRUDER_LAMBDAS",
            "DEFAULT_PRE_JANUS_GRID", "DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS", "DEFAULT_TAUS", "DEFAULT_WISE_GRID",

@@ -93,15 +93,13 @@ def non_finite(loss: Tensor, weights: Sequence[Tensor]) -> Optional[str]:
 
 
 def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimizer: str, lr: float,
-                    batch_size: int, start: Optional[Mapping[str, Tensor]] = None,
-                    new_task: Optional[Sequence[Mapping[str, Tensor]]] = None,
+                    batch_size: int, new_task: Optional[Sequence[Mapping[str, Tensor]]] = None,
                     new_task_weight: float = 1.0) -> dict[str, Tensor]:
-    """The changed parameters after ``passes`` passes of replay training from ``start`` (default θ̂), float32, on
-    the host. With ``new_task`` (labelled batches of what fine-tuning trained on, taken in turn, one per step),
+    """The changed parameters after ``passes`` passes of replay training from θ̂, float32, on the host. With ``new_task`` (labelled batches of what fine-tuning trained on, taken in turn, one per step),
     each step's loss also counts ``new_task_weight`` times their cross-entropy, so that the passes keep the gain.
     A step whose loss or weights are not finite stops the training with :class:`CandidateDiverged`."""
     names = list(builder.theta0)
-    start = builder.finetuned if start is None else start
+    start = builder.finetuned
     params = [builder.params[k] for k in names]
     master = [start[k].detach().float().to(p.device).clone().requires_grad_(True)
               for k, p in zip(names, params)]
@@ -197,14 +195,13 @@ class ReplayTraining:
         return (f"about {self.steps} optimizer steps (the nearest whole number of passes over the replay)" if card
                 else f"{self.steps} steps")
 
-    def trained(self, builder: "WeightBuilder", passes: int, batch_size: int,
-                start: Optional[Mapping[str, Tensor]] = None) -> dict[str, Tensor]:
+    def trained(self, builder: "WeightBuilder", passes: int, batch_size: int) -> dict[str, Tensor]:
         """:func:`train_on_replay` with this candidate's settings, fitting the new task's samples too when
         ``new_task_weight`` is set."""
         new_task = (None if self.new_task_weight is None
                     else new_task_batches(builder, self.new_task_batch_size))
         return train_on_replay(builder, passes, loss=self.loss, optimizer=self.optimizer, lr=self.lr,
-                               batch_size=batch_size, start=start, new_task=new_task,
+                               batch_size=batch_size, new_task=new_task,
                                new_task_weight=self.new_task_weight or 1.0)
 
     def new_task_label(self) -> str:
