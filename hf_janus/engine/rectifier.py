@@ -73,7 +73,7 @@ class Rectifier:
     def __init__(self, model: nn.Module, reference: Union[WeightSource, Reference], replay: Any,
                  config: Optional[JanusConfig] = None, progress: bool = True, keep_reference_factors: bool = False,
                  factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
-                 observer: Optional[RunObserver] = None, new_task: Any = None):
+                 observer: Optional[RunObserver] = None, new_task: Any = None, new_task_validation: Any = None):
         """See :func:`rectify` for the first four arguments.
 
         Args:
@@ -92,6 +92,8 @@ class Rectifier:
                 drive the loop through chosen landscapes; the default changes nothing.
             new_task: samples of what fine-tuning trained on, with labels, as ``replay`` takes them: the repair
                 after JANUS (``config.distill_steps``) fits them and measures the gain it keeps on them.
+            new_task_validation: held-out samples of the new task (a Trainer's ``eval_dataset``), on which the
+                repair measures the gain instead of every eighth of ``new_task`` (all of which it then fits).
         """
         self.model, self.progress, self.keep_reference_factors = model, progress, keep_reference_factors
         self.observer = observer if observer is not None else RunObserver()
@@ -108,6 +110,11 @@ class Rectifier:
         #: why a repair asked for (``config.distill_steps``) is not run, for the report; None otherwise
         self.repair_skipped: Optional[str] = None
         self.new_task_batches = self._new_task_batches(new_task, modules)
+        self.new_task_validation = (None if self.new_task_batches is None or new_task_validation is None
+                                    else self._labelled(new_task_validation, "new-task validation",
+                                                        "give some, or none to hold out every eighth new-task sample"))
+        if self.new_task_batches is not None:
+            check_samples(self.batches, self.new_task_batches, self.new_task_validation)
         # an explicit dtype wins over config.factor_dtype (the memory plan resolves "auto")
         factor_dtype = (self.config.factor_dtype if factor_dtype is None
                         else str(factor_dtype).replace("torch.", ""))
@@ -152,13 +159,19 @@ class Rectifier:
                 raise JanusError(f"the repair after JANUS (distill_steps) trains the target layers' weights, and "
                                  f"{name} is {'quantized' if rule.quantized else 'sharded (FSDP2 or ZeRO-3)'}: set "
                                  "distill_steps=0, or rectify the saved adapter or model with JanusMerger / rectify")
-        batches = prepare_replay(new_task, self.config.new_task_batch_size, group_by_length=False)
-        check_vocabulary(batches, self.model, what="new-task")
+        return self._labelled(new_task, "new-task", "give what fine-tuning trained on, or set distill_steps=0")
+
+    def _labelled(self, samples: Any, what: str, fix: str) -> list[dict[str, Tensor]]:
+        """New-task samples batched in their order, refused unless there are some (``fix`` says what to do) and each
+        is in the vocabulary and has a token that carries loss."""
+        if hasattr(samples, "__len__") and len(samples) == 0:
+            raise JanusError(f"the {what} samples are empty: {fix}")
+        batches = prepare_replay(samples, self.config.new_task_batch_size, group_by_length=False)
+        check_vocabulary(batches, self.model, what=what)
         unlabelled = samples_without_loss(batches)
         if unlabelled:
-            raise JanusError(f"{len(unlabelled)} new-task sample(s) have no token that carries loss (the first at "
+            raise JanusError(f"{len(unlabelled)} {what} sample(s) have no token that carries loss (the first at "
                              f"{unlabelled[0]}, counting from 0): give them labels or drop them")
-        check_samples(self.batches, batches)
         return batches
 
     def _plan_memory(self, modules: dict[str, nn.Module], factor_dtype: str,
@@ -270,7 +283,8 @@ class Rectifier:
                 self.store.close()  # the captures are read; the distillation needs their memory
                 with self.timer.phase("repair"):
                     report.repair = Repair(self.layers, self.batches, self.new_task_batches, self.config,
-                                           self.world, progress=self.progress).run()
+                                           self.world, progress=self.progress,
+                                           new_task_validation=self.new_task_validation).run()
             elif self.repair_skipped is not None:
                 report.repair = RepairReport(keep_gain=self.config.keep_gain, reason=self.repair_skipped)
         except BaseException as err:
@@ -374,7 +388,7 @@ class Rectifier:
 
 def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None, *,
             progress: bool = True, finetuned: Optional[Mapping[str, Tensor]] = None,
-            new_task: Any = None) -> RectificationReport:
+            new_task: Any = None, new_task_validation: Any = None) -> RectificationReport:
     """Rectify a fine-tuned model in place so that it forgets less of a past task.
 
     Args:
@@ -394,6 +408,8 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
             (see :class:`Rectifier`). The model receives θ_rect rounded to its dtype.
         new_task: samples of what fine-tuning trained on (labelled, as ``replay`` takes them), for the repair after
             JANUS (``config.distill_steps``): it fits them, and keeps ``config.keep_gain`` of their gain.
+        new_task_validation: held-out samples of the new task, for the repair's gain instead of every eighth of
+            ``new_task`` (which it then fits whole).
 
     Returns:
         A :class:`RectificationReport`. On failure the model is restored to θ̂ exactly and a
@@ -403,4 +419,5 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
     if isinstance(replay, SelfReplay) and isinstance(reference, nn.Module):
         replay = replay.generate(reference)
     weights = WeightSource(reference, finetuned=finetuned)
-    return Rectifier(model, weights, replay, config, progress=progress, new_task=new_task).run().report
+    return Rectifier(model, weights, replay, config, progress=progress, new_task=new_task,
+                     new_task_validation=new_task_validation).run().report

@@ -66,9 +66,12 @@ def split_validation(batches: list[dict[str, Tensor]], most: Optional[int] = Non
     return train, held
 
 
-def check_samples(replay: list[dict[str, Tensor]], new_task: list[dict[str, Tensor]]) -> None:
-    """Refuse, before any work, replay or new-task batches too few to hold a sample out and train on the rest."""
-    for name, batches in (("replay", replay), ("new-task", new_task)):
+def check_samples(replay: list[dict[str, Tensor]], new_task: list[dict[str, Tensor]],
+                  new_task_validation: Optional[list[dict[str, Tensor]]] = None) -> None:
+    """Refuse, before any work, replay or new-task batches too few to hold a sample out and train on the rest (the
+    new task's are not split when its validation samples are given)."""
+    splits = [("replay", replay)] + ([("new-task", new_task)] if new_task_validation is None else [])
+    for name, batches in splits:
         train, held = split_validation(batches)
         if not train or not held:
             raise JanusError(f"the repair after JANUS holds out one {name} sample in {VALIDATION_EVERY} to choose "
@@ -90,14 +93,22 @@ class Repair:
     choose the point; the layers' ``current`` end at the chosen point and the model holds it."""
 
     def __init__(self, layers: TargetLayers, replay: list[dict[str, Tensor]], new_task: list[dict[str, Tensor]],
-                 config: Any, world: World, progress: bool = True):
-        """``replay`` and ``new_task``: the whole batches, the same on every rank (each rank takes its rows)."""
+                 config: Any, world: World, progress: bool = True,
+                 new_task_validation: Optional[list[dict[str, Tensor]]] = None):
+        """``replay`` and ``new_task``: the whole batches, the same on every rank (each rank takes its rows);
+        ``new_task_validation``: held-out new-task batches to measure the gain on, instead of a slice of
+        ``new_task``."""
         self.layers, self.config, self.world, self.progress = layers, config, world, progress
         self.model = layers.model
         self.device = model_device(self.model)
-        check_samples(replay, new_task)
+        check_samples(replay, new_task, new_task_validation)
         self.replay_train, self.replay_held = split_validation(replay)
-        self.new_train, self.new_held = split_validation(new_task, NEW_TASK_VALIDATION_MAX)
+        if new_task_validation is None:
+            self.new_train, self.new_held = split_validation(new_task, NEW_TASK_VALIDATION_MAX)
+            self.gain_measured_on = "every eighth new-task sample, held out"
+        else:
+            self.new_train, self.new_held = new_task, new_task_validation
+            self.gain_measured_on = "the new task's validation samples"
 
     # ---- figures ------------------------------------------------------------------------------------------
     def _share(self, batch: dict[str, Tensor]) -> Optional[dict[str, Tensor]]:
@@ -205,6 +216,7 @@ class Repair:
         started = time.perf_counter()
         report = RepairReport(steps=cfg.distill_steps, lr=cfg.distill_lr, new_task_weight=cfg.new_task_weight,
                               new_task_batch_size=cfg.new_task_batch_size, keep_gain=cfg.keep_gain,
+                              gain_measured_on=self.gain_measured_on,
                               validation_samples={"replay": sum(len(b["input_ids"]) for b in self.replay_held),
                                                   "new_task": sum(len(b["input_ids"]) for b in self.new_held)})
         reference = [layer.reference(self.device) for layer in self.layers]

@@ -109,6 +109,8 @@ class RepairReport:
     #: figures per point: ``reference`` (θ0), ``finetuned`` (θ̂), ``janus``, ``trained`` (θ_T), ``chosen``
     validation: dict[str, PointFigures] = field(default_factory=dict)
     validation_samples: dict[str, int] = field(default_factory=dict)
+    #: which new-task samples the gain was measured on (held out of those fitted, or given for it)
+    gain_measured_on: str = ""
     seconds: float = 0.0
 
     def gain_kept(self, point: str = "chosen") -> Optional[float]:
@@ -140,7 +142,8 @@ class RepairReport:
         lines = [f"repair after JANUS: {self.steps} distillation steps (lr {self.lr:g}, new task ×"
                  f"{self.new_task_weight:g}), chosen {self.chosen}: {self.reason}"
                  + (f"; gain kept {kept:.0%}" if kept is not None else "") + f" ({self.seconds:.1f} s)",
-                 "  validation (new-task loss / replay NLL / replay agreement):"]
+                 f"  validation (new-task loss / replay NLL / replay agreement; the gain measured on "
+                 f"{self.gain_measured_on or 'held-out new-task samples'}):"]
         for name, figures in self.validation.items():
             lines.append(f"    {name:<10} {_fmt(figures.new_task_loss)} / {_fmt(figures.replay_nll)} / "
                          f"{_fmt(figures.replay_agreement)}")

@@ -29,6 +29,7 @@ from hf_janus.adapters.peft_layers import is_peft_model
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.report import RectificationReport
+from hf_janus.engine.repair import NEW_TASK_VALIDATION_MAX
 from hf_janus.errors import JanusError, RectificationError
 from hf_janus.integrations.snapshot import SNAPSHOT_NAME, Theta0Snapshot, weights_fingerprint
 from hf_janus.engine.quantized import quantization_of
@@ -348,15 +349,16 @@ class JanusCallback(TrainerCallback):
         try:
             replay = self._tokenized if self._tokenized is not None else self._replay(processing_class)
             theta0 = self.theta0()
-            new_task = self._new_task_samples()
+            new_task, validation = self._new_task_samples(), self._new_task_validation()
             if is_peft_model(model):
                 run = rectify_live_peft(model, theta0, replay, self.config, self.peft_output, progress=progress,
-                                        new_task=new_task)
+                                        new_task=new_task, new_task_validation=validation)
                 self.report, self.model, self.rectifier = run.report, run.model, run.rectifier
                 if self.model is not model:  # merged: the trainer saves and pushes the plain model from now on
                     self.trainer.model = self.trainer.model_wrapped = self.model
             else:
-                self.rectifier = Rectifier(model, theta0, replay, self.config, progress=progress, new_task=new_task)
+                self.rectifier = Rectifier(model, theta0, replay, self.config, progress=progress, new_task=new_task,
+                                           new_task_validation=validation)
                 self.report = self.rectifier.run().report
                 self.model = model
         except (JanusError, RectificationError) as err:
@@ -457,17 +459,18 @@ class JanusCallback(TrainerCallback):
                            "the repair after JANUS is skipped; pass JanusCallback(..., trainer=trainer)",
                            self.config.distill_steps)
             return None
-        batches = []
-        for batch in trainer.get_train_dataloader():
-            batches.append({k: batch[k].detach().cpu() for k in ("input_ids", "attention_mask", "labels")
-                            if k in batch and batch[k] is not None})
-            if sum(len(b["input_ids"]) for b in batches) >= NEW_TASK_SAMPLES:
-                break
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            gathered: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, batches)
-            batches = [b for rank in gathered for b in rank]
-        return batches
+        return _first_samples(trainer.get_train_dataloader(), NEW_TASK_SAMPLES)
+
+    def _new_task_validation(self) -> Optional[list[dict[str, Any]]]:
+        """The Trainer's ``eval_dataset`` through its eval dataloader (the first of several), at most
+        :data:`~hf_janus.engine.repair.NEW_TASK_VALIDATION_MAX` samples a rank, for the repair's gain; None without
+        a repair or an eval dataset (the repair then holds out every eighth train sample)."""
+        trainer = self._publishing_trainer()
+        evaluation = getattr(trainer, "eval_dataset", None)
+        if not self.config.distill_steps or evaluation is None:
+            return None
+        name = next(iter(evaluation)) if isinstance(evaluation, dict) else None
+        return _first_samples(trainer.get_eval_dataloader(name), NEW_TASK_VALIDATION_MAX)
 
     def _log(self, state: TrainerState) -> None:
         report = self.report
@@ -499,3 +502,19 @@ class JanusCallback(TrainerCallback):
                 self.trainer.log(logs)
             else:
                 state.log_history.append({**logs, "step": state.global_step})
+
+
+def _first_samples(dataloader: Any, most: int) -> list[dict[str, Any]]:
+    """The first batches of ``dataloader`` holding ``most`` samples (or all), on the host, every rank's in rank
+    order, the same list on every rank."""
+    batches: list[dict[str, Any]] = []
+    for batch in dataloader:
+        batches.append({k: batch[k].detach().cpu() for k in ("input_ids", "attention_mask", "labels")
+                        if k in batch and batch[k] is not None})
+        if sum(len(b["input_ids"]) for b in batches) >= most:
+            break
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, batches)
+        batches = [b for rank in gathered for b in rank]
+    return batches

@@ -37,12 +37,13 @@ def run(models, **overrides):
     finetuned, theta0 = models
     model = copy.deepcopy(finetuned)
     new_task = overrides.pop("new_task", new_task_samples())
+    validation = overrides.pop("new_task_validation", None)
     report = rectify(model, theta0, random_replay(24), JanusConfig(**FAST, **overrides), progress=False,
-                     new_task=new_task)
+                     new_task=new_task, new_task_validation=validation)
     return model, report
 
 
-def held_out_figures(model, replay, new_task):
+def held_out_figures(model, replay, new_task, split=True):
     """The held-out slices' figures computed here, apart from the engine: every eighth sample in the order the
     engine batches them."""
     def nll(samples, agreement=False):
@@ -59,8 +60,8 @@ def held_out_figures(model, replay, new_task):
 
     _, replay_held = split_validation(prepare_replay(replay, FAST["replay_batch_size"]))
     batch_size = JanusConfig(**FAST, **REPAIR).new_task_batch_size
-    _, new_held = split_validation(prepare_replay(new_task, batch_size, group_by_length=False),
-                                   NEW_TASK_VALIDATION_MAX)
+    new_batches = prepare_replay(new_task, batch_size, group_by_length=False)
+    new_held = split_validation(new_batches, NEW_TASK_VALIDATION_MAX)[1] if split else new_batches
     return nll(new_held), *nll(replay_held, agreement=True)
 
 
@@ -121,6 +122,18 @@ def test_the_bisection_takes_the_point_a_walk_of_the_whole_grid_takes(models):
     feasible = [move for move in MOVES if walk[move][0] <= floor]
     assert 0 < len(feasible) < len(MOVES) and feasible == list(MOVES[:len(feasible)])  # every move down to one b
     assert min(feasible, key=lambda move: walk[move][1]) == b
+
+
+def test_given_validation_samples_measure_the_gain_and_every_new_task_sample_is_fitted(models):
+    validation = new_task_samples()[:5]
+    model, report = run(models, **REPAIR, new_task_validation=validation)
+    repair = report.repair
+    assert repair.validation_samples["new_task"] == 5
+    assert repair.gain_measured_on == "the new task's validation samples"
+    new_loss, _, _ = held_out_figures(model, random_replay(24), validation, split=False)
+    assert repair.validation["chosen"].new_task_loss == pytest.approx(new_loss, rel=1e-5)
+    with pytest.raises(JanusError, match="new-task validation samples are empty: give some, or none"):
+        run(models, **REPAIR, new_task_validation=[])
 
 
 def test_when_no_point_keeps_the_gain_the_janus_point_is_kept(models):

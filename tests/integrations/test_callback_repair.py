@@ -14,6 +14,8 @@ from testing_utils import build_tiny
 from trainer_fixtures import FAST, lora_config, make_trainer, pretrained_llama, replay_data
 
 from hf_janus import JanusCallback, JanusError
+from hf_janus.demo import math_samples
+from hf_janus.engine.repair import NEW_TASK_VALIDATION_MAX
 from hf_janus.publish.record_file import REPORT_NAME
 
 REPAIR = dataclasses.replace(FAST, distill_steps=6, distill_lr=1e-3, keep_gain=0.5)
@@ -37,6 +39,20 @@ def test_the_callback_repairs_with_the_trainers_own_samples(tmp_path):
     assert logged["janus/repair_seconds"] == repair.seconds
     trainer.save_model(str(tmp_path / "saved"))
     assert "repair after JANUS" in (tmp_path / "saved" / "README.md").read_text()
+
+
+def test_the_trainers_eval_dataset_measures_the_gain(tmp_path):
+    """Given an eval_dataset, the repair measures the gain on it (through the Trainer's eval dataloader, at most
+    NEW_TASK_VALIDATION_MAX samples) and fits every train sample it took."""
+    model = pretrained_llama()
+    janus = JanusCallback(replay_data(), REPAIR)
+    trainer = make_trainer(tmp_path, model, [janus], max_steps=6)
+    trainer.eval_dataset = math_samples(32, 24, max_len=64)  # GSM8K problems the fine-tune did not train on
+    janus.trainer = trainer
+    trainer.train()
+    repair = janus.report.repair
+    assert repair.validation_samples["new_task"] == NEW_TASK_VALIDATION_MAX
+    assert repair.gain_measured_on == "the new task's validation samples" and repair.chosen is not None
 
 
 def test_a_lora_comes_out_a_lora(tmp_path):

@@ -109,7 +109,8 @@ class LivePeftRun(NamedTuple):
 
 
 def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any, config: JanusConfig,
-                      output: PeftOutput, *, progress: bool = True, new_task: Any = None) -> LivePeftRun:
+                      output: PeftOutput, *, progress: bool = True, new_task: Any = None,
+                      new_task_validation: Any = None) -> LivePeftRun:
     """Rectify the effective weights of the adapted layers of ``model``, then keep them as ``output`` asks.
 
     ``initial``: what :func:`~hf_janus.adapters.peft_layers.initial_state` took at train begin (θ0 itself for
@@ -123,7 +124,8 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
     """
     layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
     rectifier = rectify_adapted_layers(model, layers, initial, replay, config, progress=progress,
-                                       keep_reference_factors=output.format == "adapter", new_task=new_task)
+                                       keep_reference_factors=output.format == "adapter", new_task=new_task,
+                                       new_task_validation=new_task_validation)
     result = rectifier.result
     report = result.report
     if output.format == "merged":
@@ -139,7 +141,8 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
 
 def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initial: dict[str, Tensor], replay: Any,
                            config: JanusConfig, *, progress: bool = True,
-                           keep_reference_factors: bool = False, new_task: Any = None) -> Rectifier:
+                           keep_reference_factors: bool = False, new_task: Any = None,
+                           new_task_validation: Any = None) -> Rectifier:
     """The rectification of :func:`rectify_live_peft` without keeping its result: the finished :class:`Rectifier`
     (``.result`` holds θ_rect of each of ``layers``, from :func:`~hf_janus.adapters.peft_layers.adapted_linear_layers`)
     and the model exactly as it was. For callers that keep the update their own way, and for measuring the
@@ -155,7 +158,8 @@ def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initi
     with plain_view(model, finetuned, rebuilt) as plain:
         weights = WeightSource(theta0, finetuned=finetuned, rebuilt=rebuilt)
         rectifier = Rectifier(plain, weights, replay, config, progress=progress,
-                              keep_reference_factors=keep_reference_factors, new_task=new_task)
+                              keep_reference_factors=keep_reference_factors, new_task=new_task,
+                              new_task_validation=new_task_validation)
         rectifier.run()
     return rectifier
 
