@@ -5,7 +5,8 @@ actions (not from argparse's formatted help, whose layout depends on the termina
 The JANUS and replay options come from the fields' ``metadata["help"]``, like docs/reference/configuration.md.
 
     python docs/generate_cli_reference.py            # rewrite docs/reference/cli.md
-    python docs/generate_cli_reference.py --check    # exit 1, saying so, when the page is stale (tests/cli/test_docs.py)
+    python docs/generate_cli_reference.py --check    # exit 1, saying so, when the page is stale
+                                                     # (tests/cli/test_docs.py)
 """
 
 from __future__ import annotations

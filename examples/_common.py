@@ -250,7 +250,8 @@ class Collator:
 
 
 # ---- model ---------------------------------------------------------------------------------------------------
-def load_model_and_tokenizer(args: argparse.Namespace, data_hook: Optional[Callable] = None) -> tuple[nn.Module, Any, Data]:
+def load_model_and_tokenizer(args: argparse.Namespace,
+                             data_hook: Optional[Callable] = None) -> tuple[nn.Module, Any, Data]:
     """The model to fine-tune, its tokenizer and the tokenized data.
 
     With ``--tiny`` a tiny Llama is built under ``OUTPUT/tiny-base``, pretrained briefly on the past task

@@ -172,7 +172,8 @@ def _run_merge(args: argparse.Namespace) -> int:
 
     if (args.load_in_4bit or args.load_in_8bit) and args.output_format != "adapter":
         raise ValueError("--load-in-4bit/--load-in-8bit rectify against a quantized base, which gives an adapter "
-                         "only: use --format adapter, or drop the flag to get full weights from the full-precision base")
+                         "only: use --format adapter, or drop the flag to get full weights from the "
+                         "full-precision base")
     rank = parse_rank_spec(args.rank) if args.output_format == "adapter" else "same"
     validate_rank_spec(rank, args.energy)
     if args.refine_iterations < 0:
@@ -290,8 +291,9 @@ def _floats(text: str) -> list[float]:
 
 def _add_frontier(sub: argparse._SubParsersAction) -> None:
     from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
-                                               DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,
-                                               DEFAULT_TAUS, DEFAULT_WISE_GRID, NEW_TASK_PEERS)
+                                               DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID,
+                                               DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS, DEFAULT_WISE_GRID,
+                                               NEW_TASK_PEERS)
 
     def kinds_shown() -> list[str]:
         from hf_janus.evaluation.candidates import kinds
@@ -311,7 +313,8 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
                     "--candidates names, the post-hoc peers among them (replay fine-tuning, the input-covariance "
                     "null space, RegMean, Fisher interpolation, LiNeS, DG-Hard). Each is scored with "
                     "lm-evaluation-harness (AP1 on --past-task, AP2 on --new-task); the point meeting the criterion "
-                    "is chosen and can be saved or pushed with its record. Needs the [eval] extra: pip install 'hf-janus[eval]'.",
+                    "is chosen and can be saved or pushed with its record. Needs the [eval] extra: "
+                    "pip install 'hf-janus[eval]'.",
         epilog=_FRONTIER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("models and tasks")
@@ -336,7 +339,8 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
                       help="the post-hoc peers scored after the grids below, in --candidates syntax; '' for none; "
                            "one that is not defined here or does not fit in memory is left out with a warning "
                            f"(default: '{DEFAULT_PEERS}', those that beat JANUS on a benchmark run, and with "
-                           f"--new-task-samples also '{NEW_TASK_PEERS}', JANUS with the repair after it as the entry points run it)")
+                           f"--new-task-samples also '{NEW_TASK_PEERS}', JANUS with the repair after it as the entry "
+                           "points run it)")
     grid.add_argument("--wise-grid", type=_floats, default=list(DEFAULT_WISE_GRID), metavar="A,A,...",
                       help=f"WiSE-FT coefficients a in (0, 1) (default: {shown(DEFAULT_WISE_GRID)})")
     grid.add_argument("--taus", type=_floats, default=list(DEFAULT_TAUS), metavar="T,T,...",

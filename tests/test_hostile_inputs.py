@@ -356,7 +356,8 @@ def test_damaged_adapter_files(inputs, tmp_path, damage):
 
         (adapter / "adapter_model.bin").write_bytes(pickle.dumps(Payload()))
     before = tree_digest(adapter)
-    # allow_pickle=True: past the default refusal of pickles (tests/adapters/test_pickle_policy.py), to the restricted unpickler
+    # allow_pickle=True: past the default refusal of pickles (tests/adapters/test_pickle_policy.py),
+    # to the restricted unpickler
     with pytest.raises(JanusError, match="corrupt, truncated or not a plain tensor file"):
         JanusMerger(inputs["base"], str(adapter), inputs["replay"], fast_config(), progress=False,
                     allow_pickle=True).run()

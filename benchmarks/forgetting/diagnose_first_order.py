@@ -14,9 +14,10 @@ loosely fit past task to a well-fit one:
   ``constraint="target_logit"`` or ``"logit_projections"`` (k = 2, 8, 32), and multi-step with the replay-loss
   acceptance test (``acceptance="loss"``, also with logit projections, and ``"both"`` with the τ test). For
   each: the share of the replay loss rise undone, the share of the new-task gain kept (GSM8K answers held out from
-  the fine-tune), Jacobian evaluations and time, and the WiSE-FT curve at equal new-task gain: θ0 + a(θ̂ − θ0) with ``a`` chosen (linear interpolation on a grid) to keep the same share of the
-  new-task gain, and the share of the replay rise it undoes there; and the hybrid "JANUS, then interpolation toward
-  θ̂" (θ_J + b(θ̂ − θ_J), b on the same grid) against WiSE-FT at 90% of the new-task gain.
+  the fine-tune), Jacobian evaluations and time, and the WiSE-FT curve at equal new-task gain: θ0 + a(θ̂ − θ0) with
+  ``a`` chosen (linear interpolation on a grid) to keep the same share of the new-task gain, and the share of the
+  replay rise it undoes there; and the hybrid "JANUS, then interpolation toward θ̂" (θ_J + b(θ̂ − θ_J), b on the
+  same grid) against WiSE-FT at 90% of the new-task gain.
 
 Each demo model: pretrain on the replayed QA pairs (``--pretrain-steps``), then a LoRA r=8 on every linear layer is
 trained on GSM8K and merged (θ̂). ``--scenario facts`` / ``questions`` diagnoses the forgetting benchmark's θ0
@@ -190,7 +191,8 @@ def run_case(label, theta0, tuned, replay, held_out, args, rank=None) -> dict:
         rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=rank, replay_batch_size=16,
                                                           constraint_temperature=temperature), progress=False)
         r = replay_loss(rectified, replay)
-        by_temperature[str(temperature)] = {"replay_loss": r, "undone_share": (r1 - r) / (r1 - r0) if r1 != r0 else None,
+        by_temperature[str(temperature)] = {"replay_loss": r,
+                                            "undone_share": (r1 - r) / (r1 - r0) if r1 != r0 else None,
                                             "seconds": time.perf_counter() - start}
     rectified = copy.deepcopy(tuned)
     start = time.perf_counter()
@@ -362,9 +364,11 @@ def main(argv=None) -> None:
         def pct(x):
             return "-" if x is None else f"{100 * x:.1f}%"
         print(f"| {r['pretrain_steps']} | {pct(r['wise_ft_undone_at_90pct_gain'])} | "
-              + " | ".join(pct(r["variants"][label].get("hybrid_undone_at_90pct_gain")) for label in args.variants) + " |")
+              + " | ".join(pct(r["variants"][label].get("hybrid_undone_at_90pct_gain"))
+                           for label in args.variants) + " |")
     RESULTS.mkdir(exist_ok=True)
-    default = "first_order" + ("" if args.scenario == "demo" else f"_{args.scenario}") + ("_quick" if args.quick else "")
+    default = ("first_order" + ("" if args.scenario == "demo" else f"_{args.scenario}")
+               + ("_quick" if args.quick else ""))
     target = args.out or RESULTS / f"{default}.json"
     target.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                   "cases": rows}, indent=2) + "\n")

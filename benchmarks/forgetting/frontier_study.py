@@ -145,7 +145,8 @@ def scenario_questions(s: Settings, folder: str, cache_dir: str):
     key = hashlib.sha256(json.dumps({"q": train_q, "steps": QUESTIONS_PRE_STEPS, "lr": s.pre_lr, "hidden": s.hidden,
                                      "layers": s.layers, "vocab": s.vocab, "seed": s.seed}).encode()).hexdigest()[:12]
     ckpt = os.path.join(cache_dir, f"questions-{key}")
-    if not os.path.isfile(os.path.join(ckpt, "tokenizer.json")) or not os.path.isfile(os.path.join(ckpt, "config.json")):
+    if (not os.path.isfile(os.path.join(ckpt, "tokenizer.json"))
+            or not os.path.isfile(os.path.join(ckpt, "config.json"))):
         t0 = time.perf_counter()
         tmp = ckpt + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -213,7 +214,8 @@ def main(argv=None) -> int:
                     help="score these frontier candidates (hf-janus frontier --candidates syntax) instead of the "
                          "default grids, and no variants; writes frontier_<scenario>..._peers")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cache-dir", default=None, help="the questions θ0 (default: the benchmark's cache, lib.cache_dir)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="the questions θ0 (default: the benchmark's cache, lib.cache_dir)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -241,7 +243,8 @@ def main(argv=None) -> int:
         if args.scenario == "facts":
             tok, theta0, gsm_train, past, new, replays = scenario_facts(s, folder)
         else:
-            tok, theta0, gsm_train, past, new, replays = scenario_questions(s, folder, args.cache_dir or lib.cache_dir())
+            tok, theta0, gsm_train, past, new, replays = scenario_questions(s, folder,
+                                                                            args.cache_dir or lib.cache_dir())
         train = [lib.make_sample(tok, m.prompt, m.target, s.gsm_max_len, label_prompt=False) for m in gsm_train]
         t0 = time.perf_counter()
         finetuned = finetune(theta0, train, s, args.method, args.seed, tok.pad_id)
@@ -273,7 +276,8 @@ def main(argv=None) -> int:
             scores = {n: r.score for n, r in scorer(model).items()}
             ap = ap_metrics(scores, *anchors, result.past_tasks, result.new_tasks, result.higher_is_better)
             row = {"label": f"JANUS τ={changes.get('tau', JANUS_TAU):g}, {label}", "replay": replay_name,
-                   "config_changes": changes, "scores": scores, **ap, "above_wise": wise_margin(result.points, ap["ap1"], ap["ap2"]),
+                   "config_changes": changes, "scores": scores, **ap,
+                   "above_wise": wise_margin(result.points, ap["ap1"], ap["ap2"]),
                    "jacobian_evaluations": report.num_jacobian_evals, "converged": report.converged,
                    "stop_reason": report.stop_reason, "seconds": time.perf_counter() - t0}
             extra.append(row)
@@ -287,12 +291,14 @@ def main(argv=None) -> int:
     suffix += "_variants" if args.wise_only else ""
     suffix += "_peers" if args.candidates else ""
     stem = os.path.join(args.out_dir, f"frontier_{args.scenario}{suffix}")
-    data = {"scenario": args.scenario, "method": args.method, "seed": args.seed, "facts_replay": args.facts_replay, "frontier": result.to_dict(), "variants": extra,
+    data = {"scenario": args.scenario, "method": args.method, "seed": args.seed, "facts_replay": args.facts_replay,
+            "frontier": result.to_dict(), "variants": extra,
             "finetune_seconds": ft_seconds, "wall_seconds": time.perf_counter() - t_start,
             "torch": torch.__version__, "threads": args.threads}
     with open(stem + ".json", "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2, default=float)
-    lines = [result.to_markdown(), "", "| variants of JANUS | AP1 (%) | AP2 (%) | AP1 vs WiSE-FT | Jacobian evals | s |",
+    lines = [result.to_markdown(), "",
+             "| variants of JANUS | AP1 (%) | AP2 (%) | AP1 vs WiSE-FT | Jacobian evals | s |",
              "|---|---:|---:|---:|---:|---:|"]
     for row in extra:
         margin = "" if row["above_wise"] is None else f"{row['above_wise']:+.1f}"

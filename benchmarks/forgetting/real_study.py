@@ -646,7 +646,7 @@ def new_task_samples(tok) -> list[dict]:
             for b in bench.train_batches(s, tok, fine_tuning_samples())]
 
 
-def replay_trained(name: str, lever: dict, theta0, rectified, finetuned: dict, replay: list[dict], tok,
+def replay_trained(name: str, lever: dict, theta0, finetuned: dict, replay: list[dict], tok,
                    config: JanusConfig):
     """θ̂ trained on the replay's KL to θ0 for each ``kl<N>`` (with ``fromhat``: the distillation alone, without
     JANUS, the frontier's ``replay-sft``); yields (label, weights, its :class:`Cost`)."""
@@ -807,7 +807,7 @@ def main() -> None:
             save()
         for label, weights in hybrids(name, lever, theta0, model, start):
             record_weights(label, weights, hybrid_of=name)
-        for label, weights, cost in replay_trained(name, lever, theta0, model, start, replay, tok, config):
+        for label, weights, cost in replay_trained(name, lever, theta0, start, replay, tok, config):
             record_weights(label, weights, f"{cost.seconds:.0f}s: ", hybrid_of=name,
                            replay_training_seconds=cost.seconds, replay_training_peak_bytes=cost.peak_memory_bytes)
             for sub, mixed in hybrids(label, lever, theta0, weights, start, prefix="k"):
@@ -873,9 +873,9 @@ def write_markdown(path: str) -> str:
             f"| {figure(r.get('replayed', {}).get('em_back'))} | {figure(r.get('ap2'))} | {margin} "
             f"| {p.get('jacobian_evaluations', '')} | {passes} | {figure(seconds, '.0f')} "
             f"| {figure(peak / 2**30 if peak else None, '.2f')} | {p.get('replay_samples', '')} |")
-    lines += ["", "Where the lost answers flip (NQ never replayed / WebQuestions): answers θ0 reproduces and θ̂ does not, "
-              "how many of those θ̂ already misses at their first token, how many each point gives back (of those lost "
-              "at the first token), and answers θ̂ kept that the point loses.", "",
+    lines += ["", "Where the lost answers flip (NQ never replayed / WebQuestions): answers θ0 reproduces and θ̂ does "
+              "not, how many of those θ̂ already misses at their first token, how many each point gives back (of those "
+              "lost at the first token), and answers θ̂ kept that the point loses.", "",
               "| point | lost by θ̂ | of which at the first token | back | back, of those at the first token | "
               "newly lost |", "|---|---:|---:|---:|---:|---:|"]
     for name, p in rec["points"].items():
@@ -915,8 +915,8 @@ def held_out_markdown(rec: dict) -> str:
     lines = ["", f"Held-out questions (never scored or replayed before; θ0's EM there is 100 by construction, θ̂ keeps "
              f"{figure(kept['nq_held_out']['em'])} / {figure(kept['webq_held_out']['em'])}). The choice, made on the "
              f"validation questions above (AP2 ≥ {CHOICE_MIN_AP2:g}, the most exact matches back): **{choice}**.", "",
-             "| point | EM back NQ / WebQ, validation (%) | EM back NQ / WebQ, held out (%) | NLL rise undone NQ / WebQ, "
-             "held out (%) | AP2 (%) | vs WiSE-FT EM NQ / WebQ, held out | vs WiSE-FT NLL NQ / WebQ, held out |",
+             "| point | EM back NQ / WebQ, validation (%) | EM back NQ / WebQ, held out (%) | NLL rise undone NQ / "
+             "WebQ, held out (%) | AP2 (%) | vs WiSE-FT EM NQ / WebQ, held out | vs WiSE-FT NLL NQ / WebQ, held out |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, p in points.items():
         r = p.get("repair")

@@ -141,7 +141,8 @@ def get_pretrained(s: Settings, splits: lib.Splits, cache_dir: str, tokenizer_on
         f"for {s.pre_steps} steps")
     lib.pretrain(model, samples, s.pre_steps, s.pre_lr, s.pre_batch, s.seed, tok.pad_id, log=log)
     preds = lib.greedy_answers(model, tok, [q.prompt for q in splits.memorized], 16)
-    meta = {"seconds": time.perf_counter() - t0, "params": n_params, "memorized_em_all": lib.exact_match(preds, splits.memorized),
+    meta = {"seconds": time.perf_counter() - t0, "params": n_params,
+            "memorized_em_all": lib.exact_match(preds, splits.memorized),
             "memorized_em_replay": lib.exact_match(preds[: len(splits.replay)], splits.replay)}
     model.save_pretrained(tmp)
     with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as fh:
@@ -210,8 +211,9 @@ def finetune(method: str, s: Settings, tok: lib.Tok, base_dir: str, train: list[
         torch.manual_seed(s.seed)
         model = get_peft_model(model, lcfg)
     args = TrainingArguments(
-        output_dir=work_dir, per_device_train_batch_size=s.ft_batch, max_steps=s.ft_steps, learning_rate=s.ft_lr[method],
-        lr_scheduler_type="cosine", warmup_steps=max(1, s.ft_steps // 20), weight_decay=0.0, max_grad_norm=1.0,
+        output_dir=work_dir, per_device_train_batch_size=s.ft_batch, max_steps=s.ft_steps,
+        learning_rate=s.ft_lr[method], lr_scheduler_type="cosine", warmup_steps=max(1, s.ft_steps // 20),
+        weight_decay=0.0, max_grad_norm=1.0,
         logging_steps=max(1, s.ft_steps // 4), save_strategy="no", report_to="none", seed=s.seed, data_seed=s.seed,
         use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False,
     )
@@ -260,7 +262,8 @@ def summarize_report(report) -> dict:
     return {"steps": len(report.steps), "trials": report.num_trials, "alphas": report.alphas,
             "converged": report.converged, "stop_reason": report.stop_reason, "replay_loss": report.replay_loss,
             "jacobian_evals": report.num_jacobian_evals, "seconds": report.timings.get("total"),
-            "max_residual": max((l.residual for l in report.layers if l.residual is not None), default=None)}
+            "max_residual": max((layer.residual for layer in report.layers if layer.residual is not None),
+                                default=None)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,8 +330,8 @@ def main(argv=None) -> int:
         # pairs that were not replayed"; the sweeps skip it to keep the run short.
         m = evaluate(model, with_replay=kind not in ("wise", "spectral"))
         if context:
-            m["update_kept"], m["update_changed"] = variants.update_change(model, context["finetuned"], context["theta0"],
-                                                                           context["names"])
+            m["update_kept"], m["update_changed"] = variants.update_change(model, context["finetuned"],
+                                                                           context["theta0"], context["names"])
         rows[name] = {"method": method, "kind": kind, **m, **(extra or {}), "eval_seconds": time.perf_counter() - t0}
         log(f"  {name:<34} NQ EM {m['nq_em']:5.1f}  WQ EM {m['wq_em']:5.1f}  NQ NLL {m['nq_nll']:.3f}  "
             f"WQ NLL {m['wq_nll']:.3f}  GSM8K NLL {m['gsm_nll']:.3f}")
@@ -346,8 +349,9 @@ def main(argv=None) -> int:
             finetuned, rectified, peft_model, rec = finetune(method, s, tok, base_dir, train, replay, cfg(s.tau), work,
                                                              args.force_merger)
             records[method] = rec
-            log(f"  trained in {rec['train_seconds']:.0f}s; JANUS via {rec['janus_path']} in {rec['janus_seconds']:.0f}s: "
-                f"{rec['janus_report']['steps']} step(s), α={['%.3g' % a for a in rec['janus_report']['alphas']]}")
+            log(f"  trained in {rec['train_seconds']:.0f}s; JANUS via {rec['janus_path']} "
+                f"in {rec['janus_seconds']:.0f}s: {rec['janus_report']['steps']} step(s), "
+                f"α={['%.3g' % a for a in rec['janus_report']['alphas']]}")
             if method == "full":
                 names = list(resolve_target_modules(finetuned, "all-linear"))
             else:
@@ -430,8 +434,9 @@ def main(argv=None) -> int:
         "step_control": args.step_control, "controllers": controllers,
         "pretrain": pre_meta, "finetune": records, "rows": rows, "goals": goals,
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "peft": __import__("peft").__version__, "threads": args.threads, "python": platform.python_version(),
-                        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count()},
+                        "peft": __import__("peft").__version__, "threads": args.threads,
+                        "python": platform.python_version(), "loadavg_start": load_start,
+                        "loadavg_end": os.getloadavg(), "cpus": os.cpu_count()},
     }
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, "forgetting_quick" if args.quick else "forgetting")
@@ -455,13 +460,15 @@ def _f(v, fmt="{:.1f}") -> str:
 
 def render_markdown(result: dict, methods: list[str]) -> str:
     rows, s = result["rows"], result["settings"]
-    lines = ["| model | NQ EM | WQ EM | NQ NLL | WQ NLL | GSM8K NLL | AP1 (%) | AP2 (%) | AP (%) | replay EM | ΔW kept | ΔW changed |",
+    lines = ["| model | NQ EM | WQ EM | NQ NLL | WQ NLL | GSM8K NLL | AP1 (%) | AP2 (%) | AP (%) | replay EM "
+             "| ΔW kept | ΔW changed |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sweep_lines = list(lines)
     for name, r in rows.items():
         line = (f"| {name} | {r['nq_em']:.1f} | {r['wq_em']:.1f} | {r['nq_nll']:.3f} | {r['wq_nll']:.3f} | "
                 f"{r['gsm_nll']:.3f} | {_f(r.get('ap1'))} | {_f(r.get('ap2'))} | {_f(r.get('ap'))} | "
-                f"{_f(r.get('replay_em'))} | {_f(r.get('update_kept'), '{:.2f}')} | {_f(r.get('update_changed'), '{:.2f}')} |")
+                f"{_f(r.get('replay_em'))} | {_f(r.get('update_kept'), '{:.2f}')} | "
+                f"{_f(r.get('update_changed'), '{:.2f}')} |")
         (sweep_lines if r["kind"] in ("wise", "spectral") else lines).append(line)
     out = ["## Main results", "", *lines, "", "## Sweeps (WiSE-FT, spectral truncation)", "", *sweep_lines, ""]
     out += ["## Goals (JANUS at τ=%g through JanusCallback)" % s["tau"], "",
@@ -472,7 +479,8 @@ def render_markdown(result: dict, methods: list[str]) -> str:
         out.append(f"| {name} | {g['ap1_lift']:+.1f} | {_f(g['ap2'])} | {_f(g['above_wise_by'], '{:+.1f}')} | "
                    f"{'yes' if met else 'no'} |")
     out += ["", "## Step-size controllers (JANUS at τ=%g, the same θ̂ and θ0)" % s["tau"], "",
-            "| variant | controller | Jacobian evals | steps | rectification (s) | AP1 (%) | AP2 (%) | replay loss after |",
+            "| variant | controller | Jacobian evals | steps | rectification (s) | AP1 (%) | AP2 (%) "
+            "| replay loss after |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for janus, by_control in result.get("controllers", {}).items():
         for control, c in sorted(by_control.items()):
@@ -484,7 +492,8 @@ def render_markdown(result: dict, methods: list[str]) -> str:
                        f"{_f(p['seconds'] / a['seconds'] if a['seconds'] else None, '{:.2f}×')} | "
                        f"{_f(a['ap1'] - p['ap1'], '{:+.1f}')} | {_f(a['ap2'] - p['ap2'], '{:+.1f}')} | |")
     out += ["", "JANUS paths: " + "; ".join(f"{m}: {result['finetune'][m]['janus_path']}" for m in methods),
-            f"Wall time {result['wall_seconds']:.0f}s (pretraining {'cached' if result['pretrain'].get('cached') else 'included'}).", ""]
+            f"Wall time {result['wall_seconds']:.0f}s "
+            f"(pretraining {'cached' if result['pretrain'].get('cached') else 'included'}).", ""]
     return "\n".join(out)
 
 
@@ -497,16 +506,21 @@ def plot(result: dict, methods: list[str], path: str) -> None:
     rows = result["rows"]
     pre = rows["pretrained θ0"]
     fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 4.6), squeeze=False)
-    markers = {"finetuned": ("X", "black", "no rectification"), "janus": ("*", "tab:red", "JANUS τ=%g (callback)" % result["settings"]["tau"]),
+    markers = {"finetuned": ("X", "black", "no rectification"),
+               "janus": ("*", "tab:red", "JANUS τ=%g (callback)" % result["settings"]["tau"]),
                "janus_other_control": ("*", "tab:pink", "JANUS τ=%g, %s controller" % (
-                   result["settings"]["tau"], "paper" if result.get("step_control", "adaptive") == "adaptive" else "adaptive")),
-               "janus_tau0.9": ("P", "tab:orange", "JANUS τ=0.9"), "janus_single_step": ("v", "tab:purple", "JANUS τ=0 (single step)"),
-               "avg_grad": ("s", "tab:brown", "avg.-gradient projection"), "intruder": ("D", "tab:cyan", "intruder reduction"),
+                   result["settings"]["tau"],
+                   "paper" if result.get("step_control", "adaptive") == "adaptive" else "adaptive")),
+               "janus_tau0.9": ("P", "tab:orange", "JANUS τ=0.9"),
+               "janus_single_step": ("v", "tab:purple", "JANUS τ=0 (single step)"),
+               "avg_grad": ("s", "tab:brown", "avg.-gradient projection"),
+               "intruder": ("D", "tab:cyan", "intruder reduction"),
                "reset_linear": ("o", "tab:gray", "rectified layers reset to θ0")}
     for ax, method in zip(axes[0], methods):
         sub = [r for r in rows.values() if r["method"] == method]
         base = next(r for r in sub if r["kind"] == "finetuned")
-        wise = sorted([(0.0, pre["ap1"])] + [(r["ap2"], r["ap1"]) for r in sub if r["kind"] == "wise"] + [(base["ap2"], base["ap1"])])
+        wise = sorted([(0.0, pre["ap1"])] + [(r["ap2"], r["ap1"]) for r in sub if r["kind"] == "wise"]
+                      + [(base["ap2"], base["ap1"])])
         ax.plot(*zip(*wise), "-o", color="tab:blue", ms=4, label="WiSE-FT θ0 + a(θ̂−θ0)")
         spec = sorted((r["ap2"], r["ap1"]) for r in sub if r["kind"] == "spectral")
         if spec:

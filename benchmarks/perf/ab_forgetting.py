@@ -3,10 +3,10 @@
     python -m benchmarks.perf.ab_forgetting --baseline 82eef97            # baseline commit vs the working tree
     python -m benchmarks.perf.ab_forgetting --baseline 82eef97 --repeats 3 --tau 0.9
 
-The forgetting benchmark spends most of its time in JANUS at m=256 on short QA replay (28 layers of 16-33K
-weights), a regime the model-size sweep of ``scale.py`` does not cover. This script takes the benchmark's
-pretrained checkpoint (pretraining it first if the benchmark's cache, ``lib.cache_dir()``, lacks it), fine-tunes it
-on GSM8K with full fine-tuning exactly as the benchmark does (θ̂ is cached beside the checkpoint), and rectifies θ̂ with the
+The forgetting benchmark spends most of its time in JANUS at m=256 on short QA replay (28 layers of 16-33K weights),
+a regime the model-size sweep of ``scale.py`` does not cover. This script takes the benchmark's pretrained
+checkpoint (pretraining it first if the benchmark's cache, ``lib.cache_dir()``, lacks it), fine-tunes it on GSM8K
+with full fine-tuning exactly as the benchmark does (θ̂ is cached beside the checkpoint), and rectifies θ̂ with the
 benchmark's JanusConfig in fresh processes: the ``--baseline`` engine (``git archive REV hf_janus``) and the working
 tree's, alternating, so that both see the same machine. Machines are noisy: compare the ratios of one invocation.
 
@@ -89,9 +89,10 @@ def table(runs: list[dict[str, Any]]) -> str:
     rows = []
     for r in runs:
         t = r["timings"]
-        rows.append([r["engine"], f"{r['wall_seconds']:.1f}", f"{r['cpu_seconds']:.1f}", f"{t.get('compression', 0):.1f}",
-                     f"{t.get('forward_backward', 0):.1f}", f"{t.get('ghost', 0):.1f}", str(r["jacobian_evals"]),
-                     f"{r['replay_loss_rectified']:.6f}", f"{r['max_residual']:.2e}"])
+        rows.append([r["engine"], f"{r['wall_seconds']:.1f}", f"{r['cpu_seconds']:.1f}",
+                     f"{t.get('compression', 0):.1f}", f"{t.get('forward_backward', 0):.1f}",
+                     f"{t.get('ghost', 0):.1f}", str(r["jacobian_evals"]), f"{r['replay_loss_rectified']:.6f}",
+                     f"{r['max_residual']:.2e}"])
     return md_table(["engine", "wall s", "CPU s", "compression s", "fwd+bwd s", "ghost s", "Jacobian evals",
                      "replay loss after", "max residual"], rows)
 

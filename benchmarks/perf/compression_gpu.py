@@ -89,9 +89,11 @@ def main() -> None:
                              max_excess_error=max(ratios)))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"B={args.B} samples, T={args.T}, r={args.r}, {gpu}, torch {torch.__version__}\n")
-    print(md_table(["layer (d_in x d_out)", "spectrum", "exact s", "randomized s", "speed-up", "randomized error / optimal"],
+    print(md_table(["layer (d_in x d_out)", "spectrum", "exact s", "randomized s", "speed-up",
+                    "randomized error / optimal"],
                    [[f"{r['layer']} ({r['d_in']} x {r['d_out']})", r["spectrum"], f"{r['exact_s']:.3f}",
-                     f"{r['randomized_s']:.4f}", f"{r['speedup']:.0f}x", f"{r['max_excess_error']:.4f}"] for r in rows]))
+                     f"{r['randomized_s']:.4f}", f"{r['speedup']:.0f}x", f"{r['max_excess_error']:.4f}"]
+                    for r in rows]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2) + "\n")
 

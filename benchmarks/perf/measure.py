@@ -104,7 +104,8 @@ class OtherCpu:
     @staticmethod
     def _busy() -> float:
         t = psutil.cpu_times()
-        return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+        return (t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+                + getattr(t, "steal", 0.0))
 
     @staticmethod
     def _own() -> float:

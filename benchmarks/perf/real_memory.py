@@ -121,7 +121,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         cmd = [sys.executable, "-m", "benchmarks.perf.real_memory", "--_one", captures, "--m", str(args.m),
                "--evals", str(args.evals), "--tau", str(args.tau)]
         cmd += ["--threads", str(args.threads)] if args.threads else []
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True, cwd=ROOT)  # the package's root
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True,
+                             cwd=ROOT)  # the package's root
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"captures={captures}: {rows[-1]['measured_gib']:.2f} GiB measured, {rows[-1]['predicted_gib']:.2f} "
               f"predicted, {rows[-1]['seconds']:.0f} s", flush=True)

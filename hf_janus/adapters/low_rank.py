@@ -1,7 +1,7 @@
 """Re-factorize a dense weight update ``ΔW`` (``d_out x d_in``) into LoRA factors ``B @ A`` by truncated SVD.
 
-Pure functions on tensors, shared by :class:`~hf_janus.adapters.saved.merger.JanusMerger` (saving a rectified adapter) and
-anything else that has to turn a rectified ``ΔW_rect`` back into a low-rank adapter.
+Pure functions on tensors, shared by :class:`~hf_janus.adapters.saved.merger.JanusMerger` (saving a rectified adapter)
+and anything else that has to turn a rectified ``ΔW_rect`` back into a low-rank adapter.
 
 Conventions follow ``peft.convert_to_lora``: all singular values go into ``B`` (``B = U_k S_k``,
 ``A = V_kᵀ``), so a LoRA built from the factors uses ``lora_alpha = r`` (scaling 1, no rsLoRA), and a

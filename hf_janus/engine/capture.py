@@ -175,7 +175,8 @@ class _BatchContext:
         self._pending_bytes = 0
 
     def plan(self, batch: int, length: int) -> SequencePlan:
-        """The plan for a layer seeing ``length`` positions: the attention mask's when it covers them, else every row."""
+        """The plan for a layer seeing ``length`` positions: the attention mask's when it covers them, else every
+        row."""
         plan = self._plans.get(length)
         if plan is None:
             covers = self.host_mask is not None and tuple(self.host_mask.shape) == (batch, length)

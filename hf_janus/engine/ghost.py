@@ -19,8 +19,8 @@ accumulated and returned in) and ``matmul_dtype``, the dtype of the large matrix
 ``matmul_dtype=float32`` the products run in float32 (TF32 tensor cores on CUDA inside :func:`tensor_cores`)
 while every sum over samples, rank slots or chunks of the inner dimension is accumulated in ``dtype``;
 :func:`project_with_jvp` then adds one refinement sweep whose residual JVP is computed in ``dtype``, so the
-projection's null-space residual stays at float64 level (``tests/engine/test_ghost_explicit.py``, "Mixed precision"). Hopper GPUs run
-float64 products ~15x slower than TF32, and a CPU runs float32 about twice as fast as float64.
+projection's null-space residual stays at float64 level (``tests/engine/test_ghost_explicit.py``, "Mixed precision").
+Hopper GPUs run float64 products ~15x slower than TF32, and a CPU runs float32 about twice as fast as float64.
 """
 
 from __future__ import annotations

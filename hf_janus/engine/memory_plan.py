@@ -248,7 +248,8 @@ class MemoryPlan:
         where = ", ".join(f"{name} {self.placements[name]}" for name in self.placements)
         shared = self.device == "cpu"
         peaks = (f"peak host {self.peak_host_bytes / GIB:.2f} GiB" if shared else
-                 f"peak {self.device} {self.peak_device_bytes / GIB:.2f} GiB, peak host {self.peak_host_bytes / GIB:.2f} GiB")
+                 f"peak {self.device} {self.peak_device_bytes / GIB:.2f} GiB, "
+                 f"peak host {self.peak_host_bytes / GIB:.2f} GiB")
         if self.heap_retention:
             peaks += f", {self.heap_retention:.0%} of its own host bytes added for what the C allocator keeps"
         return f"JANUS memory plan: {peaks} (factors {self.pieces['factors'] / GIB:.2f} GiB); {where}"
@@ -433,8 +434,9 @@ def _exceeds(where: str, plan: dict[str, dict[str, int]], in_use: dict[str, int]
 
 def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, int]], in_use: dict[str, int],
              capacity: dict[str, Optional[int]], shared: bool, cache: str) -> str:
-    where = "host" if shared or (capacity.get("host") is not None
-                                 and in_use["host"] + max(p["host"] for p in plan.values()) > capacity["host"]) else "device"
+    where = ("host" if shared or (capacity.get("host") is not None
+                                  and in_use["host"] + max(p["host"] for p in plan.values()) > capacity["host"])
+             else "device")
     need = in_use[where] + max(p[where] for p in plan.values())
     if "repair" in plan and max(plan, key=lambda phase: plan[phase][where]) == "repair":
         return (f"the repair after JANUS needs about {need / GIB:.1f} GiB of "

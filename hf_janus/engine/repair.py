@@ -8,12 +8,13 @@ point (Adam on float32 copies, written back into the model's dtype after each st
 run is deterministic).
 
 The point is then chosen without an evaluation harness, on held-out slices: every eighth replay sample and every
-eighth new-task sample (at most :data:`NEW_TASK_VALIDATION_MAX` of these) are kept out of the training. Along the line ``θ0 + b(θ_T − θ0)`` (and the JANUS point), the
-points whose new-task loss keeps at least ``keep_gain`` of the fine-tune's gain (``L(θ0) − L(θ̂)`` on the new-task
-slice) are feasible. The gain kept falls as the point moves toward θ0, so the line is bisected (on a grid of 0.05)
-for the farthest feasible move; of the points scored, the feasible one whose replay NLL on the replay slice is lowest
-is taken. The report says which
-point, why, and the validation figures of θ0, θ̂, the JANUS point, the trained point and the chosen one.
+eighth new-task sample (at most :data:`NEW_TASK_VALIDATION_MAX` of these; or the new task's validation samples, when
+given) are kept out of the training. Along the line ``θ0 + b(θ_T − θ0)`` (and the JANUS point), the points whose
+new-task loss keeps at least ``keep_gain`` of the fine-tune's gain (``L(θ0) − L(θ̂)`` on the new-task slice) are
+feasible. The gain kept falls as the point moves toward θ0, so the line is bisected (on a grid of 0.05) for the
+farthest feasible move; of the points scored, the feasible one whose replay NLL on the replay slice is lowest is
+taken. The report says which point, why, and the validation figures of θ0, θ̂, the JANUS point, the trained point
+and the chosen one.
 """
 
 from __future__ import annotations

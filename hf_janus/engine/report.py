@@ -238,7 +238,8 @@ class RectificationReport:
         ]
         if loss:
             lines.append(
-                "  replay loss: reference {reference:.4f} | fine-tuned {finetuned:.4f} | rectified {rectified:.4f}".format(
+                ("  replay loss: reference {reference:.4f} | fine-tuned {finetuned:.4f} | "
+                 "rectified {rectified:.4f}").format(
                     **{k: loss.get(k, float("nan")) for k in ("reference", "finetuned", "rectified")}
                 )
             )

@@ -260,8 +260,8 @@ def reference_weight(reference: Reference, name: str, module: nn.Module, rule: L
             f"reference must be a model with the same architecture or a state dict, got {type(reference).__name__}"
         )
     if not (weight.is_floating_point() or weight.is_meta):
-        raise JanusError(f"reference weight of {name!r} has dtype {weight.dtype}: θ0 must be the layer's floating-point "
-                         "weights (a state dict of the model before fine-tuning)")
+        raise JanusError(f"reference weight of {name!r} has dtype {weight.dtype}: θ0 must be the layer's "
+                         "floating-point weights (a state dict of the model before fine-tuning)")
     if full_shape(weight) != full_shape(module.weight):
         raise JanusError(
             f"reference weight of {name!r} has shape {full_shape(weight)} but the model's is "

@@ -434,8 +434,9 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
             benchmark run (replay fine-tuning on the KL to θ0 at 4× JANUS's evaluations, Fisher interpolation, the
             input-covariance null space at energies 0.5 and 0.9), so that the frontier can choose them; with
             ``new_task_samples`` it adds :data:`~hf_janus.evaluation.candidates.NEW_TASK_PEERS` (JANUS with the
-            repair after it, ``JanusConfig.distill_steps``, as ``rectify`` and the entry points run it). A peer that is not defined here, or does not fit (replay
-            training's optimizer state on the model's device), is left out with a logged warning.
+            repair after it, ``JanusConfig.distill_steps``, as ``rectify`` and the entry points run it). A peer that is
+            not defined here, or does not fit (replay training's optimizer state on the model's device), is left out
+            with a logged warning.
         scorer: scores a model on the tasks, ``model -> {task name: TaskResult}`` with the names of
             ``past_tasks`` and ``new_tasks`` (default: lm-evaluation-harness, :class:`~hf_janus.evaluation.
             harness.Scorer`, with ``batch_size``, ``limit`` and ``include_path``).

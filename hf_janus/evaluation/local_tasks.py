@@ -11,7 +11,8 @@ Two kinds, built as lm-eval task configs (``dict``) that :func:`hf_janus.evaluat
 
 The same tasks ship as YAML for the ``lm_eval`` command line (:func:`task_dir`; the file is given as metadata)::
 
-    lm_eval --model hf --model_args pretrained=./model --include_path "$(python -c 'import hf_janus.evaluation as e; print(e.task_dir())')" \\
+    lm_eval --model hf --model_args pretrained=./model \\
+        --include_path "$(python -c 'import hf_janus.evaluation as e; print(e.task_dir())')" \\
         --tasks janus_nq_open --metadata '{"data_files": "nq_open_dev.jsonl"}'
 """
 

@@ -23,14 +23,16 @@ directory rectified by :class:`~hf_janus.JanusCallback`) carries three things:
   ``output_dir`` before it wrote the publication record) and a ``MergeReport`` saved on its own; both lack
   ``hf_janus_version`` and are read by :meth:`PublishedReport.from_dict` as ``hf_janus_version="unknown"``.
 * a short form of it in the ``__metadata__`` of every safetensors weight file (``janus.*`` string keys,
-  :func:`hf_janus.publish.weights_meta.safetensors_metadata`), so a weight file on its own still says where it came from;
+  :func:`hf_janus.publish.weights_meta.safetensors_metadata`), so a weight file on its own still says
+  where it came from;
 * ``README.md``: a model card rendered from ``model_card_templates/`` through huggingface_hub's
   ``ModelCard``/``ModelCardData`` (:mod:`hf_janus.publish.card`); an existing card (e.g. the one ``Trainer`` writes)
   is merged, not replaced.
 
 :func:`hf_janus.publish.files.write_publication_files` adds all three to a folder that already holds the weights;
-:func:`hf_janus.publish.hub.push_folder` uploads such a folder in one commit; :func:`hf_janus.publish.hub.load_report` reads the record back from a
-local directory or a Hub repo; :func:`hf_janus.integrations.trainer_publish.install_trainer_hooks` makes ``trainer.save_model()`` and
+:func:`hf_janus.publish.hub.push_folder` uploads such a folder in one commit;
+:func:`hf_janus.publish.hub.load_report` reads the record back from a local directory or a Hub repo;
+:func:`hf_janus.integrations.trainer_publish.install_trainer_hooks` makes ``trainer.save_model()`` and
 ``trainer.push_to_hub()`` publish it.
 """
 
@@ -111,7 +113,8 @@ _LAYER = {"name": (_is_str, "a string"), "path": (_is_str, "a string"), "delta_n
 _RECTIFICATION = {
     "config": (lambda v: isinstance(v, dict), "an object"), "steps": (lambda v: isinstance(v, list), "a list"),
     "num_jacobian_evals": (_count, "a count"), "num_samples": (_count, "a count"), "num_tokens": (_count, "a count"),
-    "replay_loss": (_str_keyed(_opt(_number)), "an object of numbers"), "layers": (lambda v: isinstance(v, list), "a list"),
+    "replay_loss": (_str_keyed(_opt(_number)), "an object of numbers"),
+    "layers": (lambda v: isinstance(v, list), "a list"),
     "timings": (_str_keyed(_opt(_number)), "an object of numbers"), "converged": (_is_bool, "true or false"),
     "stop_reason": (_is_str, "a string"), "stopped_early": (_is_bool, "true or false"),
     "discarded_final_step": (_opt(_str_keyed(_opt(_number))), "an object of numbers"),
@@ -121,7 +124,8 @@ _RECTIFICATION = {
 _REF = {"id": (_is_str, "a string"), "revision": (_opt(_is_str), "a string"), "sha": (_opt(_is_str), "a string"),
         "local": (_is_bool, "true or false"), "kind": (_opt(_is_str), "a string"),
         "peft_type": (_opt(_is_str), "a string")}
-_REPLAY = {"id": (_opt(_is_str), "a string"), "source": (_opt(_is_str), "a string"), "split": (_opt(_is_str), "a string"),
+_REPLAY = {"id": (_opt(_is_str), "a string"), "source": (_opt(_is_str), "a string"),
+           "split": (_opt(_is_str), "a string"),
            "revision": (_opt(_is_str), "a string"), "sha": (_opt(_is_str), "a string"),
            "fingerprint": (_opt(_is_str), "a string"), "size": (_opt(_count), "a count"),
            "local": (_is_bool, "true or false"),
@@ -252,8 +256,8 @@ class PublishedReport:
         return cls(kind=data.get("kind", kind or "full"), rectification=rectification,
                    base_model=RepoRef.from_dict(data.get("base_model")), adapter=RepoRef.from_dict(data.get("adapter")),
                    replay=ReplayInfo.from_dict(data.get("replay")), merge=data.get("merge"),
-                   frontier=data.get("frontier"), hf_janus_version=data["hf_janus_version"], created_at=data.get("created_at", ""),
-                   schema_version=version)
+                   frontier=data.get("frontier"), hf_janus_version=data["hf_janus_version"],
+                   created_at=data.get("created_at", ""), schema_version=version)
 
     @classmethod
     def _from_legacy(cls, data: dict[str, Any], kind: Optional[str]) -> "PublishedReport":

@@ -106,7 +106,8 @@ def prepare_replay(replay: Any, batch_size: int, *, group_by_length: bool = True
     (2-D ``input_ids``), or a ``torch.utils.data.DataLoader`` (or any iterable of batch dicts), used as given.
     """
     if replay is None:
-        raise JanusError("replay is None: pass the past-task samples to replay (a Dataset, list of dicts or DataLoader)")
+        raise JanusError("replay is None: pass the past-task samples to replay "
+                         "(a Dataset, list of dicts or DataLoader)")
     from hf_janus.replay.self_replay import SelfReplay  # here: self_replay imports this module
 
     if isinstance(replay, SelfReplay):
@@ -132,7 +133,8 @@ def prepare_replay(replay: Any, batch_size: int, *, group_by_length: bool = True
     elif isinstance(replay, Iterable):
         batches = [_normalize_batch(b, i) for i, b in enumerate(replay)]
     else:
-        raise JanusError(f"unsupported replay type {type(replay).__name__}; pass a Dataset, list of dicts or DataLoader")
+        raise JanusError(f"unsupported replay type {type(replay).__name__}; "
+                         "pass a Dataset, list of dicts or DataLoader")
     if not batches or sum(int(b["input_ids"].shape[0]) for b in batches) == 0:
         raise JanusError("replay is empty: JANUS needs samples of the past task (typically ~256) to build the Jacobian")
     for index, batch in enumerate(batches):

@@ -4,8 +4,8 @@ PEFT merges in the base's dtype: on a bf16 base the model holds round(W + ΔW), 
 noise wherever ΔW is small against W. JANUS must work on the adapter's own update instead. What it may change is
 fixed by the paper: ΔW − ΔW_rect lies in the row space of the replay's per-sample Jacobian at θ0. These tests
 measure the part of ΔW − ΔW_rect *outside* that row space, with explicit per-sample gradients (``torch.func``) of
-a float64 twin of the model at θ0, relative to what was removed. Measured at |ΔW|/|W| = 1.5e-2 (the review's case), single step,
-no compression: see ``OUTSIDE_OF_REMOVED`` for the figures reached.
+a float64 twin of the model at θ0, relative to what was removed. Measured at |ΔW|/|W| = 1.5e-2 (the review's case),
+single step, no compression: see ``OUTSIDE_OF_REMOVED`` for the figures reached.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ LOADS = {
 }
 
 
-def load(base_dir, kind):
+def load(base_path, kind):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     kwargs = {"dtype": torch.bfloat16}
     if LOADS[kind]:
         kwargs.update(quantization_config=BitsAndBytesConfig(**LOADS[kind]), device_map="cpu")
-    return AutoModelForCausalLM.from_pretrained(base_dir, **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(base_path, **kwargs).eval()
 
 
 def lora_update(module) -> torch.Tensor:
@@ -55,14 +55,14 @@ def lora_update(module) -> torch.Tensor:
     return module.scaling["default"] * (b.detach().double() @ a.detach().double())
 
 
-def trained_lora(base_dir, kind, seed=0):
+def trained_lora(base_path, kind, seed=0):
     """A LoRA r=8 whose update is RELATIVE_UPDATE of each base weight, and the snapshot taken before it moved."""
     from peft import LoraConfig, get_peft_model
 
     from hf_janus.engine.quantized import dequantized_weight
 
     torch.manual_seed(seed)
-    model = get_peft_model(load(base_dir, kind), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    model = get_peft_model(load(base_path, kind), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
     layers = adapted_linear_layers(model)
     initial = initial_state(layers)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -97,12 +97,12 @@ def twin_params(model):
     return out
 
 
-def row_space_jacobians(base_dir, params, names, replay):
+def row_space_jacobians(base_path, params, names, replay):
     """Per-sample loss gradients at ``params`` w.r.t. the weights of ``names``: ``{name: (m, d_out·d_in)}``."""
     from torch.func import functional_call, grad
     from transformers import AutoModelForCausalLM
 
-    dense = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64).eval()
+    dense = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float64).eval()
     targets = {f"{n}.weight": params[f"{n}.weight"] for n in names}
 
     def loss(target_params, ids):

@@ -39,7 +39,8 @@ def base_dir(tmp_path_factory):
 def quantized_base(base_dir, quant):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=BitsAndBytesConfig(**QUANTIZATIONS[quant]),
+    return AutoModelForCausalLM.from_pretrained(base_dir,
+                                                quantization_config=BitsAndBytesConfig(**QUANTIZATIONS[quant]),
                                                 device_map="cpu")
 
 

@@ -25,7 +25,8 @@ from hf_janus.adapters.peft_layers import adapted_linear_layers, initial_state
 EXACT = fast_config(replay_batch_size=4)
 PACKAGE = os.path.dirname(hf_janus.__file__)
 IDS = torch.tensor([[1, 5, 9, 13, 2, 30, 11, 4], [7, 3, 3, 40, 12, 6, 8, 19]])
-REPLAY = [{"input_ids": row} for row in torch.randint(4, 40, (8, 10), generator=torch.Generator().manual_seed(3)).tolist()]
+REPLAY = [{"input_ids": row}
+          for row in torch.randint(4, 40, (8, 10), generator=torch.Generator().manual_seed(3)).tolist()]
 
 
 class InterruptAt:

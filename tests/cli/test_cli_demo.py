@@ -71,5 +71,6 @@ def test_invalid_config_value_is_a_clean_error(capsys):
 
 
 def test_console_script_module_entry():
-    out = subprocess.run([sys.executable, "-m", "hf_janus.cli", "--version"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "hf_janus.cli", "--version"], capture_output=True, text=True,
+                         check=True)
     assert out.stdout.startswith("hf-janus ")

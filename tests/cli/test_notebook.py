@@ -29,7 +29,8 @@ print("PROBE" + json.dumps({
 @pytest.mark.slow
 def test_quickstart_notebook_executes(monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), "commit it with outputs cleared"
+    assert all(not cell.get("outputs") for cell in nb.cells
+               if cell.cell_type == "code"), "commit it with outputs cleared"
     # The kernel inherits this environment: no token and offline, so the push goes to LocalHub.
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
         monkeypatch.delenv(var, raising=False)

@@ -25,7 +25,8 @@ def answer_replay(lengths: list[int], prompt: int = 4, seed: int = 3) -> list[di
     out = []
     for n in lengths:
         ids = torch.randint(0, VOCAB, (prompt + n,), generator=gen).tolist()
-        out.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
+        out.append({"input_ids": ids, "attention_mask": [1] * len(ids),
+                    "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
     return out
 
 
@@ -123,7 +124,8 @@ def test_token_loss_through_compression_and_steps(tuned_llama):
 def test_constraint_registry_and_validation():
     assert constraint_names()[:4] == ("loss", "target_logit", "logit_projections", "token_loss")
     assert make_constraint(JanusConfig(constraint="token_loss", constraint_tokens=5)).rows_per_sample == 6
-    assert make_constraint({"constraint": "logit_projections", "constraint_projections": 3, "seed": 1}).rows_per_sample == 3
+    assert make_constraint({"constraint": "logit_projections", "constraint_projections": 3,
+                            "seed": 1}).rows_per_sample == 3
     assert make_constraint(JanusConfig()).rows_per_sample == 1
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="constraint_tokens"):

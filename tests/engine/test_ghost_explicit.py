@@ -685,7 +685,8 @@ def test_tensor_cores_are_scoped():
     with ghost.tensor_cores(torch.device("cuda"), torch.float32):
         assert matmul.fp32_precision == "tf32"
     assert matmul.fp32_precision == before
-    with ghost.tensor_cores(torch.device("cuda"), torch.float64), ghost.tensor_cores(torch.device("cpu"), torch.float32):
+    with (ghost.tensor_cores(torch.device("cuda"), torch.float64),
+          ghost.tensor_cores(torch.device("cpu"), torch.float32)):
         assert matmul.fp32_precision == before
     with pytest.raises(RuntimeError), ghost.tensor_cores(torch.device("cuda"), torch.float32):
         raise RuntimeError("boom")

@@ -31,8 +31,8 @@ from hf_janus.engine.timing import PhaseTimer
 from hf_janus.replay.prepare import prepare_replay
 
 # aten operators whose CUDA kernels wait for the device: a scalar read (``.item()``, ``bool(t)``, ``int(t)``), data-
-# dependent shapes, and linear algebra that checks its status on the host
-# (``linalg_cholesky_ex`` and the other ``_ex`` variants leave the status on the device: the engine uses them to not wait)
+# dependent shapes, and linear algebra that checks its status on the host (``linalg_cholesky_ex`` and the other
+# ``_ex`` variants leave the status on the device: the engine uses them to not wait)
 READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_linalg_svd", "_linalg_eigh", "linalg_eigvalsh",
          "linalg_lstsq")
 COPIES = ("cpu", "tolist", "numpy")  # Tensor methods that copy to the host (a no-op operator on the CPU, so patched)
@@ -101,7 +101,8 @@ def count_capture(monkeypatch, layers: int, method: str, batches: int = 3) -> Co
 
 
 def test_randomized_capture_reads_back_per_batch_not_per_layer(monkeypatch):
-    """The accelerator path: the same reads with 1 and 3 transformer blocks (7 and 21 target layers), a few per batch."""
+    """The accelerator path: the same reads with 1 and 3 transformer blocks (7 and 21 target layers), a few per
+    batch."""
     one, three = count_capture(monkeypatch, 1, "randomized"), count_capture(monkeypatch, 3, "randomized")
     assert one == three
     # per batch: two waits around the pass, the replay-loss checks and copies, one NaN flag read for all layers, the

@@ -118,7 +118,8 @@ def test_bfloat16_factors_take_the_same_decisions_as_float32(tuned_llama):
         assert rectifier.store.factor_dtype is (None if dtype == "float32" else torch.bfloat16)
         runs[dtype] = rectifier.run()
     exact, half = runs["float32"], runs["bfloat16"]
-    assert half.report.memory_plan["factor_dtype"] == "bfloat16" and exact.report.memory_plan["factor_dtype"] == "float32"
+    assert (half.report.memory_plan["factor_dtype"] == "bfloat16"
+            and exact.report.memory_plan["factor_dtype"] == "float32")
     assert [(s.alpha, [t.accepted for t in s.trials]) for s in half.report.steps] == \
         [(s.alpha, [t.accepted for t in s.trials]) for s in exact.report.steps]
     gaps = []
@@ -319,7 +320,8 @@ def small_work(**overrides) -> Workload:
 
 def test_on_the_cpu_everything_counts_against_the_host():
     work = small_work()
-    roomy = plan_memory(work, torch.device("cpu"), "memory", {"device": 0, "host": 1 << 30}, {"device": None, "host": 8 << 30})
+    roomy = plan_memory(work, torch.device("cpu"), "memory", {"device": 0, "host": 1 << 30},
+                        {"device": None, "host": 8 << 30})
     assert roomy.fits and set(roomy.placements.values()) <= {"device", "host"}
     resident = sum(roomy.pieces[p] for p in ("backup", "theta0", "current", "proj", "factors", "eigendecompositions"))
     assert roomy.peak_host_bytes == (1 << 30) + resident + max(roomy.pieces["activations"], roomy.pieces["ghost"])
@@ -336,7 +338,8 @@ def test_the_repair_after_janus_is_a_phase_of_its_own_after_the_factors_are_drop
                         {"device": None, "host": 8 << 30})
     plan = plan_memory(work, torch.device("cpu"), "memory", {"device": 0, "host": 0}, {"device": None, "host": 8 << 30})
     fp32 = sum(layer.numel * 4 for layer in work.layers)
-    assert plan.pieces["repair"] == REPAIR_FP32_COPIES * fp32 + sum(layer.numel * layer.itemsize for layer in work.layers)
+    assert plan.pieces["repair"] == (REPAIR_FP32_COPIES * fp32
+                                     + sum(layer.numel * layer.itemsize for layer in work.layers))
     assert plan.pieces["repair_activations"] == work.activation_bytes(512)
     assert "repair" not in plain.phases and plain.phases == {k: plan.phases[k] for k in plain.phases}
     layers_only = sum(plan.pieces[p] for p in ("backup", "theta0", "current", "proj"))

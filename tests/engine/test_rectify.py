@@ -359,7 +359,8 @@ def test_loop_shrinks_until_accepted_then_takes_full_step(tuned_llama):
     model, reference = tuned_llama
     script = Scripted([0.5, 0.9, 0.96, 0.99])
     queue = script.queue
-    report = scripted_rectify(script, model, reference, random_replay(4), JanusConfig(tau=0.95, beta=0.5, rank=4, step_control="paper"))
+    report = scripted_rectify(script, model, reference, random_replay(4),
+                              JanusConfig(tau=0.95, beta=0.5, rank=4, step_control="paper"))
     assert report.alphas == [0.25, 1.0]
     assert [t.accepted for t in report.steps[0].trials] == [False, False, True]
     assert [t.alpha for t in report.steps[0].trials] == [1.0, 0.5, 0.25]

@@ -60,7 +60,8 @@ def test_select_layers_only_narrows():
     assert select_layers(names, ["q_proj"]) == ["m.layers.0.q_proj", "m.layers.1.q_proj"]
     assert select_layers(names, r".*\.0\..*") == names[:2]
     assert select_layers(names, "all-linear", ["v_proj"]) == ["m.layers.0.q_proj", "m.layers.1.q_proj"]
-    assert select_layers(names, ["q_proj", "k_proj"]) == ["m.layers.0.q_proj", "m.layers.1.q_proj"]  # k_proj: not adapted
+    # k_proj: not adapted
+    assert select_layers(names, ["q_proj", "k_proj"]) == ["m.layers.0.q_proj", "m.layers.1.q_proj"]
     with pytest.raises(JanusError, match=r"none of the adapted layers \(m.layers.0.q_proj, .*\) is selected by "
                                          r"target_modules=\['o_proj'\]"):
         select_layers(names, ["o_proj"])

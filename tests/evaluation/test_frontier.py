@@ -39,8 +39,9 @@ def test_candidates_order_and_validation():
     with pytest.raises(JanusError, match="taus"):
         candidates((0.5,), (1.0,))
     damped = candidates((0.5,), (0.9,), dampings=(0.01, 0.1), damped_tau=0.95)
-    assert [(c.kind, c.tau, c.record().get("damping")) for c in damped[3:]] == [("janus", 0.9, None), ("damped_janus", 0.95, 0.01),
-                                                                ("damped_janus", 0.95, 0.1)]
+    assert [(c.kind, c.tau, c.record().get("damping")) for c in damped[3:]] == [("janus", 0.9, None),
+                                                                                ("damped_janus", 0.95, 0.01),
+                                                                                ("damped_janus", 0.95, 0.1)]
     for bad in ((0.0,), (-0.1,), (float("inf"),)):
         with pytest.raises(JanusError, match="dampings"):
             candidates((0.5,), (0.9,), dampings=bad)

@@ -173,8 +173,8 @@ def test_bad_arguments_and_unsupported_models(tmp_path):
     trainer.args.fsdp = "full_shard"
     janus.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)
     assert janus.snapshot_bytes > 0
-    # DeepSpeed: ZeRO-3 runs are handled (tests/parallel/test_deepspeed.py); weights that DeepSpeed left whole mean a ZeRO
-    # stage 0-2 run, which is not tested, and PEFT models are refused whatever the stage.
+    # DeepSpeed: ZeRO-3 runs are handled (tests/parallel/test_deepspeed.py); weights that DeepSpeed left whole mean a
+    # ZeRO stage 0-2 run, which is not tested, and PEFT models are refused whatever the stage.
     trainer.args.fsdp, trainer.args.deepspeed = "", {"zero_optimization": {"stage": 2}}
     with pytest.raises(JanusError, match="ZeRO stage 3 only"):
         janus.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)

@@ -139,7 +139,8 @@ def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bo
     trainer.train()
     state = merged_state(model) if use_peft else model.state_dict()
     torch.save({"state": state, "finetuned": probe.finetuned, "theta0": theta0,
-                "report": janus.report.to_dict(), "local_batches": len(janus.rectifier.local_batches)}, os.path.join(out_dir, f"trainer_rank{rank}.pt"))
+                "report": janus.report.to_dict(), "local_batches": len(janus.rectifier.local_batches)},
+               os.path.join(out_dir, f"trainer_rank{rank}.pt"))
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -99,15 +99,20 @@ def test_variant_levers():
     assert levers("tau99")["tau"] == pytest.approx(0.99)
     assert levers("corda+janus") == {"m": 64, "corda": True, "janus": True}
     assert levers("corda+lr2e-4")["lr"] == pytest.approx(2e-4)
-    assert levers("kl16+kllr2e-5") == {"m": 64, "kl": [16], "kllr": pytest.approx(2e-5)}
+    assert levers("fromhat+kl16+kllr2e-5") == {"m": 64, "fromhat": True, "kl": [16], "kllr": pytest.approx(2e-5)}
+    with pytest.raises(SystemExit, match="now the product's repair after JANUS: use repair<N>"):
+        levers("r8+kl16")
+    repair = variant_config(levers("r8+repair64+keep9+kllr2e-5+anchor4"))
+    assert (repair.rank, repair.distill_steps, repair.keep_gain, repair.distill_lr, repair.new_task_batch_size) == (
+        8, 64, pytest.approx(0.9), pytest.approx(2e-5), 4)
     config = variant_config(levers("tokenloss2+r16+steps20"))
     assert (config.constraint, config.constraint_tokens, config.rank, config.max_steps) == ("token_loss", 2, 16, 20)
     with pytest.raises(SystemExit, match="unknown lever 'x1'"):
         levers("base+x1")
     assert levers("tokenloss2+r8+ref75+ref8+hat1") == {"m": 64, "tokenloss": 2, "r": 8, "ref": [0.75, 0.8],
                                                        "hat": [0.1]}
-    assert levers("tokenloss2+kl16+kl4+khat1+kref9") == {"m": 64, "tokenloss": 2, "kl": [16, 4], "khat": [0.1],
-                                                         "kref": [0.9]}
+    assert levers("tokenloss2+fromhat+kl16+kl4+khat1+kref9") == {"m": 64, "tokenloss": 2, "fromhat": True,
+                                                                 "kl": [16, 4], "khat": [0.1], "kref": [0.9]}
     assert variant_config(levers("damp01")).damping == pytest.approx(0.01)
     assert variant_config(levers("targetlogit")).constraint == "target_logit"
 
@@ -127,15 +132,14 @@ def test_hybrids_are_the_frontiers(theta0):
         torch.testing.assert_close(out["v → θ̂ b=0.25"][n], wj + 0.25 * (w - wj))
 
 
-def test_replay_training_starts_at_the_janus_point_and_moves_toward_theta0(theta0):
-    """``kl<N>``: the JANUS point trained N passes on the replay's KL to θ0 starts there (not at θ̂), moves only the
-    changed parameters, and lowers that KL."""
+def test_replay_training_from_the_fine_tuned_point_moves_toward_theta0(theta0):
+    """``fromhat+kl<N>``: θ̂ trained N passes on the replay's KL to θ0 (the distillation alone, without JANUS) starts
+    at θ̂, moves only the changed parameters, and lowers that KL."""
     torch.manual_seed(3)
     names = [n for n, _ in theta0.named_parameters() if n.endswith("proj.weight")]
     finetuned = {n: theta0.get_parameter(n).detach() + 0.2 * torch.randn_like(theta0.get_parameter(n))
                  for n in names}
-    rectified = finetuned_model(theta0, {n: theta0.get_parameter(n).detach() + 0.5 * (w - theta0.get_parameter(n))
-                                         for n, w in finetuned.items()})
+    start = finetuned_model(theta0, finetuned)
     replay = [{"input_ids": torch.randint(0, 64, (10,)).tolist(), "labels": torch.randint(0, 64, (10,)).tolist()}
               for _ in range(4)]
     ids = torch.tensor([r["input_ids"] for r in replay])
@@ -146,19 +150,19 @@ def test_replay_training_starts_at_the_janus_point_and_moves_toward_theta0(theta
             p = torch.log_softmax(model(input_ids=ids).logits[:, :-1], -1)
         return float((p0.exp() * (p0 - p)).sum(-1).mean())
 
-    (label, weights, cost), = replay_trained("v", levers("base+kl3"), theta0, rectified, finetuned, replay, None,
-                                                variant_config(levers("base")))
-    assert label == "v → replay KL 3 passes" and set(weights) == set(names)
-    assert cost.jacobian_evaluations == 0 and cost.backward_passes == 3 and cost.seconds > 0  # JANUS's run given
-    steps = {n: (weights[n] - rectified.get_parameter(n)).abs().max() for n in names}
+    (label, weights, cost), = replay_trained("v", levers("fromhat+kl3"), theta0, finetuned, replay, None,
+                                             variant_config(levers("base")))
+    assert label == "v: θ̂ → replay KL 3 passes" and set(weights) == set(names)
+    assert cost.jacobian_evaluations == 0 and cost.backward_passes == 3 and cost.seconds > 0
+    steps = {n: (weights[n] - start.get_parameter(n)).abs().max() for n in names}
     assert all(s <= 3 * 2e-5 for s in steps.values()) and max(steps.values()) > 0  # Adam: about lr per step
-    assert kl(finetuned_model(theta0, weights)) < kl(rectified)
-    (faster, weights2, _), = replay_trained("v", levers("base+kl3+kllr4e-5"), theta0, rectified, finetuned, replay,
-                                            None, variant_config(levers("base")))
-    assert faster == "v → replay KL 3 passes, lr 4e-05"
-    assert max((weights2[n] - rectified.get_parameter(n)).abs().max() for n in names) > 3 * 2e-5
-    (mixed_label, mixed), = hybrids(label, levers("base+khat5+ref3"), theta0, weights, finetuned, prefix="k")
-    assert mixed_label == "v → replay KL 3 passes → θ̂ b=0.5"
+    assert kl(finetuned_model(theta0, weights)) < kl(start)
+    (faster, weights2, _), = replay_trained("v", levers("fromhat+kl3+kllr4e-5"), theta0, finetuned, replay, None,
+                                            variant_config(levers("base")))
+    assert faster == "v: θ̂ → replay KL 3 passes, lr 4e-05"
+    assert max((weights2[n] - start.get_parameter(n)).abs().max() for n in names) > 3 * 2e-5
+    (mixed_label, mixed), = hybrids(label, levers("fromhat+khat5"), theta0, weights, finetuned, prefix="k")
+    assert mixed_label == "v: θ̂ → replay KL 3 passes → θ̂ b=0.5"
     for n in names:
         torch.testing.assert_close(mixed[n], (weights[n] + finetuned[n]) / 2)
 

@@ -200,7 +200,8 @@ def test_frontier_generates_from_the_reference_not_the_finetuned_model(tmp_path)
 
     from hf_janus import frontier, rectify
 
-    past_texts, new_texts = [f"the cat sat on mat {i}" for i in range(6)], [f"{i} plus {i} is {2 * i}" for i in range(6)]
+    past_texts, new_texts = ([f"the cat sat on mat {i}" for i in range(6)],
+                             [f"{i} plus {i} is {2 * i}" for i in range(6)])
     tok = eval_tokenizer()
     base = build_tiny("llama", vocab=len(tok))
     train_on_texts(base, past_texts, tok, steps=40, lr=1e-2)

@@ -50,7 +50,8 @@ class MergeReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MergeReport":
-        """Read :meth:`to_dict` output, or a published ``janus_rectification.json`` (see :mod:`hf_janus.publish.record_file`)."""
+        """Read :meth:`to_dict` output, or a published ``janus_rectification.json`` (see
+        :mod:`hf_janus.publish.record_file`)."""
         if "hf_janus_version" in data:
             return cls.from_published(PublishedReport.from_dict(data))
         data = dict(data)
@@ -64,7 +65,8 @@ class MergeReport:
 
     @classmethod
     def from_published(cls, published: PublishedReport) -> "MergeReport":
-        """The :class:`MergeReport` inside a :class:`~hf_janus.publish.record_file.PublishedReport` written by the merger."""
+        """The :class:`MergeReport` inside a :class:`~hf_janus.publish.record_file.PublishedReport` written by the
+        merger."""
         if published.merge is None or published.adapter is None or published.base_model is None:
             raise JanusError(
                 f"this janus_rectification.json{f' ({published.source})' if published.source else ''} was not "

@@ -5,8 +5,8 @@
     delta.save_adapter("out-adapter", rank="same", refine=True)
     delta.save_full("out-full")
 
-:class:`JanusMerger` builds the effective model with :mod:`hf_janus.adapters.saved.effective` (base loaded once, the adapter
-merged into it layer by layer by PEFT, ``θ0`` = the base weights of the adapted layers only), runs
+:class:`JanusMerger` builds the effective model with :mod:`hf_janus.adapters.saved.effective` (base loaded once, the
+adapter merged into it layer by layer by PEFT, ``θ0`` = the base weights of the adapted layers only), runs
 :class:`hf_janus.Rectifier` on exactly the adapted linear layers, and returns a :class:`RectifiedDelta`.
 :meth:`RectifiedDelta.save_adapter` re-factorizes each ``ΔW_rect`` with :mod:`hf_janus.adapters.low_rank` into a
 standard LoRA adapter that stock ``PeftModel.from_pretrained`` loads; :meth:`RectifiedDelta.save_full`
@@ -84,7 +84,8 @@ def _select_targets(effective: EffectiveModel, config: JanusConfig) -> list[str]
     if not linear:
         raise JanusError(
             f"adapter {effective.adapter.name!r} changes no linear layer (only "
-            f"{', '.join(sorted({l.module_type for l in effective.layers.values()}))}); JANUS rectifies linear layers"
+            f"{', '.join(sorted({layer.module_type for layer in effective.layers.values()}))}); "
+            "JANUS rectifies linear layers"
         )
     return select_layers(linear, config.target_modules, config.exclude_modules)
 

@@ -95,9 +95,10 @@ def non_finite(loss: Tensor, weights: Sequence[Tensor]) -> Optional[str]:
 def train_on_replay(builder: "WeightBuilder", passes: int, *, loss: str, optimizer: str, lr: float,
                     batch_size: int, new_task: Optional[Sequence[Mapping[str, Tensor]]] = None,
                     new_task_weight: float = 1.0) -> dict[str, Tensor]:
-    """The changed parameters after ``passes`` passes of replay training from θ̂, float32, on the host. With ``new_task`` (labelled batches of what fine-tuning trained on, taken in turn, one per step),
-    each step's loss also counts ``new_task_weight`` times their cross-entropy, so that the passes keep the gain.
-    A step whose loss or weights are not finite stops the training with :class:`CandidateDiverged`."""
+    """The changed parameters after ``passes`` passes of replay training from θ̂, float32, on the host. With
+    ``new_task`` (labelled batches of what fine-tuning trained on, taken in turn, one per step), each step's loss also
+    counts ``new_task_weight`` times their cross-entropy, so that the passes keep the gain. A step whose loss or
+    weights are not finite stops the training with :class:`CandidateDiverged`."""
     names = list(builder.theta0)
     start = builder.finetuned
     params = [builder.params[k] for k in names]
