@@ -248,15 +248,17 @@ class Repair:
         ref_loss, ft_loss = figures["reference"].new_task_loss, figures["finetuned"].new_task_loss
         gain = ref_loss - ft_loss
         floor = ref_loss - keep * gain if gain > 0 else float("inf")  # no gain to keep: every point is feasible
-        points = {"janus": janus, "b=1": trained}
         figures["b=1"] = figures["trained"]
 
+        def moved(b: float) -> list[Tensor]:
+            return trained if b == 1.0 else [r + b * (t - r) for r, t in zip(reference, trained)]
+
         def kept(index: int) -> bool:
-            """Whether the move ``MOVES[index]`` keeps the gain, scoring it the first time it is asked."""
+            """Whether the move ``MOVES[index]`` keeps the gain, scoring it the first time it is asked (its weights
+            are not kept: the memory plan counts one point being scored)."""
             name = f"b={MOVES[index]:g}"
             if name not in figures:
-                points[name] = [r + MOVES[index] * (t - r) for r, t in zip(reference, trained)]
-                figures[name] = self._figures_at(points[name])
+                figures[name] = self._figures_at(moved(MOVES[index]))
             return figures[name].new_task_loss <= floor
 
         # the gain kept falls as the point moves toward θ0: bisect for the farthest move that keeps it, scoring
@@ -266,7 +268,7 @@ class Repair:
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if kept(mid) else (lo, mid)
-        feasible = [k for k in points if k in figures and figures[k].new_task_loss <= floor]
+        feasible = [k for k in figures if (k == "janus" or k.startswith("b=")) and figures[k].new_task_loss <= floor]
         if not feasible:
             report.chosen, report.b = "janus", None
             report.reason = (f"no point keeps {keep:.0%} of the new task's gain on the held-out slice; the JANUS "
@@ -281,7 +283,7 @@ class Repair:
                          "lowest replay NLL")
         for name in [k for k in figures if k.startswith("b=") and k != best]:
             del figures[name]  # the report keeps the chosen move's figures, not the whole search
-        return points[best]
+        return janus if report.b is None else moved(report.b)
 
 
 def _figure_key(report: RepairReport) -> str:
