@@ -462,9 +462,9 @@ class JanusCallback(TrainerCallback):
         return _first_samples(trainer.get_train_dataloader(), NEW_TASK_SAMPLES)
 
     def _new_task_validation(self) -> Optional[list[dict[str, Any]]]:
-        """The Trainer's ``eval_dataset`` through its eval dataloader (the first of several), at most
-        :data:`~hf_janus.engine.repair.NEW_TASK_VALIDATION_MAX` samples a rank, for the repair's gain; None without
-        a repair or an eval dataset (the repair then holds out every eighth train sample)."""
+        """The Trainer's ``eval_dataset`` through its eval dataloader (the first of several): whole batches, until
+        they hold :data:`~hf_janus.engine.repair.NEW_TASK_VALIDATION_MAX` samples a rank, for the repair's gain; None
+        without a repair or an eval dataset (the repair then holds out every eighth train sample)."""
         trainer = self._publishing_trainer()
         evaluation = getattr(trainer, "eval_dataset", None)
         if not self.config.distill_steps or evaluation is None:
