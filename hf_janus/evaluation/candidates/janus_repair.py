@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
 
 _DEFAULTS = JanusConfig()
-#: the study's training length (32 passes over 56 answers, batches of 8): the frontier's default grid
+#: the study's training length (32 passes over 64 answers in batches of 8): the frontier's default grid
 DEFAULT_REPAIR_STEPS = 256
 
 
