@@ -482,7 +482,8 @@ def levers(name: str) -> dict:
     training-time peer's θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning rate;
     ``repair<N>`` is the product's own repair after JANUS (``JanusConfig.distill_steps=N``, through ``rectify``'s
     ``new_task``: the fine-tuning's own samples), which chooses its point itself (``kllr`` its ``distill_lr``,
-    ``anchor<N>`` its ``new_task_batch_size``, ``keep<NN>`` its ``keep_gain`` = 0.NN)."""
+    ``anchor<N>`` its ``new_task_batch_size``, ``keep<NN>`` its ``keep_gain`` = 0.NN; ``val`` measures its gain on
+    16 GSM8K problems the fine-tune never saw, as a Trainer's ``eval_dataset``, instead of a slice of its own)."""
     out: dict = {"m": 64}
     for part in name.split("+"):
         number = re.fullmatch(r"(m|r|tau|steps|tokenloss|margin|marginonly)(\d*)", part)
@@ -506,7 +507,8 @@ def levers(name: str) -> dict:
                 out["damp"] = value
             else:  # the frontier's hybrids, scored after the JANUS (or replay-trained) point: several b per variant
                 out.setdefault(fraction.group(1), []).append(value)
-        elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj", "targetlogit", "fromhat") + PEERS:
+        elif part in ("base", "janus", "token", "whole", "selfgen", "logitproj", "targetlogit", "fromhat",
+                      "val") + PEERS:
             out[part] = True
         elif number and number.group(1) in ("tokenloss", "margin", "marginonly"):
             out[number.group(1)] = int(number.group(2) or TOKEN_ROWS)
@@ -644,6 +646,16 @@ def new_task_samples(tok) -> list[dict]:
     s.ft_batch, s.ft_steps = 1, s.ft_steps * s.ft_batch
     return [{"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist()}
             for b in bench.train_batches(s, tok, fine_tuning_samples())]
+
+
+def new_task_validation_samples(tok, count: int = 16) -> list[dict]:
+    """``count`` GSM8K training problems the fine-tune never saw (the next ones in its order), labelled as
+    :func:`new_task_samples`: a Trainer's ``eval_dataset``, for the repair's gain."""
+    s = bench.Settings()
+    seen = s.ft_steps * s.ft_batch
+    s.ft_batch, s.ft_steps = 1, seen + count
+    return [{"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist()}
+            for b in bench.train_batches(s, tok, fine_tuning_samples())][seen:]
 
 
 def replay_trained(name: str, lever: dict, theta0, finetuned: dict, replay: list[dict], tok,
@@ -794,7 +806,8 @@ def main() -> None:
             peak, report = own_peak_bytes(lambda: rectify(
                 model, theta0, replay, config, progress=False,
                 finetuned=start if args.run != "full" or peer else None,
-                new_task=new_task_samples(tok) if "repair" in lever else None))
+                new_task=new_task_samples(tok) if "repair" in lever else None,
+                new_task_validation=new_task_validation_samples(tok) if lever.get("val") else None))
             seconds = time.perf_counter() - t
             point = evaluate(model, tok, sets, data["gsm"], pad)
             record["points"][name] = scored_point(

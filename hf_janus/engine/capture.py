@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -85,9 +85,9 @@ def frozen_eval(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-def forward_logits(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
-    """The model's logits on a batch, without a KV cache (the engine's one forward)."""
-    kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+def forward_logits(model: nn.Module, batch: Mapping[str, Tensor], **extra: Any) -> Tensor:
+    """The model's logits on a batch, without a KV cache (the engine's one forward); ``extra`` goes to the forward."""
+    kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **extra}
     if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
         kwargs["use_cache"] = False
     out = model(**kwargs)

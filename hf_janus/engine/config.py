@@ -173,9 +173,9 @@ class JanusConfig:
                 "past task is well fit; the replay loss reported and compared stays at T = 1)"})
     distill_steps: int = field(default=0, metadata={
         "help": "the repair after JANUS: optimizer steps on the replay's KL divergence to θ0 that also fit the new "
-                "task's samples (new_task_weight), from the JANUS point, after which the point on the line back "
-                "toward θ0 that keeps keep_gain of the new task's gain and best keeps the replay is taken, both "
-                "measured on held-out slices; needs the new task's samples (0 = off: the paper's method alone)"})
+                "task's samples (new_task_weight), from the JANUS point, after which the farthest point on the line "
+                "back toward θ0 that keeps keep_gain of the new task's gain is taken, measured on held-out slices; "
+                "needs the new task's samples (0 = off: the paper's method alone)"})
     keep_gain: float = field(default=0.95, metadata={
         "help": "with distill_steps: the share of the fine-tune's new-task gain (its loss drop from θ0 to θ̂ on "
                 "the held-out new-task samples) the chosen point must keep, in (0, 1]"})

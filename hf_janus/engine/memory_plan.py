@@ -29,9 +29,11 @@ Pieces (all bytes, summed over the target layers):
 * ``activations``: one replay batch's forward/backward with the recorders' inputs held until their gradient arrives;
 * ``ghost``: the largest layer's Gram blocks, eigendecompositions and update-sized temporaries;
 * ``repair`` (with ``JanusConfig.distill_steps``, after the factors are dropped): the distillation's float32 copies
-  of the target layers (the trained point, its gradient, Adam's two moments, θ0, the JANUS point, θ̂ and the point
-  being scored) and the weights' gradients in their dtype; its phase adds one step's forward/backward, gradients
-  flowing into the weights, over the longer of a replay batch and a new-task batch.
+  of the target layers and of the changed parameters outside them (the trained point, its gradient, Adam's two
+  moments, θ0, the JANUS point, θ̂ and the point being scored), the weights' gradients in their dtype, and θ0's
+  float32 logits at the replay's counted tokens, kept up to ``REPAIR_REFERENCE_CACHE_BYTES`` so that θ0 runs once;
+  its phase adds one step's forward/backward, gradients flowing into the weights, over the longer of a replay batch
+  and a new-task batch.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ DISK_FILL = 0.9
 CAPTURES_ALIVE = {"adaptive": 4, "paper": 3}
 #: float32 copies of the target layers the repair after JANUS holds (see ``repair`` in the module docstring)
 REPAIR_FP32_COPIES = 8
+#: most bytes of θ0's float32 logits at the replay's counted tokens the repair keeps instead of running θ0 again each
+#: pass (see ``repair`` in the module docstring)
+REPAIR_REFERENCE_CACHE_BYTES = 1 << 30
 LEAN_CAPTURES_ALIVE = 2
 
 
@@ -121,6 +126,11 @@ class Workload:
     heap_retention: float = 0.0
     # tokens of one new-task batch of the repair after JANUS (new_task_batch_size x its longest sample); 0: no repair
     repair_tokens: int = 0
+    # elements of the parameters outside the target layers the repair trains with them (a full fine-tune's
+    # embeddings and norms), held in as many float32 copies as the layers
+    repair_outside_numel: int = 0
+    # replay tokens that carry loss: θ0's logits at them are kept (up to REPAIR_REFERENCE_CACHE_BYTES)
+    repair_replay_tokens: int = 0
 
     @property
     def rows(self) -> int:
@@ -143,7 +153,8 @@ class Workload:
                   "factors": per_capture * self.captures_alive, "eigendecompositions": eigs,
                   "activations": self.activation_bytes(), "ghost": self.ghost_bytes()}
         if self.repair_tokens:
-            pieces["repair"] = REPAIR_FP32_COPIES * fp32 + weights
+            cache = min(self.repair_replay_tokens * self.vocab * 4, REPAIR_REFERENCE_CACHE_BYTES)
+            pieces["repair"] = REPAIR_FP32_COPIES * (fp32 + 4 * self.repair_outside_numel) + weights + cache
             pieces["repair_activations"] = self.activation_bytes(max(self.repair_tokens,
                                                                      self.batch_size * self.seq_len))
         return pieces

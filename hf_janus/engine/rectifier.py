@@ -43,7 +43,7 @@ from hf_janus.engine.memory_plan import (
     model_dimensions,
     plan_schedule,
 )
-from hf_janus.engine.repair import Repair, check_samples
+from hf_janus.engine.repair import Repair, changed_outside, check_samples
 from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport, RepairReport, rounded_reference
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.statistics import layer_statistics
@@ -55,7 +55,7 @@ from hf_janus.engine.timing import PhaseTimer
 from hf_janus.errors import JanusError, RectificationError
 from hf_janus.parallel.distributed import World
 from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3_param, passes_are_collective, reshard
-from hf_janus.replay.prepare import check_vocabulary, prepare_replay, samples_without_loss
+from hf_janus.replay.prepare import check_vocabulary, counted_tokens, prepare_replay, samples_without_loss
 from hf_janus.replay.self_replay import SelfReplay
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,9 @@ class Rectifier:
                         else str(factor_dtype).replace("torch.", ""))
         self.world = World.detect(self.device)
         weights = WeightSource.of(reference)  # not kept: the layers hold what they need of it
+        #: θ0 of the parameters outside the target layers that fine-tuning changed, for the repair after JANUS
+        self.outside = ({} if self.new_task_batches is None
+                        else changed_outside(model, weights.reference, modules))
         #: Where θ0, θ_t, the projection and the factors live, and the predicted peaks (also in the report).
         self.memory_plan = self._plan_memory(modules, factor_dtype, reference_borrowed=weights.reference_borrowed,
                                              backup_kept=weights.finetuned is None and not weights.rebuilt,
@@ -197,6 +200,8 @@ class Rectifier:
             reference_borrowed=reference_borrowed, backup_kept=backup_kept, reference_held=reference_held,
             heap_retention=heap_retention(),
             repair_tokens=max((b["input_ids"].numel() for b in self.new_task_batches or ()), default=0),
+            repair_outside_numel=sum(t.numel() for t in self.outside.values()),
+            repair_replay_tokens=counted_tokens(self.batches) if self.new_task_batches is not None else 0,
             **model_dimensions(self.model, shapes))
         check_cache_directory(cfg.cache)
         in_use, capacity = self.observer.measure_memory(self.device, cfg.cache)
@@ -284,7 +289,7 @@ class Rectifier:
                 with self.timer.phase("repair"):
                     report.repair = Repair(self.layers, self.batches, self.new_task_batches, self.config,
                                            self.world, progress=self.progress,
-                                           new_task_validation=self.new_task_validation).run()
+                                           new_task_validation=self.new_task_validation, outside=self.outside).run()
             elif self.repair_skipped is not None:
                 report.repair = RepairReport(keep_gain=self.config.keep_gain, reason=self.repair_skipped)
         except BaseException as err:
@@ -393,7 +398,9 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
 
     Args:
         model: the fine-tuned model (θ̂). Its target linear layers are overwritten with the rectified
-            weights; every other parameter keeps its fine-tuned value.
+            weights; every other parameter keeps its fine-tuned value, except with the repair after JANUS
+            (``config.distill_steps``), which also trains and moves back toward θ0 every other parameter fine-tuning
+            changed whose θ0 ``reference`` holds.
         reference: θ0, the weights before fine-tuning: a model with the same architecture, or a state
             dict holding ``"<layer name>.weight"`` for every target layer (native layout).
         replay: samples of the past task: a ``datasets.Dataset`` or list of dicts with ``input_ids``,

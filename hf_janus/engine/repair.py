@@ -5,22 +5,26 @@ small move flips) a few hundred optimizer steps bring back: each step lowers the
 the next-token distributions on a replay batch and, at ``new_task_weight``, the cross-entropy of a batch of the new
 task's samples, so that the gain is kept while the past behaviour returns. The target layers train from the JANUS
 point (Adam on float32 copies, written back into the model's dtype after each step; the model in eval mode, so the
-run is deterministic).
+run is deterministic), and with them every other parameter fine-tuning changed whose θ0 the reference gives (a full
+fine-tune's embeddings, tied head and norms: :func:`changed_outside`). θ0's logits are those of θ0 in every one of
+these parameters: with the others left at θ̂ the KL would pull toward a model that has already forgotten part of
+what θ0 answered.
 
 The point is then chosen without an evaluation harness, on held-out slices: every eighth replay sample and every
 eighth new-task sample (at most :data:`NEW_TASK_VALIDATION_MAX` of these; or the new task's validation samples, when
-given) are kept out of the training. Along the line ``θ0 + b(θ_T − θ0)`` (and the JANUS point), the points whose
-new-task loss keeps at least ``keep_gain`` of the fine-tune's gain (``L(θ0) − L(θ̂)`` on the new-task slice) are
-feasible. The gain kept falls as the point moves toward θ0, so the line is bisected (on a grid of 0.05) for the
-farthest feasible move; of the points scored, the feasible one whose replay NLL on the replay slice is lowest is
-taken. The report says which point, why, and the validation figures of θ0, θ̂, the JANUS point, the trained point
-and the chosen one.
+given) are kept out of the training. Along the line ``θ0 + b(θ_T − θ0)``, the points whose new-task loss keeps at
+least ``keep_gain`` of the fine-tune's gain (``L(θ0) − L(θ̂)`` on the new-task slice) are feasible. The gain kept
+falls as the point moves toward θ0, so the line is bisected (on a grid of 0.05) for the farthest feasible move, which
+is taken (the JANUS point when no move keeps the gain). The report says which point, why, and the validation figures
+of θ0, θ̂, the JANUS point, the trained point and the chosen one.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -29,12 +33,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from hf_janus.engine.capture import forward_logits, model_device
+from hf_janus.engine.memory_plan import REPAIR_REFERENCE_CACHE_BYTES
 from hf_janus.engine.report import PointFigures, RepairReport
 from hf_janus.engine.target_layers import TargetLayers
 from hf_janus.errors import JanusError
 from hf_janus.model_modes import evaluation_mode
 from hf_janus.parallel.distributed import World
-from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets
+from hf_janus.replay.prepare import IGNORE_INDEX, counted_tokens, loss_targets
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +85,51 @@ def check_samples(replay: list[dict[str, Tensor]], new_task: list[dict[str, Tens
                              f"{VALIDATION_EVERY} {name} samples, or set distill_steps=0")
 
 
-def _logits(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """Float32 next-token logits, aligned with :func:`~hf_janus.replay.prepare.loss_targets`."""
-    return forward_logits(model, batch)[:, :-1].float()
+def changed_outside(model: torch.nn.Module, reference: Any, targets: Mapping[str, torch.nn.Module],
+                    ) -> dict[str, Tensor]:
+    """θ0 of every floating-point parameter outside the target layers' weights that fine-tuning changed and whose θ0
+    ``reference`` (a model or a state dict) gives with the same shape, by name; each a copy on the host in the
+    parameter's dtype. Tied parameters count once (``named_parameters`` lists them once)."""
+    if isinstance(reference, torch.nn.Module):
+        given = dict(reference.named_parameters())
+        given.update(dict(reference.named_buffers()))
+    elif isinstance(reference, Mapping):
+        given = reference
+    else:
+        return {}
+    weights = {f"{name}.weight" for name in targets}
+    out = {}
+    for name, param in model.named_parameters():
+        theta0 = given.get(name)
+        if (name in weights or not param.is_floating_point() or not isinstance(theta0, Tensor)
+                or theta0.shape != param.shape):
+            continue
+        theta0 = theta0.detach().to("cpu", param.dtype)
+        if not torch.equal(theta0, param.detach().to("cpu")):
+            out[name] = theta0.clone()
+    return out
+
+
+def keeps_positions(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs), so that its output head runs
+    only where a token carries loss."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def counted_logits(model: torch.nn.Module, batch: dict[str, Tensor], keep_positions: bool,
+                   ) -> tuple[Tensor, Tensor]:
+    """Float32 next-token logits ``(N, vocab)`` and targets ``(N,)`` of the batch's N tokens that carry loss, in
+    row-major order. With ``keep_positions`` the output head runs at those positions only: the head of a small model
+    is a fifth of its forward, and its float32 logits at every position the largest tensor of a step."""
+    targets = loss_targets(batch).to(batch["input_ids"].device)
+    counted = targets != IGNORE_INDEX
+    if keep_positions:
+        # the logit at position t predicts token t + 1: the last position predicts nothing that is counted
+        mask = torch.cat([counted, counted.new_zeros(counted.shape[0], 1)], dim=1)
+        logits = forward_logits(model, batch, logits_to_keep=mask)
+        return logits.reshape(-1, logits.shape[-1]).float(), targets[counted]
+    return forward_logits(model, batch)[:, :-1].float()[counted], targets[counted]
 
 
 def _on(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
@@ -91,17 +138,36 @@ def _on(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
 
 class Repair:
     """Distil the model the :class:`TargetLayers` hold (the JANUS point) toward θ0 while fitting the new task, then
-    choose the point; the layers' ``current`` end at the chosen point and the model holds it."""
+    choose the point; the layers' ``current`` end at the chosen point and the model holds it, and so do the changed
+    parameters outside them (which JANUS leaves at θ̂).
+
+    A point is a list of float32 tensors: one ``(d_out, d_in)`` matrix per target layer, then one tensor per changed
+    parameter outside them, in the parameter's own shape."""
 
     def __init__(self, layers: TargetLayers, replay: list[dict[str, Tensor]], new_task: list[dict[str, Tensor]],
                  config: Any, world: World, progress: bool = True,
-                 new_task_validation: Optional[list[dict[str, Tensor]]] = None):
+                 new_task_validation: Optional[list[dict[str, Tensor]]] = None,
+                 outside: Optional[Mapping[str, Tensor]] = None,
+                 reference_cache_bytes: int = REPAIR_REFERENCE_CACHE_BYTES):
         """``replay`` and ``new_task``: the whole batches, the same on every rank (each rank takes its rows);
         ``new_task_validation``: held-out new-task batches to measure the gain on, instead of a slice of
-        ``new_task``."""
+        ``new_task``; ``outside``: θ0 of the changed parameters outside the target layers, by name
+        (:func:`changed_outside`); ``reference_cache_bytes``: the most bytes of θ0's logits kept between passes
+        (0: θ0 runs at every step)."""
         self.layers, self.config, self.world, self.progress = layers, config, world, progress
         self.model = layers.model
         self.device = model_device(self.model)
+        params = dict(self.model.named_parameters())
+        outside = dict(outside or {})
+        #: the changed parameters outside the target layers, their θ0 and θ̂ (float32, on the host until used)
+        self.outside_names = list(outside)
+        self.outside = [params[name] for name in outside]
+        self.outside_reference = [outside[name].float() for name in outside]
+        self.outside_finetuned = [p.detach().float().cpu().clone() for p in self.outside]
+        self.keep_positions = keeps_positions(self.model)
+        #: θ0's logits per training replay batch, by index, and their bytes
+        self.reference_cache: dict[int, Tensor] = {}
+        self.cached_bytes, self.reference_cache_bytes = 0, reference_cache_bytes
         check_samples(replay, new_task, new_task_validation)
         self.replay_train, self.replay_held = split_validation(replay)
         if new_task_validation is None:
@@ -127,17 +193,15 @@ class Repair:
                 batch = self._share(whole)
                 if batch is None:
                     continue
-                logits = _logits(self.model, batch)
-                targets = loss_targets(batch).to(logits.device)
-                counted = targets != IGNORE_INDEX
-                if not counted.any():
+                logits, targets = counted_logits(self.model, batch, self.keep_positions)
+                if not len(targets):
                     continue
-                sums[offset] += float(F.cross_entropy(logits[counted], targets[counted], reduction="sum"))
+                sums[offset] += float(F.cross_entropy(logits, targets, reduction="sum"))
                 if offset == 0:
-                    sums[1] += int(counted.sum())
+                    sums[1] += len(targets)
                 else:
-                    sums[3] += int((logits[counted].argmax(-1) == targets[counted]).sum())
-                    sums[4] += int(counted.sum())
+                    sums[3] += int((logits.argmax(-1) == targets).sum())
+                    sums[4] += len(targets)
         sums = self.world.sum_(sums)
         tokens, replay_tokens = max(float(sums[1]), 1.0), max(float(sums[4]), 1.0)
         return PointFigures(new_task_loss=float(sums[0]) / tokens, replay_nll=float(sums[2]) / replay_tokens,
@@ -147,10 +211,16 @@ class Repair:
         self._write(matrices)
         return self._figures()
 
-    def _write(self, matrices: list[Tensor]) -> None:
+    def _write(self, point: list[Tensor]) -> None:
         self.layers.held = None
-        for layer, matrix in zip(self.layers, matrices):
+        for layer, matrix in zip(self.layers, point):
             layer.write(matrix.to(self.device))
+        self._write_outside(point)
+
+    def _restore_outside(self) -> None:
+        """θ̂ back into the changed parameters outside the target layers (the rectifier restores the layers)."""
+        for param, value in zip(self.outside, self.outside_finetuned):
+            param.data.copy_(value)
 
     # ---- training -----------------------------------------------------------------------------------------
     def _train(self, start: list[Tensor], reference: list[Tensor]) -> tuple[list[Tensor], Optional[str]]:
@@ -158,7 +228,7 @@ class Repair:
         cfg = self.config
         master = [s.detach().float().to(self.device).clone().requires_grad_(True) for s in start]
         optimizer = torch.optim.Adam(master, lr=cfg.distill_lr)
-        weights = [layer.module.weight for layer in self.layers]
+        weights = [layer.module.weight for layer in self.layers] + self.outside
         flags = [w.requires_grad for w in weights]
         bar = tqdm(total=cfg.distill_steps, desc="JANUS repair: distillation", unit="step",
                    disable=not self.progress, leave=False)
@@ -166,11 +236,11 @@ class Repair:
             for w in weights:
                 w.requires_grad_(True)
             for step in range(cfg.distill_steps):
-                replay = self.replay_train[step % len(self.replay_train)]
                 fitted = self.new_train[step % len(self.new_train)]
-                loss, grads = self._gradients(replay, fitted, reference, master, weights)
-                for m, g, layer in zip(master, grads, self.layers):
-                    m.grad = self.world.sum_(layer.rule.to_matrix(g).float())
+                loss, grads = self._gradients(step % len(self.replay_train), fitted, reference, master, weights)
+                rules = [layer.rule.to_matrix for layer in self.layers] + [lambda g: g] * len(self.outside)
+                for m, g, as_point in zip(master, grads, rules):
+                    m.grad = self.world.sum_(as_point(g).float())
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(m).all()) for m in master)):
@@ -182,11 +252,12 @@ class Repair:
             bar.close()
         return [m.detach() for m in master], None
 
-    def _gradients(self, replay: dict[str, Tensor], fitted: dict[str, Tensor], reference: list[Tensor],
+    def _gradients(self, index: int, fitted: dict[str, Tensor], reference: list[Tensor],
                    master: list[Tensor], weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-        """This rank's share of one step's loss (the mean over the whole batches' counted tokens of the replay's
-        KL to θ0, plus ``new_task_weight`` times the new task's cross-entropy) and its gradients in the weights'
-        layout: summed over the ranks they are one process's."""
+        """This rank's share of one step's loss (the mean over the whole batches' counted tokens of the KL to θ0 on
+        the training replay batch ``index``, plus ``new_task_weight`` times the new task's cross-entropy) and its
+        gradients in the weights' layout: summed over the ranks they are one process's."""
+        replay = self.replay_train[index]
         replay_tokens = _counted(replay)
         fitted_tokens = _counted(fitted)
         mine_replay, mine_fitted = self._share(replay), self._share(fitted)
@@ -194,22 +265,36 @@ class Repair:
         grads = [torch.zeros_like(w) for w in weights]
         if mine_replay is None and mine_fitted is None:
             return self.world.sum_(loss), grads
-        with torch.no_grad():
-            self._write(reference)
-            reference_logits = _logits(self.model, mine_replay) if mine_replay is not None else None
+        reference_logits = self._reference_logits(index, mine_replay, reference) if mine_replay is not None else None
         self._write([m.detach() for m in master])
         with torch.enable_grad():
             total = torch.zeros((), device=self.device)
             if mine_replay is not None:
-                total = total + _kl_sum(_logits(self.model, mine_replay), reference_logits,
-                                        mine_replay) / replay_tokens
+                logits, _ = counted_logits(self.model, mine_replay, self.keep_positions)
+                total = total + token_kl(logits, reference_logits).sum() / replay_tokens
             if mine_fitted is not None and self.config.new_task_weight:
-                total = total + self.config.new_task_weight * _cross_entropy_sum(
-                    _logits(self.model, mine_fitted), mine_fitted) / fitted_tokens
+                logits, targets = counted_logits(self.model, mine_fitted, self.keep_positions)
+                total = total + self.config.new_task_weight * F.cross_entropy(
+                    logits, targets, reduction="sum") / fitted_tokens
             if total.requires_grad:
                 grads = list(torch.autograd.grad(total, weights, allow_unused=True))
                 grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, weights)]
         return self.world.sum_(total.detach()), grads
+
+    @torch.no_grad()
+    def _reference_logits(self, index: int, batch: dict[str, Tensor], reference: list[Tensor]) -> Tensor:
+        """θ0's logits at the counted tokens of this rank's share of training replay batch ``index``: computed once
+        and kept while they fit in ``reference_cache_bytes``, since
+        every pass over the replay asks for the same ones; otherwise θ0 is written and run again each time."""
+        cached = self.reference_cache.get(index)
+        if cached is not None:
+            return cached
+        self._write(reference)
+        logits = counted_logits(self.model, batch, self.keep_positions)[0]
+        if self.cached_bytes + logits.numel() * logits.element_size() <= self.reference_cache_bytes:
+            self.reference_cache[index] = logits
+            self.cached_bytes += logits.numel() * logits.element_size()
+        return logits
 
     # ---- the run ------------------------------------------------------------------------------------------
     def run(self) -> RepairReport:
@@ -220,9 +305,32 @@ class Repair:
                               gain_measured_on=self.gain_measured_on,
                               validation_samples={"replay": sum(len(b["input_ids"]) for b in self.replay_held),
                                                   "new_task": sum(len(b["input_ids"]) for b in self.new_held)})
-        reference = [layer.reference(self.device) for layer in self.layers]
-        janus = [layer.current.detach().float().clone() for layer in self.layers]
-        finetuned = [layer.finetuned(self.device) for layer in self.layers]
+        reference = ([layer.reference(self.device) for layer in self.layers]
+                     + [t.to(self.device) for t in self.outside_reference])
+        finetuned_outside = [t.to(self.device) for t in self.outside_finetuned]
+        janus = [layer.current.detach().float().clone() for layer in self.layers] + finetuned_outside
+        finetuned = [layer.finetuned(self.device) for layer in self.layers] + finetuned_outside
+        try:
+            chosen = self._run(report, reference, janus, finetuned)
+        except BaseException:
+            self._restore_outside()
+            raise
+        for layer, matrix in zip(self.layers, chosen):
+            layer.current.copy_(matrix.to(layer.current.device))
+        self.layers.rewrite_current()
+        self._write_outside(chosen)
+        report.outside_parameters = self.outside_names
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _write_outside(self, point: list[Tensor]) -> None:
+        """The point's values of the changed parameters outside the target layers into the model."""
+        for param, value in zip(self.outside, point[len(self.layers):]):
+            param.data.copy_(value)
+
+    def _run(self, report: RepairReport, reference: list[Tensor], janus: list[Tensor],
+             finetuned: list[Tensor]) -> list[Tensor]:
+        """Train, score and choose; the point chosen."""
         with evaluation_mode(self.model):
             figures = {"reference": self._figures_at(reference), "finetuned": self._figures_at(finetuned),
                        "janus": self._figures_at(janus)}
@@ -235,15 +343,15 @@ class Repair:
                 figures["trained"] = self._figures_at(trained)
                 chosen = self._choose(report, figures, reference, janus, trained)
             report.validation = {**figures, "chosen": figures[_figure_key(report)]}
-        for layer, matrix in zip(self.layers, chosen):
-            layer.current.copy_(matrix.to(layer.current.device))
-        self.layers.rewrite_current()
-        report.seconds = time.perf_counter() - started
-        return report
+        return chosen
 
     def _choose(self, report: RepairReport, figures: dict[str, PointFigures], reference: list[Tensor],
                 janus: list[Tensor], trained: list[Tensor]) -> list[Tensor]:
-        """The feasible point (keeping ``keep_gain`` of the gain) with the lowest held-out replay NLL."""
+        """The farthest move toward θ0 that keeps ``keep_gain`` of the gain; the JANUS point when none does.
+
+        The JANUS point is not weighed against the moves on the replay slice: its held-out NLL of θ0's answers can
+        fall below θ0's own (the projection sharpens answers it keeps) while it agrees with fewer of their tokens
+        than the distilled point, so a lower NLL there does not say it keeps θ0's behaviour better."""
         keep = self.config.keep_gain
         ref_loss, ft_loss = figures["reference"].new_task_loss, figures["finetuned"].new_task_loss
         gain = ref_loss - ft_loss
@@ -263,27 +371,24 @@ class Repair:
 
         # the gain kept falls as the point moves toward θ0: bisect for the farthest move that keeps it, scoring
         # a handful of points where walking the grid would score them all (each scores every held-out sample)
-        if kept(0):
-            lo, hi = 0, len(MOVES)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if kept(mid) else (lo, mid)
-        feasible = [k for k in figures if (k == "janus" or k.startswith("b=")) and figures[k].new_task_loss <= floor]
-        if not feasible:
+        if not kept(0):
             report.chosen, report.b = "janus", None
-            report.reason = (f"no point keeps {keep:.0%} of the new task's gain on the held-out slice; the JANUS "
-                             "point is kept")
+            report.reason = (f"no move toward θ0 from the distilled point keeps {keep:.0%} of the new task's gain on "
+                             "the held-out slice; the JANUS point is kept")
             return janus
-        best = min(feasible, key=lambda k: figures[k].replay_nll)
-        report.chosen = best
-        report.b = float(best.split("=")[1]) if best.startswith("b=") else None
-        report.reason = (f"of the points keeping ≥ {keep:.0%} of the new task's gain on the held-out slice, the "
-                         "lowest replay NLL" if gain > 0 else
-                         "fine-tuning did not lower the held-out new-task loss, so no gain limits the move; the "
-                         "lowest replay NLL")
+        lo, hi = 0, len(MOVES)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if kept(mid) else (lo, mid)
+        best = f"b={MOVES[lo]:g}"
+        report.chosen, report.b = best, MOVES[lo]
+        report.reason = (f"the farthest move toward θ0 that keeps ≥ {keep:.0%} of the new task's gain on the held-out "
+                         "slice" if gain > 0 else
+                         "fine-tuning did not lower the held-out new-task loss, so no gain limits the move: the "
+                         "farthest move toward θ0")
         for name in [k for k in figures if k.startswith("b=") and k != best]:
             del figures[name]  # the report keeps the chosen move's figures, not the whole search
-        return janus if report.b is None else moved(report.b)
+        return moved(report.b)
 
 
 def _figure_key(report: RepairReport) -> str:
@@ -292,7 +397,7 @@ def _figure_key(report: RepairReport) -> str:
 
 def _counted(batch: dict[str, Tensor]) -> int:
     """The whole batch's tokens that carry loss (at least 1, so that a batch without any divides by 1)."""
-    return max(int((loss_targets(batch) != IGNORE_INDEX).sum()), 1)
+    return max(counted_tokens([batch]), 1)
 
 
 def token_kl(logits: Tensor, reference_logits: Tensor) -> Tensor:
@@ -300,15 +405,3 @@ def token_kl(logits: Tensor, reference_logits: Tensor) -> Tensor:
     log_p = F.log_softmax(logits, dim=-1)
     log_p0 = F.log_softmax(reference_logits, dim=-1)
     return (log_p0.exp() * (log_p0 - log_p)).sum(-1)
-
-
-def _kl_sum(logits: Tensor, reference_logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
-    """``KL(p_θ0 ‖ p_θ)`` summed over the tokens that carry loss."""
-    counted = loss_targets(batch).to(logits.device) != IGNORE_INDEX
-    return token_kl(logits[counted], reference_logits[counted]).sum()
-
-
-def _cross_entropy_sum(logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
-    targets = loss_targets(batch).to(logits.device)
-    counted = targets != IGNORE_INDEX
-    return F.cross_entropy(logits[counted], targets[counted], reduction="sum")

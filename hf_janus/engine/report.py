@@ -111,6 +111,8 @@ class RepairReport:
     validation_samples: dict[str, int] = field(default_factory=dict)
     #: which new-task samples the gain was measured on (held out of those fitted, or given for it)
     gain_measured_on: str = ""
+    #: the parameters outside the target layers fine-tuning changed that were distilled and moved with them
+    outside_parameters: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def gain_kept(self, point: str = "chosen") -> Optional[float]:
@@ -139,8 +141,9 @@ class RepairReport:
         if self.chosen is None:
             return f"repair after JANUS: none ({self.reason})"
         kept = self.gain_kept()
+        outside = f", and {len(self.outside_parameters)} other changed parameters" if self.outside_parameters else ""
         lines = [f"repair after JANUS: {self.steps} distillation steps (lr {self.lr:g}, new task ×"
-                 f"{self.new_task_weight:g}), chosen {self.chosen}: {self.reason}"
+                 f"{self.new_task_weight:g}; the target layers{outside}), chosen {self.chosen}: {self.reason}"
                  + (f"; gain kept {kept:.0%}" if kept is not None else "") + f" ({self.seconds:.1f} s)",
                  f"  validation (new-task loss / replay NLL / replay agreement; the gain measured on "
                  f"{self.gain_measured_on or 'held-out new-task samples'}):"]

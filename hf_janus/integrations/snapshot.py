@@ -51,19 +51,28 @@ def weights_fingerprint(model: nn.Module) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def plain_targets_theta0(model: nn.Module, target_modules, exclude_modules) -> dict[str, Tensor]:
-    """``{"<layer>.weight": whole weight on the CPU}`` of a plain model's target layers.
+def plain_targets_theta0(model: nn.Module, target_modules, exclude_modules, outside: bool = False,
+                         ) -> dict[str, Tensor]:
+    """``{"<layer>.weight": whole weight on the CPU}`` of a plain model's target layers; with ``outside``, also
+    ``{name: parameter}`` of every other parameter that trains (``requires_grad``), whose θ0 the repair after JANUS
+    distils toward.
 
     Under FSDP2 and ZeRO-3 every rank gathers every layer (a collective, same order on all ranks).
     """
     targets = resolve_target_modules(model, target_modules, exclude_modules)
     check_sharding(model, {name: module.weight for name, module in targets.items()})
-    return {f"{name}.weight": full_weight(module.weight).to("cpu", copy=True).contiguous()
-            for name, module in targets.items()}
+    theta0 = {f"{name}.weight": full_weight(module.weight).to("cpu", copy=True).contiguous()
+              for name, module in targets.items()}
+    if outside:
+        theta0.update({name: full_weight(param).to("cpu", copy=True).contiguous()
+                       for name, param in model.named_parameters()
+                       if param.requires_grad and param.is_floating_point() and name not in theta0})
+    return theta0
 
 
 class Theta0Snapshot:
-    """θ0 of the target layers, kept in host memory (``place="cpu"``) or in ``output_dir`` (``"disk"``)."""
+    """θ0 of the target layers (and, for the repair after JANUS, of the other parameters that train), kept in host
+    memory (``place="cpu"``) or in ``output_dir`` (``"disk"``)."""
 
     def __init__(self, place: str = "cpu"):
         if place not in SNAPSHOT_PLACES:
@@ -74,10 +83,11 @@ class Theta0Snapshot:
         self._path: Optional[str] = None
 
     def take(self, model: nn.Module, peft_layers: Optional[dict[str, nn.Module]], target_modules, exclude_modules,
-             output_dir: str, is_writer: bool) -> None:
+             output_dir: str, is_writer: bool, outside: bool = False) -> None:
         """Snapshot the target layers of ``model``: for a PEFT model the
         :func:`~hf_janus.adapters.peft_layers.initial_state` of ``peft_layers`` (their effective weights, or only
-        the adapter's tensors for layers on a quantized base).
+        the adapter's tensors for layers on a quantized base); for a plain model with ``outside``, every other
+        parameter that trains too (:func:`plain_targets_theta0`).
 
         With ``place="disk"`` one process (``is_writer``) writes the file and the others read the same one, so
         ``output_dir`` must be shared; the caller waits for every process before the file is read.
@@ -85,7 +95,7 @@ class Theta0Snapshot:
         if peft_layers is not None:
             theta0 = initial_state(peft_layers)
         else:
-            theta0 = plain_targets_theta0(model, target_modules, exclude_modules)
+            theta0 = plain_targets_theta0(model, target_modules, exclude_modules, outside)
         self.nbytes = _nbytes(theta0)
         if self.place == "disk":
             self._path, self._tensors = os.path.join(output_dir, SNAPSHOT_NAME), None

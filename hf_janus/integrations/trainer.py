@@ -212,7 +212,8 @@ class JanusCallback(TrainerCallback):
 
     def theta0(self) -> dict[str, Tensor]:
         """What the snapshot holds (loaded from disk when ``snapshot="disk"``): the pre-training weights of the
-        target layers, ``"<layer>.weight"``; for adapted layers on a frozen base (PEFT's default, and every
+        target layers, ``"<layer>.weight"`` (with ``distill_steps``, also every other parameter that trains, by
+        name); for adapted layers on a frozen base (PEFT's default, and every
         quantized base), the adapter's initial tensors instead: θ0 is rebuilt from them and the base at train end,
         in float32 (:func:`hf_janus.adapters.peft_layers.theta0_weights`)."""
         return self.snapshot.tensors()
@@ -324,7 +325,7 @@ class JanusCallback(TrainerCallback):
                            "train(). Pass JanusCallback(..., trainer=trainer) or set callback.trainer = trainer before "
                            "train()", os.path.join(args.output_dir, SNAPSHOT_NAME))
         self.snapshot.take(model, peft_layers, self.config.target_modules, self.config.exclude_modules,
-                         args.output_dir, is_writer=args.process_index == 0)
+                           args.output_dir, is_writer=args.process_index == 0, outside=self.config.distill_steps > 0)
         if self.snapshot.place == "disk":
             _wait_for_everyone()  # the other ranks read the file rank 0 wrote
 

@@ -276,6 +276,11 @@ def loss_targets(batch: Mapping[str, Tensor]) -> Tensor:
     return labels[:, 1:].masked_fill(mask[:, :-1] == 0, IGNORE_INDEX)
 
 
+def counted_tokens(batches: list[Mapping[str, Tensor]]) -> int:
+    """How many tokens of ``batches`` carry loss (:func:`loss_targets`)."""
+    return sum(int((loss_targets(batch) != IGNORE_INDEX).sum()) for batch in batches)
+
+
 def samples_without_loss(batches: list[Mapping[str, Tensor]]) -> list[int]:
     """Positions of the samples none of whose tokens carries loss (:func:`loss_targets`), counting rows across
     ``batches`` in their order: with batches made in the order given, each sample's index in that order."""

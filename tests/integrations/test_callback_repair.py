@@ -31,6 +31,8 @@ def test_the_callback_repairs_with_the_trainers_own_samples(tmp_path):
     assert repair is not None and repair.steps == 6
     assert repair.validation_samples["new_task"] == 32 // 8  # every eighth of the Trainer's 32 GSM8K samples
     assert repair.chosen is not None and "repair after JANUS" in janus.report.summary()
+    # a full fine-tune: the snapshot held θ0 of the embeddings and norms too, which the repair moved back
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= set(repair.outside_parameters)
     record = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
     assert record["repair"]["chosen"] == repair.chosen
     # its figures go where the Trainer's logs go
@@ -63,6 +65,7 @@ def test_a_lora_comes_out_a_lora(tmp_path):
     trainer.train()
     assert janus.report.repair is not None
     assert janus.report.output["format"] == "adapter"
+    assert janus.report.repair.outside_parameters == []  # the base is frozen: only the adapter changed
     assert all("lora_A" in n or "lora_B" in n for n, p in model.named_parameters() if p.requires_grad)
 
 
