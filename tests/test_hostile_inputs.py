@@ -292,18 +292,18 @@ def test_card_of_an_odd_frontier_field(tmp_path):
     from hf_janus.publish.card import render_card
     from hf_janus.publish.record_file import read_record
 
-    frontier = {"chosen": {"label": "<script>x</script>", "ap1": "high", "ap2": 91.25, "tau": None},
+    frontier = {"chosen": {"label": "<script>x</script>", "ap1": "high", "ap2": 91.25},
                 "criterion": "max AP", "points": 3, "past_tasks": ["nq", 7], "new_tasks": "gsm"}
     card = str(render_card(read_record(str(_record(tmp_path, frontier=frontier))), load_id="me/m"))
     assert "How this model was chosen" in card and "<script>" not in card
     assert "AP1 -% (past tasks: nq, 7), AP2 91.2% (new tasks: -)" in card and "among several candidates" in card
     assert "involves no JANUS step" in card
-    # a damped-JANUS point is the rectification itself; a hybrid was built from it
-    for kind, built_from in (("damped_janus", False), ("janus_to_finetuned", True)):
-        chosen = {"label": kind, "kind": kind, "ap1": 80.0, "ap2": 91.0, "tau": 0.95}
-        card = str(render_card(read_record(str(_record(tmp_path, frontier={**frontier, "chosen": chosen}))),
-                               load_id="me/m"))
-        assert ("is the rectification this point was built from" in card) is built_from, kind
+    # a point with a JANUS step (its options hold tau) has the rectification record below
+    chosen = {"label": "janus", "kind": "janus", "ap1": 80.0, "ap2": 91.0, "options": {"tau": 0.95},
+              "description": "JANUS at τ=0.95."}
+    card = str(render_card(read_record(str(_record(tmp_path, frontier={**frontier, "chosen": chosen}))),
+                           load_id="me/m"))
+    assert "JANUS at τ=0.95." in card and "involves no JANUS step" not in card
 
 
 def test_card_names_the_settings_that_depart_from_the_paper(tmp_path):

@@ -195,7 +195,7 @@ def refactor_delta(
     same_rank: Optional[int] = None,
     jacobian: Optional[LayerJacobian] = None,
     eig: Optional[GramEig] = None,
-    reference_norm: Optional[float] = None,
+    jvp0_norm: Optional[float] = None,
     refine: bool = False,
     refine_iterations: int = DEFAULT_REFINE_ITERATIONS,
     rcond: float = 1e-10,
@@ -210,7 +210,7 @@ def refactor_delta(
             energy rule) returns empty factors.
         jacobian: ``J0`` of the layer (:class:`~hf_janus.engine.linalg.LayerJacobian`), for residuals and refinement.
         eig: eigendecomposition of ``J0 J0ᵀ`` if already known.
-        reference_norm: ``||J0 ΔW||`` of the original fine-tuning update, the residuals' denominator.
+        jvp0_norm: ``||J0 ΔW||`` of the original fine-tuning update, the residuals' denominator.
         refine: alternate projections (:func:`refine_low_rank`) for ``refine_iterations`` iterations;
             needs ``jacobian``.
 
@@ -232,9 +232,9 @@ def refactor_delta(
     stats = RefactorStats(name=name, shape=list(delta64.shape), rank=k, kept_energy=kept,
                           approx_error=err_trunc, approx_error_truncated=err_trunc)
     if jacobian is not None:
-        stats.residual_rect = _ratio(float(jacobian.jvp(delta64).norm()), reference_norm)
-        stats.residual_truncated = _ratio(float(jacobian.jvp(truncated).norm()), reference_norm)
-        stats.leak_truncated = _ratio(float(jacobian.jvp(truncated - delta64).norm()), reference_norm)
+        stats.residual_rect = _ratio(float(jacobian.jvp(delta64).norm()), jvp0_norm)
+        stats.residual_truncated = _ratio(float(jacobian.jvp(truncated).norm()), jvp0_norm)
+        stats.leak_truncated = _ratio(float(jacobian.jvp(truncated - delta64).norm()), jvp0_norm)
     if refine:
         stats.refine_iterations = refine_iterations
         stats.residual_refined, stats.leak_refined = stats.residual_truncated, stats.leak_truncated
@@ -247,6 +247,6 @@ def refactor_delta(
                 saved = b @ a
                 stats.refined = True
                 stats.approx_error = float((delta64 - saved).norm()) / delta_norm if delta_norm > 0 else 0.0
-                stats.residual_refined = _ratio(float(jacobian.jvp(saved).norm()), reference_norm)
-                stats.leak_refined = _ratio(float(jacobian.jvp(saved - delta64).norm()), reference_norm)
+                stats.residual_refined = _ratio(float(jacobian.jvp(saved).norm()), jvp0_norm)
+                stats.leak_refined = _ratio(float(jacobian.jvp(saved - delta64).norm()), jvp0_norm)
     return a, b, stats

@@ -15,7 +15,6 @@ from typing import Any, Iterator, Mapping, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from hf_janus.deprecation import warn_renamed
 from hf_janus.engine.compression import (
     Pending,
     SequenceBasis,
@@ -54,14 +53,6 @@ class ReplayLosses:
     @property
     def num_samples(self) -> int:
         return int(self.sample_loss.numel())
-
-
-def __getattr__(name: str):
-    # the old name of ReplayLosses, which RunObserver.captured hands to observers
-    if name == "CaptureResult":
-        warn_renamed("hf_janus.engine.capture.CaptureResult", "hf_janus.engine.capture.ReplayLosses")
-        return ReplayLosses
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -321,6 +321,7 @@ class Rectifier:
             self.result = RectificationResult(self.result.report)
         self.layers.release_current_jacobians()
         self.layers = TargetLayers(self.model, [], self.device)
+        self.outside = {}
         self.store.close()
         self.workspace.clear()
 

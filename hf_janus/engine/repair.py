@@ -92,7 +92,6 @@ def changed_outside(model: torch.nn.Module, reference: Any, targets: Mapping[str
     parameter's dtype. Tied parameters count once (``named_parameters`` lists them once)."""
     if isinstance(reference, torch.nn.Module):
         given = dict(reference.named_parameters())
-        given.update(dict(reference.named_buffers()))
     elif isinstance(reference, Mapping):
         given = reference
     else:

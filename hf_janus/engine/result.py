@@ -7,7 +7,6 @@ from typing import Optional
 
 from torch import Tensor
 
-from hf_janus.deprecation import warn_renamed
 from hf_janus.engine.ghost import LayerJacobian
 from hf_janus.engine.layers import LayerRule
 from hf_janus.engine.report import RectificationReport
@@ -65,11 +64,6 @@ class LayerResult:
         if self.jacobian is None:
             return None
         return float(self.jacobian.jvp(self.delta()).norm())
-
-    def reference_norm(self) -> Optional[float]:
-        """Deprecated name of :meth:`jvp0_norm` (the norm is ``||J0 ΔW||``, not a norm of the reference)."""
-        warn_renamed("LayerResult.reference_norm()", "LayerResult.jvp0_norm()")
-        return self.jvp0_norm()
 
 
 @dataclass

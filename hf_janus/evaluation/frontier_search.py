@@ -67,9 +67,6 @@ from hf_janus.replay.self_replay import SelfReplay
 logger = logging.getLogger(__name__)
 
 
-#: The legacy columns of a point's JSON: every point has them (None where its kind has no such option), so that
-#: readers of earlier results (the benchmarks' summaries, the model card) keep working.
-LEGACY_OPTIONS = ("a", "tau", "b", "damping", "mitigation_lambda")
 #: a point's status: built and scored, or its build went non-finite (no scores, neither chosen nor plotted)
 SCORED, DIVERGED = "scored", "diverged"
 
@@ -122,18 +119,11 @@ class FrontierPoint:
         """One of the candidate's options (``tau``, ``a``, ...), ``None`` when its kind has no such option."""
         return getattr(self.candidate, name, None)
 
-    def __getattr__(self, name: str) -> Any:
-        # the option columns points had as fields before candidates were objects (point.tau, point.damping, ...)
-        if name in LEGACY_OPTIONS:
-            return self.option(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def to_dict(self) -> dict[str, Any]:
-        """The point as JSON: label, kind, the legacy option columns, the candidate's own options, scores, AP
-        figures, margins (``above_wise``, ``above_intruder`` and ``above``) and costs."""
-        record = self.candidate.record()
-        return {"label": self.label, "kind": self.kind, **{k: record.get(k) for k in LEGACY_OPTIONS},
-                "options": record, "scores": dict(self.scores), "ap1": self.ap1, "ap2": self.ap2, "ap": self.ap,
+        """The point as JSON: label, kind, the candidate's own options, scores, AP figures, margins
+        (``above_wise``, ``above_intruder`` and ``above``) and costs."""
+        return {"label": self.label, "kind": self.kind, "options": self.candidate.record(), "scores": dict(self.scores),
+                "ap1": self.ap1, "ap2": self.ap2, "ap": self.ap,
                 "above_wise": self.above_wise, "above_intruder": self.above_intruder, "above": dict(self.above),
                 "jacobian_evaluations": self.cost.jacobian_evaluations,
                 "forward_passes": self.cost.forward_passes, "backward_passes": self.cost.backward_passes,

@@ -128,10 +128,7 @@ class Theta0Snapshot:
         with safe_open(path, framework="pt", device="cpu") as fh:
             stored = (fh.metadata() or {}).get(FINGERPRINT_KEY)
             theta0 = {name: fh.get_tensor(name) for name in fh.keys()}
-        if stored is None:
-            logger.warning("JANUS: the θ0 snapshot %s carries no fingerprint (written by an older hf-janus), so it "
-                           "cannot be checked against the resumed weights; it is used as it is", path)
-        elif stored != fingerprint:
+        if stored != fingerprint:  # a file without a fingerprint was not written by JanusCallback
             raise JanusError(
                 f"the θ0 snapshot {path} does not belong to the weights being resumed: it was saved with other "
                 "weights (a checkpoint of another run into the same output_dir, or resume_from_checkpoint pointing "

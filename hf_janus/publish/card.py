@@ -180,14 +180,11 @@ def _frontier_line(published: "PublishedReport") -> Optional[str]:
             f"**{_plain(chosen.get('label', '?'))}**, AP1 {share('ap1')}% (past tasks: "
             f"{names('past_tasks')}), AP2 {share('ap2')}% (new tasks: {names('new_tasks')}).")
     description = chosen.get("description")
-    if isinstance(description, str):  # the candidate's own words (records from hf-janus ≥ issue 40)
+    if isinstance(description, str):  # the candidate's own words
         line += " " + _plain(description)
-        if chosen.get("tau") is None:
-            line += " The rectification record below is therefore empty."
-    elif chosen.get("tau") is None:
+    options = chosen.get("options")
+    if not isinstance(options, dict) or options.get("tau") is None:
         line += " This point involves no JANUS step, so the rectification record below is empty."
-    elif chosen.get("kind") not in ("janus", "damped_janus"):  # those two are the run below itself
-        line += " The JANUS run below is the rectification this point was built from."
     return line
 
 

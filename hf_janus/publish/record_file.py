@@ -231,7 +231,9 @@ class PublishedReport:
         if not isinstance(data, dict):
             raise JanusError(f"janus_rectification.json must hold a JSON object, got {type(data).__name__}")
         if "hf_janus_version" not in data:
-            return cls._from_legacy(data, kind)
+            raise JanusError("janus_rectification.json is not an hf-janus publication record (it has no "
+                             "hf_janus_version); a report saved with RectificationReport.save is read with "
+                             "RectificationReport.load")
         version = data.get("schema_version")
         if not _is_int(version) or version < 1:
             raise JanusError(f"janus_rectification.json is malformed: schema_version must be an integer >= 1, got "
@@ -258,29 +260,6 @@ class PublishedReport:
                    replay=ReplayInfo.from_dict(data.get("replay")), merge=data.get("merge"),
                    frontier=data.get("frontier"), hf_janus_version=data["hf_janus_version"],
                    created_at=data.get("created_at", ""), schema_version=version)
-
-    @classmethod
-    def _from_legacy(cls, data: dict[str, Any], kind: Optional[str]) -> "PublishedReport":
-        """Legacy: a file without ``hf_janus_version``, which no current writer produces (kept so that outputs of
-        earlier versions still load)."""
-        try:
-            if isinstance(data.get("rectification"), dict):  # a MergeReport.to_dict()
-                merge = {k: v for k, v in data.items() if k not in ("rectification", "base_model", "adapter",
-                                                                      "base_revision", "adapter_revision", "replay")}
-                return cls(
-                    kind=data.get("output_format") or kind or "adapter",
-                    rectification=RectificationReport.from_dict(data["rectification"]),
-                    base_model=resolve_repo(data.get("base_model"), data.get("base_revision"), online=False),
-                    adapter=resolve_repo(data.get("adapter"), data.get("adapter_revision"), online=False),
-                    replay=ReplayInfo(id=data.get("replay"), source=data.get("replay")) if data.get("replay") else None,
-                    merge=merge, hf_janus_version="unknown", created_at="",
-                )
-            fields = field_names(RectificationReport)
-            return cls(kind=kind or "full", hf_janus_version="unknown", created_at="",
-                       rectification=RectificationReport.from_dict({k: v for k, v in data.items() if k in fields}))
-        except (TypeError, KeyError) as err:
-            raise JanusError(f"janus_rectification.json is neither an hf-janus publication nor a rectification "
-                             f"report ({type(err).__name__}: {err})") from err
 
     def summary(self) -> str:
         """A few human-readable lines."""

@@ -88,12 +88,12 @@ def test_truncate_is_the_best_rank_k_approximation():
 def test_full_rank_refactor_is_exact_and_refinement_keeps_it():
     delta = random_delta().float()
     jac, explicit = random_jacobian()
-    reference_norm = 2.0
-    a, b, stats = refactor_delta(delta, 1000, jacobian=jac, reference_norm=reference_norm, refine=True)
+    jvp0_norm = 2.0
+    a, b, stats = refactor_delta(delta, 1000, jacobian=jac, jvp0_norm=jvp0_norm, refine=True)
     torch.testing.assert_close((b @ a).float(), delta, rtol=0, atol=1e-6)
     assert stats.rank == 10 and stats.kept_energy == pytest.approx(1.0) and stats.approx_error < 1e-6
     assert stats.refined is False and stats.leak_truncated < 1e-10  # nothing to give back at full rank
-    expected = float((explicit @ delta.double().reshape(-1)).norm()) / reference_norm
+    expected = float((explicit @ delta.double().reshape(-1)).norm()) / jvp0_norm
     assert stats.residual_rect == pytest.approx(expected) and stats.residual_truncated == pytest.approx(expected)
 
 
@@ -103,9 +103,9 @@ def test_refine_keeps_the_null_space_repair_that_truncation_gives_back():
     original = random_delta(seed=3)  # the fine-tuning update ΔW
     rect = project(jac, original, eig)  # single-step JANUS: J ΔW_rect = 0
     assert (explicit @ rect.reshape(-1)).norm() < 1e-10
-    reference_norm = float((explicit @ original.reshape(-1)).norm())
+    jvp0_norm = float((explicit @ original.reshape(-1)).norm())
     k = 3
-    a, b, stats = refactor_delta(rect, k, jacobian=jac, eig=eig, reference_norm=reference_norm, refine=True,
+    a, b, stats = refactor_delta(rect, k, jacobian=jac, eig=eig, jvp0_norm=jvp0_norm, refine=True,
                                  refine_iterations=10)
     saved = b @ a
     assert a.shape[0] == k and torch.linalg.matrix_rank(saved) == k
@@ -113,7 +113,7 @@ def test_refine_keeps_the_null_space_repair_that_truncation_gives_back():
     plain = plain_b @ plain_a
 
     def res(x):  # ||J0 X|| / ||J0 ΔW|| with the explicit Jacobian
-        return float((explicit @ x.reshape(-1)).norm()) / reference_norm
+        return float((explicit @ x.reshape(-1)).norm()) / jvp0_norm
 
     assert stats.residual_truncated == pytest.approx(res(plain), rel=1e-6)
     assert stats.residual_refined == pytest.approx(res(saved), rel=1e-6)

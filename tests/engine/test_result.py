@@ -33,8 +33,6 @@ def test_result_holds_theta0_finetuned_and_rectified_per_layer(tuned_llama):
         stats = next(s for s in report.layers if s.name == name)
         rect_norm = float(layer.jacobian.jvp(layer.rect_delta()).norm())
         assert stats.residual == pytest.approx(rect_norm / layer.jvp0_norm(), rel=1e-6, abs=1e-9)
-        with pytest.warns(FutureWarning, match="jvp0_norm"):
-            assert layer.reference_norm() == layer.jvp0_norm()  # the deprecated name forwards
     result.release()
 
 
@@ -45,13 +43,6 @@ def test_result_without_kept_factors_has_no_jacobian(tuned_llama):
     rectifier.run()
     layer = next(iter(rectifier.result.layers.values()))
     assert layer.jacobian is None and layer.jvp0_norm() is None
-
-
-def test_capture_result_is_the_old_name_of_replay_losses():
-    from hf_janus.engine import capture
-
-    with pytest.warns(FutureWarning, match="ReplayLosses"):
-        assert capture.CaptureResult is capture.ReplayLosses
 
 
 def test_select_layers_only_narrows():

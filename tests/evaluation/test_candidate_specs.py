@@ -221,17 +221,17 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     result.plot(tmp_path / "peers.png")
     assert open(tmp_path / "peers.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
-    # the JSON keeps the keys earlier readers use, and the chosen peer's record and card say what it is
+    # the JSON holds each point's options under "options" only, and the chosen peer's record and card say what it is
     result.save(tmp_path / "frontier.json")
     point = json.load(open(tmp_path / "frontier.json"))["points"][4]
-    assert {"kind", "tau", "a", "b", "damping", "mitigation_lambda", "ap1", "ap2", "label", "above_wise",
+    assert {"kind", "ap1", "ap2", "label", "above_wise",
             "above_intruder", "jacobian_evaluations", "options", "forward_passes", "description"} <= set(point)
-    assert point["options"]["passes"] == 2 and point["tau"] is None
+    assert point["options"]["passes"] == 2 and "tau" not in point and "tau" not in point["options"]
     result.chosen = kinds_seen.index("fisher")
     out = result.save_pretrained(tmp_path / "chosen")
     assert load_report(out).frontier["chosen"]["kind"] == "fisher"
     card = open(tmp_path / "chosen" / "README.md").read()
-    assert "diagonal-Fisher-weighted interpolation" in card and "rectification record below is therefore empty" in card
+    assert "diagonal-Fisher-weighted interpolation" in card and "involves no JANUS step" in card
 
 
 def test_kinds_not_defined_for_the_fine_tuning_are_refused(setting):

@@ -19,7 +19,7 @@ from testing_utils import random_replay
 from hub_server import LocalHub, patch_hub_clients
 from merge_fixtures import IDS, fast_config, logits, save_base, text_rows, train_adapter
 
-from hf_janus import JanusError, JanusMerger, MergeReport, load_report, rectify
+from hf_janus import JanusError, JanusMerger, MergeReport, RectificationReport, load_report, rectify
 from hf_janus.integrations.trainer_publish import install_trainer_hooks
 from hf_janus.engine.report import REFERENCE_JACOBIAN
 from hf_janus.publish.card import BLOCK_BEGIN, JANUS_TAGS
@@ -234,15 +234,15 @@ def test_load_report_errors_name_the_problem(hub, delta, tmp_path):
         load_report("me/tiny-lora")
 
 
-def test_record_round_trips_and_reads_a_bare_rectification_report(delta, tmp_path):
+def test_record_round_trips_and_a_bare_rectification_report_is_pointed_to_its_reader(delta, tmp_path):
     published = delta.published_report("full")
     again = PublishedReport.from_dict(json.loads(json.dumps(published.to_dict())))
     assert again.to_dict() == json.loads(json.dumps(published.to_dict()))
     assert "me/tiny-lora" in again.summary() and "replay: me/past-task [train], 6 rows" in again.summary()
-    # The callback's bare RectificationReport (written before this module existed) still reads.
     delta.report.rectification.save(tmp_path / REPORT_NAME)
-    bare = load_report(tmp_path / REPORT_NAME)
-    assert bare.hf_janus_version == "unknown" and bare.alphas == delta.report.rectification.alphas
+    with pytest.raises(JanusError, match="not an hf-janus publication.*RectificationReport.load"):
+        load_report(tmp_path / REPORT_NAME)
+    assert RectificationReport.load(tmp_path / REPORT_NAME).alphas == delta.report.rectification.alphas
 
 
 # ---- publishing a folder ----------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ class WrittenLayer:
 
 
 def write_lora(module: nn.Module, name: str, target: Tensor, reference: Tensor, delta_rect: Tensor, rank: RankSpec,
-               energy: float = 0.99, jacobian: Any = None, reference_norm: Optional[float] = None,
+               energy: float = 0.99, jacobian: Any = None, jvp0_norm: Optional[float] = None,
                adapter: Optional[str] = None) -> WrittenLayer:
     """Re-factorize one rectified layer into its LoRA adapter (``adapter``; default the active one) so the effective
     weight becomes ``target``.
@@ -105,12 +105,12 @@ def write_lora(module: nn.Module, name: str, target: Tensor, reference: Tensor, 
     err = float((kept_delta - delta64).norm()) / delta_norm if delta_norm > 0 else 0.0
     stats = RefactorStats(name=name, shape=list(d.shape), rank=k, kept_energy=max(0.0, 1.0 - err**2),
                           approx_error=err, approx_error_truncated=err)
-    if jacobian is not None and reference_norm:
+    if jacobian is not None and jvp0_norm:
         jac_delta = delta64.to(jacobian.x.device)
         jac_kept = kept_delta.to(jacobian.x.device)
-        stats.residual_rect = float(jacobian.jvp(jac_delta).norm()) / reference_norm
-        stats.residual_truncated = float(jacobian.jvp(jac_kept).norm()) / reference_norm
-        stats.leak_truncated = float(jacobian.jvp(jac_kept - jac_delta).norm()) / reference_norm
+        stats.residual_rect = float(jacobian.jvp(jac_delta).norm()) / jvp0_norm
+        stats.residual_truncated = float(jacobian.jvp(jac_kept).norm()) / jvp0_norm
+        stats.leak_truncated = float(jacobian.jvp(jac_kept - jac_delta).norm()) / jvp0_norm
 
     rank_changed = k != int(module.r[adapter])
     with torch.no_grad():
@@ -142,7 +142,7 @@ class LayerTarget:
     reference: Tensor
     delta: Tensor
     jacobian: Any = None
-    reference_norm: Optional[float] = None
+    jvp0_norm: Optional[float] = None
 
 
 def write_adapter_layers(peft_model: nn.Module, layers: dict[str, nn.Module], targets: Iterable[LayerTarget],
@@ -158,7 +158,7 @@ def write_adapter_layers(peft_model: nn.Module, layers: dict[str, nn.Module], ta
             module = layers[t.name]
             originals.append(LoraState.capture(module, adapter))
             written.append(write_lora(module, t.name, t.target, t.reference, t.delta, rank, energy,
-                                      jacobian=t.jacobian, reference_norm=t.reference_norm, adapter=adapter))
+                                      jacobian=t.jacobian, jvp0_norm=t.jvp0_norm, adapter=adapter))
         changed = {w.stats.name: w.stats.rank for w in written if w.rank_changed}
         if changed:
             record_rank_pattern(peft_model, adapter, changed)

@@ -48,7 +48,7 @@ class LayerDelta:
     own_rank: Optional[int]
     fan_in_fan_out: bool = False
     jacobian: Optional[LayerJacobian] = None  # J0, for residuals and refinement
-    reference_norm: Optional[float] = None  # ||J0 ΔW|| of the original update
+    jvp0_norm: Optional[float] = None  # ||J0 ΔW|| of the original update
 
 
 class RectifiedDelta:
@@ -122,7 +122,7 @@ class RectifiedDelta:
             eig = eig_psd(jac.gram(), self.config.gram_rcond) if (jac is not None and refine) else None
             a, b, st = refactor_delta(
                 layer.matrix, rank, energy=energy, same_rank=layer.own_rank, jacobian=jac, eig=eig,
-                reference_norm=layer.reference_norm, refine=refine and jac is not None,
+                jvp0_norm=layer.jvp0_norm, refine=refine and jac is not None,
                 refine_iterations=refine_iterations, rcond=self.config.gram_rcond, name=name,
             )
             stats.append(st)

@@ -273,7 +273,7 @@ def _layer_deltas(effective: EffectiveModel, result: RectificationResult) -> dic
             layers[name] = LayerDelta(
                 name=name, layer_type="linear", matrix=layer.rect_delta().float().cpu(), rectified=True,
                 own_rank=info.rank, fan_in_fan_out=info.fan_in_fan_out, jacobian=layer.jacobian,
-                reference_norm=layer.jvp0_norm(),
+                jvp0_norm=layer.jvp0_norm(),
             )
             effective.reference.pop(name + ".weight", None)
         for name, info in effective.layers.items():
