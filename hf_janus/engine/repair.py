@@ -214,11 +214,11 @@ class Repair:
         self.layers.held = None
         for layer, matrix in zip(self.layers, point):
             layer.write(matrix.to(self.device))
-        self._write_outside(point)
+        self._write_outside(point[len(self.layers):])
 
-    def _restore_outside(self) -> None:
-        """θ̂ back into the changed parameters outside the target layers (the rectifier restores the layers)."""
-        for param, value in zip(self.outside, self.outside_finetuned):
+    def _write_outside(self, values: list[Tensor]) -> None:
+        """``values`` into the changed parameters outside the target layers, in their order."""
+        for param, value in zip(self.outside, values):
             param.data.copy_(value)
 
     # ---- training -----------------------------------------------------------------------------------------
@@ -228,6 +228,8 @@ class Repair:
         master = [s.detach().float().to(self.device).clone().requires_grad_(True) for s in start]
         optimizer = torch.optim.Adam(master, lr=cfg.distill_lr)
         weights = [layer.module.weight for layer in self.layers] + self.outside
+        # a gradient in a point's layout: a target layer's matrix, an outside parameter's own shape
+        as_point = [layer.rule.to_matrix for layer in self.layers] + [lambda g: g] * len(self.outside)
         flags = [w.requires_grad for w in weights]
         bar = tqdm(total=cfg.distill_steps, desc="JANUS repair: distillation", unit="step",
                    disable=not self.progress, leave=False)
@@ -237,9 +239,8 @@ class Repair:
             for step in range(cfg.distill_steps):
                 fitted = self.new_train[step % len(self.new_train)]
                 loss, grads = self._gradients(step % len(self.replay_train), fitted, reference, master, weights)
-                rules = [layer.rule.to_matrix for layer in self.layers] + [lambda g: g] * len(self.outside)
-                for m, g, as_point in zip(master, grads, rules):
-                    m.grad = self.world.sum_(as_point(g).float())
+                for m, g, layout in zip(master, grads, as_point):
+                    m.grad = self.world.sum_(layout(g).float())
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(m).all()) for m in master)):
@@ -283,8 +284,8 @@ class Repair:
     @torch.no_grad()
     def _reference_logits(self, index: int, batch: dict[str, Tensor], reference: list[Tensor]) -> Tensor:
         """θ0's logits at the counted tokens of this rank's share of training replay batch ``index``: computed once
-        and kept while they fit in ``reference_cache_bytes``, since
-        every pass over the replay asks for the same ones; otherwise θ0 is written and run again each time."""
+        and kept while they fit in ``reference_cache_bytes``, since every pass over the replay asks for the same
+        ones; otherwise θ0 is written and run again each time."""
         cached = self.reference_cache.get(index)
         if cached is not None:
             return cached
@@ -312,20 +313,15 @@ class Repair:
         try:
             chosen = self._run(report, reference, janus, finetuned)
         except BaseException:
-            self._restore_outside()
+            self._write_outside(self.outside_finetuned)  # θ̂ back; the rectifier restores the target layers
             raise
         for layer, matrix in zip(self.layers, chosen):
             layer.current.copy_(matrix.to(layer.current.device))
         self.layers.rewrite_current()
-        self._write_outside(chosen)
+        self._write_outside(chosen[len(self.layers):])
         report.outside_parameters = self.outside_names
         report.seconds = time.perf_counter() - started
         return report
-
-    def _write_outside(self, point: list[Tensor]) -> None:
-        """The point's values of the changed parameters outside the target layers into the model."""
-        for param, value in zip(self.outside, point[len(self.layers):]):
-            param.data.copy_(value)
 
     def _run(self, report: RepairReport, reference: list[Tensor], janus: list[Tensor],
              finetuned: list[Tensor]) -> list[Tensor]:
