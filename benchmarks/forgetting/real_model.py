@@ -320,8 +320,7 @@ def summarize(quick: bool = False) -> str:
 
         def row(p, label=None):
             key = None
-            options = p.get("options", p)  # the recorded runs predate a point's options kept apart
-            tau, damping = options.get("tau"), options.get("damping")
+            tau, damping = p["options"].get("tau"), p["options"].get("damping")
             if tau is not None:
                 key = next((k for k in runs if k.startswith(f"tau={tau:g}")
                             and (damping is None) == ("damping" not in k)
@@ -332,7 +331,7 @@ def summarize(quick: bool = False) -> str:
                     f"| {p['jacobian_evaluations'] or ''} | {fmt(info.get('seconds_per_evaluation'), '.0f')} "
                     f"| {fmt(info.get('R_eval'), '.1f')} |")
 
-        janus = next(p for p in points if p["kind"] == "janus" and p.get("options", p).get("tau") == 0.95)
+        janus = next(p for p in points if p["kind"] == "janus" and p["options"].get("tau") == 0.95)
         lines.append(row(points[1], "θ̂ (no repair)"))
         lines.append(row(janus, "**JANUS at its defaults** (τ=0.95)"))
         lines.append(row(chosen, f"frontier's choice (max AP): {chosen['label']}"))
