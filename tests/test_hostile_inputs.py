@@ -316,7 +316,7 @@ def test_card_names_the_settings_that_depart_from_the_paper(tmp_path):
     config = {**JanusConfig().to_dict(), "damping": 0.05, "constraint": "target_logit", "acceptance": "<b>x</b>|",
               "constraint_projections": 9, "loss_tolerance": 0.5}  # knobs of a constraint and a test not used
     card = str(render_card(read_record(str(_record(tmp_path, config=config))), load_id="me/m"))
-    assert "| other settings | constraint=target\\_logit, acceptance=&lt;b&gt;x&lt;/b&gt;\\|, damping=0.05 |" in card
+    assert "| other settings | damping=0.05, acceptance=&lt;b&gt;x&lt;/b&gt;\\|, constraint=target\\_logit |" in card
     config = {**JanusConfig().to_dict(), "acceptance": "loss", "loss_tolerance": 0.5}
     card = str(render_card(read_record(str(_record(tmp_path, config=config))), load_id="me/m"))
     assert "| other settings | acceptance=loss, loss\\_tolerance=0.5 |" in card

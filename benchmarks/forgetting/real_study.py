@@ -482,8 +482,9 @@ def levers(name: str) -> dict:
     training-time peer's θ̂ (alone: the peer, not rectified), and ``lr<X>e-<Y>`` sets the peer's learning rate;
     ``repair<N>`` is the product's own repair after JANUS (``JanusConfig.distill_steps=N``, through ``rectify``'s
     ``new_task``: the fine-tuning's own samples), which chooses its point itself (``kllr`` its ``distill_lr``,
-    ``anchor<N>`` its ``new_task_batch_size``, ``keep<NN>`` its ``keep_gain`` = 0.NN; ``val`` measures its gain on
-    16 GSM8K problems the fine-tune never saw, as a Trainer's ``eval_dataset``, instead of a slice of its own)."""
+    ``anchor<N>`` its ``new_task_batch_size``, ``ntw<X>`` its ``new_task_weight``, ``keep<NN>`` its ``keep_gain`` =
+    0.NN; ``val`` measures its gain on 16 GSM8K problems the fine-tune never saw, as a Trainer's ``eval_dataset``,
+    instead of a slice of its own)."""
     out: dict = {"m": 64}
     for part in name.split("+"):
         number = re.fullmatch(r"(m|r|tau|steps|tokenloss|margin|marginonly)(\d*)", part)
@@ -491,9 +492,12 @@ def levers(name: str) -> dict:
         then = re.fullmatch(r"kl(\d+)", part)
         anchored = re.fullmatch(r"anchor(\d+)", part)
         repaired = re.fullmatch(r"(repair|keep)(\d+)", part)
+        weighted = re.fullmatch(r"ntw(\d+(?:\.\d+)?)", part)
         rate = re.fullmatch(r"(kl)?lr(\d+(?:\.\d+)?e-\d+)", part)
         if rate:
             out[(rate.group(1) or "") + "lr"] = float(rate.group(2))
+        elif weighted:
+            out["ntw"] = float(weighted.group(1))
         elif repaired:
             value = int(repaired.group(2))
             out[repaired.group(1)] = value if repaired.group(1) == "repair" else value / 10 ** len(repaired.group(2))
@@ -615,8 +619,8 @@ def variant_config(lever: dict) -> JanusConfig:
         if key in lever:
             options[field] = lever[key]
     if "repair" in lever:
-        options.update({field: lever[key] for key, field in (("kllr", "distill_lr"), ("anchor", "new_task_batch_size"))
-                        if key in lever})
+        settings = (("kllr", "distill_lr"), ("anchor", "new_task_batch_size"), ("ntw", "new_task_weight"))
+        options.update({field: lever[key] for key, field in settings if key in lever})
     return JanusConfig(**options)
 
 

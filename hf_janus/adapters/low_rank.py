@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from hf_janus.engine.linalg import GramEig, LayerJacobian, eig_psd, project
+from hf_janus.engine.public import GramEig, LayerJacobian, eig_psd, project
 from hf_janus.errors import JanusError
 
 RankSpec = Union[str, int, float]
@@ -208,7 +208,7 @@ def refactor_delta(
         rank: ``"same"`` (``same_rank``), ``"auto"`` (energy rule with ``energy``), an int, or a float
             energy threshold. Clipped to ``min(d_out, d_in)``; ``k = 0`` (only for ``ΔW_rect = 0`` with an
             energy rule) returns empty factors.
-        jacobian: ``J0`` of the layer (:class:`~hf_janus.engine.linalg.LayerJacobian`), for residuals and refinement.
+        jacobian: ``J0`` of the layer (:class:`~hf_janus.engine.public.LayerJacobian`), for residuals and refinement.
         eig: eigendecomposition of ``J0 J0ᵀ`` if already known.
         jvp0_norm: ``||J0 ΔW||`` of the original fine-tuning update, the residuals' denominator.
         refine: alternate projections (:func:`refine_low_rank`) for ``refine_iterations`` iterations;

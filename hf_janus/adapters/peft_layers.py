@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from hf_janus.engine.layers import rule_for, select_layers
-from hf_janus.engine.linalg import (
+from hf_janus.engine.public import (
     compute_dtype,
     cuda_in_use_and_capacity,
     dequantized_weight,

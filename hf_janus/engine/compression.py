@@ -6,7 +6,7 @@ QR of ``X_iᵀ`` and ``A_iᵀ``, SVD of the small core ``R_A R_Xᵀ``, and the s
 between the two factors so that ``Âᵢᵀ X̂ᵢ`` is the rank-r optimum.
 
 The QR is a Householder factorization (``torch.geqrf``) whose ``Q`` is applied to the r kept singular
-vectors (``torch.ormqr``) rather than formed: 1.3-1.4x faster at T=128 on CPU. Layers that read the same
+vectors (``torch.ormqr``) rather than formed, which is cheaper than forming it. Layers that read the same
 input tensor share its factorization (:class:`SequenceBasis`). Every call is batched over the samples of
 a replay batch, and only the samples with more than r non-zero rows are factorized: the others are exact
 as their own rows (:func:`needs_compression`).

@@ -83,7 +83,7 @@ class JanusConfig:
         "help": "most rectification steps; the last allowed step is taken at α=1 unchecked (the remaining "
                 "update in one step, kept as final_step says), and the report's stop reason says "
                 "'max_steps reached'"})
-    final_step: str = field(default="guarded", metadata={
+    final_step: str = field(default="guarded", metadata={"method": True,
         "help": "the unchecked final step at max_steps: guarded (kept only if the replay loss there is no higher "
                 "than at the last accepted point; otherwise that point is returned and "
                 "report.discarded_final_step says what was left out) or paper (always kept, as Algorithm 1)",
@@ -91,7 +91,7 @@ class JanusConfig:
     min_alpha: float = field(default=1e-3, metadata={
         "help": "smallest step size α tried; a step that would shrink below it is taken at min_alpha and flagged "
                 "forced in the report"})
-    step_control: str = field(default="adaptive", metadata={
+    step_control: str = field(default="adaptive", metadata={"method": True,
         "help": "how the step size α of each trial is chosen (the acceptance test, c̄ ≥ τ on the whole replay by "
                 "default, is the same): adaptive (the paper's grid point, the largest α on 1, β, β², ... that "
                 "passes, found by jumping to the point predicted from the trials so far and trying the point above "
@@ -118,7 +118,7 @@ class JanusConfig:
     gram_rcond: float = field(default=1e-10, metadata={
         "help": "relative cutoff below which Gram eigenvalues count as zero (a pseudo-inverse: rank-deficient "
                 "Jacobians are fine)"})
-    damping: float = field(default=0.0, metadata={
+    damping: float = field(default=0.0, metadata={"method": True,
         "help": "Tikhonov damping of the projection ΔW - Jᵀ(JJᵀ + λI)⁻¹JΔW, with λ = damping · the largest "
                 "eigenvalue of each layer's Gram: a share λ/(σ² + λ) of the update along a Jacobian direction of "
                 "singular value σ is kept instead of none (0 = the paper's exact projection; an experiment of "
@@ -149,25 +149,25 @@ class JanusConfig:
         "choices": FACTOR_DTYPES})
     seed: int = field(default=0, metadata={
         "help": "seed for anything random (the replay order is never shuffled: samples are grouped by length)"})
-    acceptance: str = field(default="cosine", metadata={
+    acceptance: str = field(default="cosine", metadata={"method": True,
         "help": "the test a trial step must pass, a rule registered in hf_janus.engine.acceptance: "
                 + "; ".join(f"{name}: {rule_named(name).summary}" for name in ACCEPTANCES),
         "choices": ACCEPTANCES})
-    loss_tolerance: float = field(default=0.05, metadata={
+    loss_tolerance: float = field(default=0.05, metadata={"method": True,
         "help": "with an acceptance rule that reads it ("
                 + ", ".join(name for name in ACCEPTANCES if "loss_tolerance" in rule_named(name).options)
                 + "): the share of the fine-tune's replay-loss rise the rule allows (see acceptance)"})
-    constraint: str = field(default="loss", metadata={
+    constraint: str = field(default="loss", metadata={"method": True,
         "help": "the per-sample functions of the replay whose Jacobian JANUS keeps unchanged: "
                 + "; ".join(f"{name}: {constraint_named(name).summary}" for name in CONSTRAINTS),
         "choices": CONSTRAINTS})
-    constraint_projections: int = field(default=4, metadata={
+    constraint_projections: int = field(default=4, metadata={"method": True,
         "help": "with constraint logit_projections: the number k of random logit directions per replay sample "
                 "(k Jacobian rows per sample, k backward passes per replay batch)"})
-    constraint_tokens: int = field(default=3, metadata={
+    constraint_tokens: int = field(default=3, metadata={"method": True,
         "help": "with constraint token_loss: the number k of a replayed answer's first tokens that are each their "
                 "own Jacobian row (k + 1 rows per sample, k + 1 backward passes per replay batch)"})
-    constraint_temperature: float = field(default=1.0, metadata={
+    constraint_temperature: float = field(default=1.0, metadata={"method": True,
         "help": "with constraint loss: the softmax temperature T of the per-sample replay loss whose Jacobian is "
                 "kept (1 = the paper's; T > 1 softens confident predictions so that they keep a gradient where the "
                 "past task is well fit; the replay loss reported and compared stays at T = 1)"})
@@ -272,6 +272,12 @@ class JanusConfig:
                self.new_task_weight, "a float >= 0")
         _check(_is_int(self.new_task_batch_size) and self.new_task_batch_size >= 1, "new_task_batch_size",
                self.new_task_batch_size, "an int >= 1")
+
+    @classmethod
+    def method_fields(cls) -> tuple[str, ...]:
+        """The fields that change the method itself (what the model card names when they differ from the defaults),
+        in declaration order: those whose metadata says ``"method": True``."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("method"))
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -20,7 +20,8 @@ accumulated and returned in) and ``matmul_dtype``, the dtype of the large matrix
 while every sum over samples, rank slots or chunks of the inner dimension is accumulated in ``dtype``;
 :func:`project_with_jvp` then adds one refinement sweep whose residual JVP is computed in ``dtype``, so the
 projection's null-space residual stays at float64 level (``tests/engine/test_ghost_explicit.py``, "Mixed precision").
-Hopper GPUs run float64 products ~15x slower than TF32, and a CPU runs float32 about twice as fast as float64.
+Float64 products are far slower than float32 on GPUs (slower still than TF32) and on CPUs
+(``docs/concepts/how-it-works.md`` has the measurements).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ _ACCUMULATION_CHUNK = 1 << 14
 def tensor_cores(device: torch.device, matmul_dtype: torch.dtype) -> Iterator[None]:
     """Let CUDA run the float32 products of the ghost math on TF32 tensor cores, whatever the user's global setting.
 
-    Why: float64 and plain float32 products run on Hopper's CUDA cores, ~15x and ~7x slower than TF32. The
+    Why: float64 and plain float32 products run on the CUDA cores, many times slower than TF32. The
     accumulations and the refinement sweep in float64 keep the results at float64 accuracy. The user's setting is
     restored afterwards; elsewhere (CPU, float64 products) this does nothing.
     """
@@ -158,8 +159,7 @@ def ghost_gram(
 def symmetric_gram(flat: Tensor, block_rows: int = 64, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``flat @ flat.T`` from the row blocks on and above the diagonal, mirrored below, in ``dtype``.
 
-    Skips (1 - 1/blocks)/2 of the products: the Gram of 256 materialized rows of 16-32K weights took 25%
-    less time on a 2-core CPU with 64-row blocks (smaller blocks made the products less efficient). With
+    Skips (1 - 1/blocks)/2 of the products; 64-row blocks keep each product large enough to run efficiently. With
     ``dtype`` above ``flat``'s, the products are accumulated in ``dtype`` chunk by chunk of the inner dimension.
     """
     m = flat.shape[0]

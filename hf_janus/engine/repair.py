@@ -184,10 +184,12 @@ class Repair:
         return _on({k: v[rows] for k, v in batch.items()}, self.device) if len(rows) else None
 
     @torch.no_grad()
-    def _figures(self) -> PointFigures:
-        """The held-out figures of the point the model holds, summed over every rank's rows."""
+    def _figures(self, replay: bool = True) -> PointFigures:
+        """The held-out figures of the point the model holds, summed over every rank's rows; without ``replay``
+        the new task's loss alone (what the choice compares), the replay's figures left None."""
         sums = torch.zeros(5, dtype=torch.float64)  # new-task loss, its tokens, replay NLL, agreement, tokens
-        for batches, offset in ((self.new_held, 0), (self.replay_held, 2)):
+        slices = ((self.new_held, 0), (self.replay_held, 2)) if replay else ((self.new_held, 0),)
+        for batches, offset in slices:
             for whole in batches:
                 batch = self._share(whole)
                 if batch is None:
@@ -203,12 +205,14 @@ class Repair:
                     sums[4] += len(targets)
         sums = self.world.sum_(sums)
         tokens, replay_tokens = max(float(sums[1]), 1.0), max(float(sums[4]), 1.0)
+        if not replay:
+            return PointFigures(new_task_loss=float(sums[0]) / tokens)
         return PointFigures(new_task_loss=float(sums[0]) / tokens, replay_nll=float(sums[2]) / replay_tokens,
                             replay_agreement=float(sums[3]) / replay_tokens)
 
-    def _figures_at(self, matrices: list[Tensor]) -> PointFigures:
+    def _figures_at(self, matrices: list[Tensor], replay: bool = True) -> PointFigures:
         self._write(matrices)
-        return self._figures()
+        return self._figures(replay)
 
     def _write(self, point: list[Tensor]) -> None:
         self.layers.held = None
@@ -226,7 +230,9 @@ class Repair:
         """θ_T after ``distill_steps`` steps from ``start``, and why it stopped early (None when it did not)."""
         cfg = self.config
         master = [s.detach().float().to(self.device).clone().requires_grad_(True) for s in start]
-        optimizer = torch.optim.Adam(master, lr=cfg.distill_lr)
+        # the fused kernel: a full fine-tune's Adam step, tensor by tensor, is a large share of a step's time
+        optimizer = torch.optim.Adam(master, lr=cfg.distill_lr,
+                                     fused=self.device.type in ("cpu", "cuda") or None)
         weights = [layer.module.weight for layer in self.layers] + self.outside
         # a gradient in a point's layout: a target layer's matrix, an outside parameter's own shape
         as_point = [layer.rule.to_matrix for layer in self.layers] + [lambda g: g] * len(self.outside)
@@ -241,15 +247,19 @@ class Repair:
                 loss, grads = self._gradients(step % len(self.replay_train), fitted, reference, master, weights)
                 for m, g, layout in zip(master, grads, as_point):
                     m.grad = self.world.sum_(layout(g).float())
+                # a step that makes a weight non-finite makes the next step's loss non-finite: the loss is checked
+                # at every step, the weights (a pass over all of them) once after the last
+                if not bool(torch.isfinite(loss)):
+                    return start, f"the distillation diverged at step {step + 1} (lr {cfg.distill_lr:g})"
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(m).all()) for m in master)):
-                    return start, f"the distillation diverged at step {step + 1} (lr {cfg.distill_lr:g})"
                 bar.update(1)
         finally:
             for w, flag in zip(weights, flags):
                 w.requires_grad_(flag)
             bar.close()
+        if not all(bool(torch.isfinite(m).all()) for m in master):
+            return start, f"the distillation diverged at step {cfg.distill_steps} (lr {cfg.distill_lr:g})"
         return [m.detach() for m in master], None
 
     def _gradients(self, index: int, fitted: dict[str, Tensor], reference: list[Tensor],
@@ -361,7 +371,7 @@ class Repair:
             are not kept: the memory plan counts one point being scored)."""
             name = f"b={MOVES[index]:g}"
             if name not in figures:
-                figures[name] = self._figures_at(moved(MOVES[index]))
+                figures[name] = self._figures_at(moved(MOVES[index]), replay=False)
             return figures[name].new_task_loss <= floor
 
         # the gain kept falls as the point moves toward θ0: bisect for the farthest move that keeps it, scoring
@@ -383,7 +393,10 @@ class Repair:
                          "farthest move toward θ0")
         for name in [k for k in figures if k.startswith("b=") and k != best]:
             del figures[name]  # the report keeps the chosen move's figures, not the whole search
-        return moved(report.b)
+        point = moved(report.b)
+        if figures[best].replay_nll is None:  # the search scored the new task alone
+            figures[best] = self._figures_at(point)
+        return point
 
 
 def _figure_key(report: RepairReport) -> str:

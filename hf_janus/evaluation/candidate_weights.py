@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from hf_janus.engine.memory_plan import free_bytes
+from hf_janus.engine.public import free_bytes
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import BuildContext, Candidate

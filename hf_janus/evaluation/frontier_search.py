@@ -43,7 +43,7 @@ from torch import nn
 
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.layers import resolve_target_modules
-from hf_janus.engine.memory_plan import GIB
+from hf_janus.engine.public import GIB
 from hf_janus.engine.rectifier import rectify
 from hf_janus.engine.report import RectificationReport
 from hf_janus.errors import JanusError
@@ -58,11 +58,11 @@ from hf_janus.evaluation.candidates.registry import SpecLike
 from hf_janus.evaluation.intruder_reduction import IntruderReduction, plain_lora
 from hf_janus.evaluation.harness import (ModelLike, Scorer, TaskLike, TaskResult, is_adapter, load_model,
                                          load_tokenizer, resolve_tasks)
-from hf_janus.evaluation.samples import check_frontier_samples, read_new_task_samples, read_samples
+from hf_janus.evaluation.samples import check_frontier_samples
 from hf_janus.evaluation.scoring import ap_metrics
 from hf_janus.evaluation.strict_json import dumps, finite_or_none
 from hf_janus.io_utils import atomic_replace, atomic_write_text
-from hf_janus.replay.self_replay import SelfReplay
+from hf_janus.replay.resolve import resolve_new_task, resolve_replay
 
 logger = logging.getLogger(__name__)
 
@@ -461,7 +461,7 @@ def frontier(reference: ModelLike, finetuned: ModelLike, replay: Any, *,
     if not past or not new:
         raise JanusError("the frontier needs past_tasks (for AP1) and new_tasks (for AP2)")
     tok = load_tokenizer(tokenizer, [reference, finetuned], token=token)
-    new_task = read_new_task_samples(new_task_samples, tok, replay_options)
+    new_task = resolve_new_task(new_task_samples, tokenizer=tok, options=replay_options, token=token)
     builder = _working_model(reference, finetuned, replay, tok, replay_options, device=device,
                              torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle,
                              intruders=any(c.lora_only for c in cands))
@@ -516,7 +516,14 @@ def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok:
     A saved adapter on a reference given by name is merged by PEFT in float32: θ0 and θ̂ of its layers are kept in
     float32 (the model holds them rounded to its dtype), and for a plain LoRA the intruder detection is done once
     (``intruders``)."""
-    replay = read_samples(replay, tok, replay_options)
+    loaded: list[nn.Module] = []
+
+    def theta0() -> nn.Module:  # for a SelfReplay: θ0 answers, loaded on its own (never θ̂)
+        loaded.append(load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token,
+                                 allow_pickle=allow_pickle))
+        return loaded[0]
+
+    replay = resolve_replay(replay, reference=theta0, tokenizer=tok, options=replay_options, token=token).samples
     base_name = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None
     exact = None
     if base_name is not None and is_adapter(finetuned, token=token):
@@ -525,9 +532,8 @@ def _working_model(reference: ModelLike, finetuned: ModelLike, replay: Any, tok:
         model = exact.model
     else:
         model = load_model(finetuned, device=device, torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
-    base = load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token, allow_pickle=allow_pickle)
-    if isinstance(replay, SelfReplay):  # θ0's answers, while θ0 is loaded on its own
-        replay = replay.generate(base, replay.tokenizer if replay.tokenizer is not None else tok)
+    base = loaded.pop() if loaded else load_model(reference, device="cpu", torch_dtype=torch_dtype, token=token,
+                                                  allow_pickle=allow_pickle)
     differing = differing_parameters(model, dict(base.named_parameters()), allow_identical=exact is not None)
     del base
     theta0, tuned = {k: v[0] for k, v in differing.items()}, {k: v[1] for k, v in differing.items()}

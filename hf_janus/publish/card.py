@@ -85,10 +85,6 @@ def _plain(text: Any) -> str:
 
 # Settings that change what JANUS computes beyond τ, β and r (experiments of the research issues); the card names
 # those that differ from their defaults, so that a reader never takes a damped or re-targeted run for the paper's.
-_METHOD_SETTINGS = ("constraint", "constraint_projections", "constraint_tokens", "constraint_temperature", "acceptance",
-                    "loss_tolerance", "damping", "final_step", "step_control")
-
-
 def _acceptance_rule(cfg: dict[str, Any]) -> Optional["AcceptanceRule"]:
     """The record's acceptance rule with its options, or None for a rule this version does not know (a record from
     a newer hf-janus or a user's own rule) or options it cannot read."""
@@ -115,7 +111,7 @@ def _settings_line(cfg: dict[str, Any]) -> Optional[str]:
     for option in ({o for name in rule_names() for o in rule_named(name).options}
                    | {o for name in constraint_names() for o in constraint_named(name).options}) - {"tau"}:
         unused[option] = option not in used
-    changed = [f"{name}={cfg[name]}" for name in _METHOD_SETTINGS
+    changed = [f"{name}={cfg[name]}" for name in JanusConfig.method_fields()
                if name in cfg and cfg[name] != getattr(defaults, name) and not unused.get(name, False)]
     return _plain(", ".join(changed)) if changed else None
 

@@ -242,7 +242,7 @@ def test_kinds_not_defined_for_the_fine_tuning_are_refused(setting):
 def test_the_new_task_samples_are_what_fine_tuning_trained_on_not_a_self_replay(setting):
     from hf_janus import SelfReplay
 
-    with pytest.raises(JanusError, match="new_task_samples is a SelfReplay, but θ0's answers are not the new task"):
+    with pytest.raises(JanusError, match="a SelfReplay, but θ0's answers are not the new task"):
         run(setting, candidates="wise:0.5", new_task_samples=SelfReplay(prompts=["two plus two is"]))
 
 

@@ -25,7 +25,7 @@ from hf_janus.adapters.saved.effective import EffectiveModel
 from hf_janus.adapters.saved.loading import PEFT_PREFIX
 from hf_janus.adapters.saved.merge_report import MergeReport
 from hf_janus.engine.config import JanusConfig
-from hf_janus.engine.linalg import LayerJacobian, eig_psd
+from hf_janus.engine.public import LayerJacobian, eig_psd
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import atomic_output_dir, check_output_dir
 from hf_janus.publish.files import write_publication_files

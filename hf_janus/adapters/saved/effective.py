@@ -57,7 +57,7 @@ from hf_janus.adapters.saved.loading import (
     resolve_adapter,
 )
 from hf_janus.engine.layers import rule_for
-from hf_janus.engine.linalg import dequantized_weight
+from hf_janus.engine.public import dequantized_weight
 from hf_janus.errors import JanusError
 
 logger = logging.getLogger(__name__)

@@ -45,8 +45,8 @@ from hf_janus.engine.result import RectificationResult
 from hf_janus.errors import JanusError
 from hf_janus.io_utils import is_local
 from hf_janus.publish.provenance import ReplayInfo, describe_replay, resolve_repo
-from hf_janus.replay.self_replay import SelfReplay, require_tokenizer
-from hf_janus.replay.sources import ReplayOptions, open_replay, tokenize_replay
+from hf_janus.replay.resolve import resolve_new_task, resolve_replay
+from hf_janus.replay.sources import ReplayOptions
 
 logger = logging.getLogger(__name__)
 
@@ -178,41 +178,24 @@ class JanusMerger:
             return None
 
     def _load_replay(self, tokenizer: Any) -> tuple[Any, ReplayInfo]:
-        """The replay samples and their description (id, split, fingerprint, size) for the published record."""
-        if isinstance(self.replay, SelfReplay):
-            samples = self._self_replay(tokenizer)
-            return samples, describe_replay(samples)
-        if not isinstance(self.replay, (str, os.PathLike)):
-            return self.replay, describe_replay(self.replay)
-        source = os.fspath(self.replay)
-        dataset, split = open_replay(source, self.replay_options, token=self.token)
-        samples = tokenize_replay(dataset, tokenizer, self.replay_options, source=source)
-        return samples, describe_replay(dataset, source=source, split=split, token=self.token)
+        """The replay samples and their description (id, split, fingerprint, size) for the published record. θ0's
+        answers, for a :class:`~hf_janus.SelfReplay`, come from the base model loaded on its own (the adapted model
+        is θ̂), freed before the adapter is merged, so that the two never share memory."""
+        def base() -> Any:
+            return load_base_model(self.base_model, self.base_revision, self.torch_dtype, self.device, self.token,
+                                   self.quantization_config, allow_pickle=self.allow_pickle)
 
-    def _self_replay(self, tokenizer: Any) -> list[dict[str, list[int]]]:
-        """θ0's answers, from the base model loaded on its own (the adapted model is θ̂); it is freed before the
-        adapter is merged, so the two never share memory."""
-        options = self.replay
-        tokenizer = require_tokenizer(options.tokenizer if options.tokenizer is not None else tokenizer)
-        base = load_base_model(self.base_model, self.base_revision, self.torch_dtype, self.device, self.token,
-                               self.quantization_config, allow_pickle=self.allow_pickle)
-        try:
-            return dataclasses.replace(options, progress=options.progress and self.progress).generate(base, tokenizer)
-        finally:
-            del base
+        resolved = resolve_replay(self.replay, reference=base, tokenizer=tokenizer, options=self.replay_options,
+                                  token=self.token, progress=self.progress)
+        return resolved.samples, describe_replay(resolved.described, source=resolved.source, split=resolved.split,
+                                                 token=self.token)
 
     def _load_new_task(self, tokenizer: Any) -> Any:
         """The new task's samples for the repair, read as a replay given by name is; None without a repair."""
-        if self.new_task_samples is None or not self.config.distill_steps:
+        if not self.config.distill_steps:
             return None
-        if isinstance(self.new_task_samples, SelfReplay):
-            raise JanusError("new_task_samples is a SelfReplay, but θ0's answers are not the new task: pass what the "
-                             "adapter was trained on (a file, dataset id, Dataset or list of samples)")
-        if not isinstance(self.new_task_samples, (str, os.PathLike)):
-            return self.new_task_samples
-        source = os.fspath(self.new_task_samples)
-        dataset, _ = open_replay(source, self.replay_options, token=self.token)
-        return tokenize_replay(dataset, tokenizer, self.replay_options, source=source)
+        return resolve_new_task(self.new_task_samples, tokenizer=tokenizer, options=self.replay_options,
+                                token=self.token)
 
     def run(self) -> RectifiedDelta:
         """Load, merge, rectify. The replay is read first, so that bad replay fails before the model loads."""

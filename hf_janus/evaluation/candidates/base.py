@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Se
 import torch
 from torch import Tensor
 
-from hf_janus.engine.capture import model_device
-from hf_janus.engine.memory_plan import HostPeak
+from hf_janus.engine.public import model_device
+from hf_janus.engine.public import HostPeak
 from hf_janus.errors import JanusError
 
 if TYPE_CHECKING:  # the weight builder imports the candidates

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 import torch
 from torch import Tensor
 
-from hf_janus.engine.capture import model_device, token_summed_loss
+from hf_janus.engine.public import model_device, token_summed_loss
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle,
                                                  finite_positive, measured, parse_float, require)
 from hf_janus.evaluation.candidates.replay_statistics import holding, on_device, replay_batches

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hf_janus.engine.capture import model_device
-from hf_janus.engine.memory_plan import GIB
+from hf_janus.engine.public import model_device
+from hf_janus.engine.public import GIB
 from hf_janus.engine.repair import token_kl
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, CandidateDiverged, Cost, Curve, Option,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from hf_janus.engine.capture import model_device
+from hf_janus.engine.public import model_device
 from hf_janus.engine.layers import LayerRule, rule_for
 from hf_janus.errors import JanusError
 from hf_janus.model_modes import evaluation_mode
