@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from hf_janus.engine.memory_plan import measure_in_use_and_capacity
+from hf_janus.engine.machine_memory import measure_in_use_and_capacity
 from hf_janus.engine.workspace import Workspace
 
 if TYPE_CHECKING:  # only for annotations: the step loop imports this module
@@ -45,7 +45,7 @@ class RunObserver:
 
     def measure_memory(self, device: torch.device, cache: str) -> tuple[dict[str, int], dict[str, Optional[int]]]:
         """``(in use, capacity)`` in bytes, each ``{"device": ..., "host": ...}``, that the memory plan starts from
-        (:func:`~hf_janus.engine.memory_plan.measure_in_use_and_capacity`)."""
+        (:func:`~hf_janus.engine.machine_memory.measure_in_use_and_capacity`)."""
         return measure_in_use_and_capacity(device, cache)
 
     def capturing(self, tag: str) -> None:

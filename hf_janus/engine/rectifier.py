@@ -33,12 +33,12 @@ from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.constraints import make_constraint
 from hf_janus.engine.jacobians import JacobianSource
 from hf_janus.engine.layers import resolve_target_modules, rule_for
+from hf_janus.engine.machine_memory import check_cache_directory
 from hf_janus.engine.memory_plan import (
     CAPTURES_ALIVE,
     LayerShape,
     MemoryPlan,
     Workload,
-    check_cache_directory,
     heap_retention,
     model_dimensions,
     plan_schedule,

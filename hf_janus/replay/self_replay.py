@@ -35,6 +35,8 @@ from hf_janus.errors import JanusError
 from hf_janus.model_modes import evaluation_mode
 from hf_janus.replay.generation_cache import (cache_key, default_cache_dir, model_fingerprint, read_entry,
                                               write_entry)
+from hf_janus.replay.generation_model import (check_context, check_generative, eos_ids, generative_model,
+                                              require_tokenizer)
 from hf_janus.replay.prepare import IGNORE_INDEX
 from hf_janus.replay.sources import DEFAULT_NUM_SAMPLES, load_replay_dataset, parse_replay_spec
 
@@ -181,7 +183,7 @@ class SelfReplay:
         tokenizer = require_tokenizer(tokenizer if tokenizer is not None else self.tokenizer)
         check_generative(model)
         rows, stops, do_sample = self._rows(model, tokenizer)
-        _check_context(model, rows, self.max_new_tokens)
+        check_context(model, rows, self.max_new_tokens)
         generation = self._generation_config(model, tokenizer, do_sample)
         settings = {"generation": _stable_generation(generation), "batch_size": self.batch_size,
                     "seed": self.seed if do_sample else None, "stops": [list(s) for s in stops]}
@@ -341,7 +343,7 @@ class SelfReplay:
     # ---- generation ---------------------------------------------------------------------------------------
     def _generation_config(self, model: nn.Module, tokenizer: Any, do_sample: bool) -> Any:
         """θ0's generation config, one beam, greedy or sampled as asked, with the stop and pad tokens set."""
-        config = copy.deepcopy(_generative_model(model).generation_config)
+        config = copy.deepcopy(generative_model(model).generation_config)
         config.max_new_tokens, config.max_length, config.min_new_tokens, config.min_length = \
             self.max_new_tokens, None, None, 0
         config.num_beams, config.num_return_sequences, config.use_cache = 1, 1, True
@@ -353,7 +355,7 @@ class SelfReplay:
             elif value is None:
                 continue
             setattr(config, name, value)
-        eos = _eos_ids(model, tokenizer)
+        eos = eos_ids(model, tokenizer)
         if not eos:
             raise JanusError("θ0 has no end-of-sequence token (neither its tokenizer nor its generation config names "
                              "one), so an answer would never stop: set tokenizer.eos_token or "
@@ -394,41 +396,9 @@ def self_replay(model: nn.Module, tokenizer: Any = None, prompts: PromptsLike = 
     return SelfReplay(prompts=prompts, **options).generate(model, tokenizer)
 
 
-# ---- checks -----------------------------------------------------------------------------------------------
-def require_tokenizer(tokenizer: Any) -> Any:
-    """``tokenizer``, or a refusal when there is none: prompts are text and θ0's answers are read as tokens."""
-    if tokenizer is None:
-        raise JanusError("self-replay needs θ0's tokenizer to turn the prompts into tokens: give the Trainer "
-                         "processing_class=tokenizer, save the tokenizer next to the base model, or pass "
-                         "SelfReplay(tokenizer=...)")
-    if not callable(tokenizer):
-        raise JanusError(f"self-replay's tokenizer is a {type(tokenizer).__name__}, which cannot tokenize text; pass "
-                         "the model's tokenizer (AutoTokenizer.from_pretrained)")
-    return tokenizer
-
-
-def _generative_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (whose ``generate`` forwards to it)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner
-
-
-def check_generative(model: nn.Module) -> None:
-    """Refuse a model that cannot generate text: no ``generate``, no generation config, or an architecture that
-    transformers says cannot generate (an encoder such as ``BertModel``)."""
-    inner = _generative_model(model)
-    can_generate = getattr(inner, "can_generate", None)
-    if not hasattr(model, "generate") or not callable(can_generate) or not can_generate():
-        raise JanusError(f"self-replay needs θ0 to generate text, but {type(inner).__name__} is not a generative "
-                         "model (an encoder-only or headless model): load it with AutoModelForCausalLM, or give "
-                         "replay data of the past task instead of SelfReplay")
-    if getattr(inner, "generation_config", None) is None:
-        raise JanusError(f"self-replay needs θ0's generation config, and {type(inner).__name__} has none: set "
-                         "model.generation_config = GenerationConfig.from_model_config(model.config)")
-
-
+# ---- helpers ----------------------------------------------------------------------------------------------
 def _bos_id(model: nn.Module, tokenizer: Any) -> int:
-    inner = _generative_model(model)
+    inner = generative_model(model)
     for source in (tokenizer, inner.generation_config, getattr(inner, "config", None)):
         bos = getattr(source, "bos_token_id", None)
         if bos is not None:
@@ -437,40 +407,9 @@ def _bos_id(model: nn.Module, tokenizer: Any) -> int:
                      f"one: use prompts={GENERIC!r} (the package's generic prompts) instead")
 
 
-def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
-    found: list[int] = []
-    for value in (_generative_model(model).generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
-        for token in (value if isinstance(value, (list, tuple)) else [value]):
-            if token is not None and int(token) not in found:
-                found.append(int(token))
-    return found
-
-
 def _vocab_size(model: nn.Module) -> Optional[int]:
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return getattr(embeddings, "num_embeddings", None)
-
-
-def _context_length(model: nn.Module) -> Optional[int]:
-    """The longest sequence θ0 takes: its config's position limit, where it has one."""
-    config = getattr(_generative_model(model), "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _check_context(model: nn.Module, rows: list[list[int]], max_new_tokens: int) -> None:
-    """Refuse, before generating, a prompt whose answer would run past θ0's context."""
-    context = _context_length(model)
-    if context is None:
-        return
-    longest = max(range(len(rows)), key=lambda i: len(rows[i]))
-    if len(rows[longest]) + max_new_tokens > context:
-        raise JanusError(f"self-replay prompt {longest} has {len(rows[longest])} tokens, and with max_new_tokens="
-                         f"{max_new_tokens} its answer would run past θ0's context of {context} tokens: lower "
-                         "SelfReplay(max_new_tokens=...) or shorten the prompt")
 
 
 def _stable_generation(config: Any) -> dict[str, Any]:

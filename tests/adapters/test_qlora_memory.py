@@ -223,7 +223,7 @@ def test_stand_ins_stay_on_the_host_when_the_card_has_no_room_for_them(monkeypat
     (``set_per_process_memory_fraction``, as on a 24 GB card), which the memory plan measures the same way."""
     from types import SimpleNamespace
 
-    from hf_janus.engine.memory_plan import DEVICE_FILL, cuda_in_use_and_capacity
+    from hf_janus.engine.machine_memory import DEVICE_FILL, cuda_in_use_and_capacity
 
     gib = 1 << 30
     fraction = {"value": 1.0}

@@ -21,10 +21,10 @@ from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
 from hf_janus.engine.observer import RunObserver
-from hf_janus.engine.memory_plan import (HEAP_RETENTION, HOST_FILL, REPAIR_FP32_COPIES, HostPeak, LayerShape, Workload,
-                                         container_available_memory, current_host_bytes, free_bytes, free_disk_bytes,
-                                         heap_retention, measure_in_use_and_capacity, plan_memory, plan_schedule,
-                                         plan_with_captures)
+from hf_janus.engine.machine_memory import (HOST_FILL, HostPeak, container_available_memory, current_host_bytes,
+                                            free_bytes, free_disk_bytes, measure_in_use_and_capacity)
+from hf_janus.engine.memory_plan import (HEAP_RETENTION, REPAIR_FP32_COPIES, LayerShape, Workload, heap_retention,
+                                         plan_memory, plan_schedule, plan_with_captures)
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.errors import JanusError
 
