@@ -184,11 +184,11 @@ class Repair:
         return _on({k: v[rows] for k, v in batch.items()}, self.device) if len(rows) else None
 
     @torch.no_grad()
-    def _figures(self, replay: bool = True) -> PointFigures:
-        """The held-out figures of the point the model holds, summed over every rank's rows; without ``replay``
-        the new task's loss alone (what the choice compares), the replay's figures left None."""
+    def _figures(self, new_task: bool = True, replay: bool = True) -> PointFigures:
+        """The held-out figures of the point the model holds, summed over every rank's rows: the new task's loss
+        (what the choice compares) and the replay's NLL and agreement, each left None when not asked for."""
         sums = torch.zeros(5, dtype=torch.float64)  # new-task loss, its tokens, replay NLL, agreement, tokens
-        slices = ((self.new_held, 0), (self.replay_held, 2)) if replay else ((self.new_held, 0),)
+        slices = ((self.new_held, 0),) * new_task + ((self.replay_held, 2),) * replay
         for batches, offset in slices:
             for whole in batches:
                 batch = self._share(whole)
@@ -205,14 +205,17 @@ class Repair:
                     sums[4] += len(targets)
         sums = self.world.sum_(sums)
         tokens, replay_tokens = max(float(sums[1]), 1.0), max(float(sums[4]), 1.0)
-        if not replay:
-            return PointFigures(new_task_loss=float(sums[0]) / tokens)
-        return PointFigures(new_task_loss=float(sums[0]) / tokens, replay_nll=float(sums[2]) / replay_tokens,
-                            replay_agreement=float(sums[3]) / replay_tokens)
+        figures = PointFigures()
+        if new_task:
+            figures.new_task_loss = float(sums[0]) / tokens
+        if replay:
+            figures.replay_nll = float(sums[2]) / replay_tokens
+            figures.replay_agreement = float(sums[3]) / replay_tokens
+        return figures
 
-    def _figures_at(self, matrices: list[Tensor], replay: bool = True) -> PointFigures:
+    def _figures_at(self, matrices: list[Tensor], new_task: bool = True, replay: bool = True) -> PointFigures:
         self._write(matrices)
-        return self._figures(replay)
+        return self._figures(new_task, replay)
 
     def _write(self, point: list[Tensor]) -> None:
         self.layers.held = None
@@ -394,8 +397,9 @@ class Repair:
         for name in [k for k in figures if k.startswith("b=") and k != best]:
             del figures[name]  # the report keeps the chosen move's figures, not the whole search
         point = moved(report.b)
-        if figures[best].replay_nll is None:  # the search scored the new task alone
-            figures[best] = self._figures_at(point)
+        if figures[best].replay_nll is None:  # the search scored the new task alone: the replay's figures now
+            on_replay = self._figures_at(point, new_task=False)
+            figures[best].replay_nll, figures[best].replay_agreement = on_replay.replay_nll, on_replay.replay_agreement
         return point
 
 
