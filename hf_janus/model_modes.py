@@ -52,3 +52,34 @@ def evaluation_mode(model: nn.Module) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
+
+
+def _checkpoints_with_autograd_grad(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a transformers layer the user put under gradient checkpointing in the non-reentrant
+    form (the default), the one ``torch.autograd.grad`` can run through; and whether its own forward leaves
+    ``self.training`` alone (a layer that applies dropout itself would turn it on)."""
+    if getattr(layer, "gradient_checkpointing", False) is not True:
+        return False
+    function = getattr(layer, "_gradient_checkpointing_func", None)
+    if getattr(function, "keywords", {}).get("use_reentrant", True):
+        return False
+    forward = type(layer).forward
+    forward = getattr(forward, "__wrapped__", forward)
+    return "training" not in getattr(getattr(forward, "__code__", None), "co_names", ("training",))
+
+
+@contextmanager
+def checkpointed_layers(model: nn.Module) -> Iterator[list[nn.Module]]:
+    """Inside :func:`evaluation_mode`, the layers the user trained under gradient checkpointing checkpoint again
+    (their activations recomputed in the backward pass instead of kept), so that training passes after train end
+    need the memory training needed. transformers checkpoints a layer only in training mode, so each such layer
+    alone is put in it: its children (attention, dropout) stay in eval mode and nothing random runs. Layers in the
+    reentrant form, or whose own forward reads ``self.training``, are left as they are. Yields the layers switched."""
+    layers = [m for m in model.modules() if not m.training and _checkpoints_with_autograd_grad(m)]
+    for layer in layers:
+        layer.training = True
+    try:
+        yield layers
+    finally:
+        for layer in layers:
+            layer.training = False

@@ -90,3 +90,29 @@ def fail_capture(at: int, exc: BaseException):
 
     return FailingCapture()
 
+
+
+def held_out(model, replay, new_task, replay_batch_size: int, new_task_batch_size: int, split: bool = True):
+    """The repair's held-out figures computed apart from the engine (every eighth sample in the order the engine
+    batches them): the new task's loss, the replay's NLL and its token agreement, of the point ``model`` holds."""
+    import torch.nn.functional as F
+
+    from hf_janus.engine.repair import NEW_TASK_VALIDATION_MAX, split_validation
+    from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay
+
+    def nll(samples, agreement=False):
+        total = tokens = agree = 0
+        for batch in samples:
+            with torch.no_grad():
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            targets = loss_targets(batch)
+            counted = targets != IGNORE_INDEX
+            total += float(F.cross_entropy(logits[counted].float(), targets[counted], reduction="sum"))
+            agree += int((logits[counted].argmax(-1) == targets[counted]).sum())
+            tokens += int(counted.sum())
+        return (total / tokens, agree / tokens) if agreement else total / tokens
+
+    _, replay_held = split_validation(prepare_replay(replay, replay_batch_size))
+    new_batches = prepare_replay(new_task, new_task_batch_size, group_by_length=False)
+    new_held = split_validation(new_batches, NEW_TASK_VALIDATION_MAX)[1] if split else new_batches
+    return nll(new_held), *nll(replay_held, agreement=True)

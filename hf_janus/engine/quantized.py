@@ -73,8 +73,16 @@ def dequantized_weight(module: nn.Module) -> Tensor:
     """
     from peft.utils.integrations import dequantize_module_weight
 
-    with torch.no_grad():
-        weight = dequantize_module_weight(module).detach()
+    # On the CPU PEFT's helper puts a copy of the weight parameter in the layer's place; an 8-bit layer that has run
+    # keeps its scales in its state, not in that copy, and would rebuild its state from the copy at its next forward
+    # and fail: the layer keeps its own parameter.
+    param = module.weight
+    try:
+        with torch.no_grad():
+            weight = dequantize_module_weight(module).detach()
+    finally:
+        if module.weight is not param:
+            module.weight = param
     return weight.to(compute_dtype(module))
 
 

@@ -13,7 +13,8 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from typing import Any, NoReturn, Optional, Union
+from contextlib import AbstractContextManager
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +44,7 @@ from hf_janus.engine.memory_plan import (
     model_dimensions,
     plan_schedule,
 )
-from hf_janus.engine.repair import Repair, changed_outside, check_samples
+from hf_janus.engine.repair import Repair, RepairSpace, WeightSpace, changed_outside, check_samples
 from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport, RepairReport, rounded_reference
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.statistics import layer_statistics
@@ -73,7 +74,8 @@ class Rectifier:
     def __init__(self, model: nn.Module, reference: Union[WeightSource, Reference], replay: Any,
                  config: Optional[JanusConfig] = None, progress: bool = True, keep_reference_factors: bool = False,
                  factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
-                 observer: Optional[RunObserver] = None, new_task: Any = None, new_task_validation: Any = None):
+                 observer: Optional[RunObserver] = None, new_task: Any = None, new_task_validation: Any = None,
+                 repair_autocast: Optional[Callable[[], AbstractContextManager]] = None, defer_repair: bool = False):
         """See :func:`rectify` for the first four arguments.
 
         Args:
@@ -94,8 +96,14 @@ class Rectifier:
                 after JANUS (``config.distill_steps``) fits them and measures the gain it keeps on them.
             new_task_validation: held-out samples of the new task (a Trainer's ``eval_dataset``), on which the
                 repair measures the gain instead of every eighth of ``new_task`` (all of which it then fits).
+            repair_autocast: the context the repair's training passes run in, as fine-tuning's did (a Trainer's
+                mixed precision: ``trainer.accelerator.autocast``); JANUS runs at the weights' own precision.
+            defer_repair: :meth:`run` stops at the JANUS point and the caller runs :meth:`repair` in a space of its
+                own (a LoRA adapter trains its factors once the JANUS point is written into them). The new-task
+                samples are read and checked here all the same.
         """
         self.model, self.progress, self.keep_reference_factors = model, progress, keep_reference_factors
+        self.repair_autocast, self.defer_repair = repair_autocast, defer_repair
         self.observer = observer if observer is not None else RunObserver()
         #: Set by :meth:`run` (which also returns it): the report and, per layer, θ0, θ̂, θ_rect (and J0).
         self.result: Optional[RectificationResult] = None
@@ -158,6 +166,8 @@ class Rectifier:
             return None
         for name, module in modules.items():
             rule = rule_for(module)
+            if self.defer_repair:  # the caller's space trains other tensors than these weights
+                break
             if rule.quantized or is_sharded(module.weight) or is_zero3_param(module.weight):
                 raise JanusError(f"the repair after JANUS (distill_steps) trains the target layers' weights, and "
                                  f"{name} is {'quantized' if rule.quantized else 'sharded (FSDP2 or ZeRO-3)'}: set "
@@ -282,14 +292,12 @@ class Rectifier:
             report.replay_loss = {"reference": base.loss, "finetuned": finetuned_loss.loss, "rectified": last.loss}
             jacobians = ({layer.name: self.jacobians.jacobian(layer.name, "c0", pooled=False, exact=True)
                           for layer in self.layers} if self.keep_reference_factors else {})
-            if self.new_task_batches is not None:
+            if self.new_task_batches is not None and not self.defer_repair:
                 loop.phase = "repairing after JANUS (distillation)"
                 loop.release_current()
                 self.store.close()  # the captures are read; the distillation needs their memory
                 with self.timer.phase("repair"):
-                    report.repair = Repair(self.layers, self.batches, self.new_task_batches, self.config,
-                                           self.world, progress=self.progress,
-                                           new_task_validation=self.new_task_validation, outside=self.outside).run()
+                    report.repair = self.repair(WeightSpace(self.layers, self.outside))
             elif self.repair_skipped is not None:
                 report.repair = RepairReport(keep_gain=self.config.keep_gain, reason=self.repair_skipped)
         except BaseException as err:
@@ -308,6 +316,16 @@ class Rectifier:
             for layer in self.layers})
         logger.info(report.summary())
         return self.result
+
+    def repair(self, space: RepairSpace) -> RepairReport:
+        """The repair after JANUS (``config.distill_steps``) on this run's replay and new-task samples, in
+        ``space``, from the point the model holds; the model ends at the point it chose. :meth:`run` calls it in the
+        target layers' weights; with ``defer_repair`` the caller does, after :meth:`run`, and on a failure puts back
+        what it changed itself."""
+        if self.new_task_batches is None:
+            raise JanusError("the repair after JANUS needs distill_steps > 0 and new-task samples")
+        return Repair(space, self.batches, self.new_task_batches, self.config, self.world, progress=self.progress,
+                      new_task_validation=self.new_task_validation, autocast=self.repair_autocast).run()
 
     def release(self) -> None:
         """Free the tensors the run keeps after it ends: θ0, θ̂ (and its backup), θ_t, the kept Jacobians and any

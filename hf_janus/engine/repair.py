@@ -3,10 +3,11 @@
 JANUS keeps the replay's losses to first order; what the first order misses (θ0's answers are often near-ties that a
 small move flips) a few hundred optimizer steps bring back: each step lowers the KL divergence ``KL(p_θ0 ‖ p_θ)`` of
 the next-token distributions on a replay batch and, at ``new_task_weight``, the cross-entropy of a batch of the new
-task's samples, so that the gain is kept while the past behaviour returns. The target layers train from the JANUS
-point (Adam on float32 copies, written back into the model's dtype after each step; the model in eval mode, so the
-run is deterministic), and with them every other parameter fine-tuning changed whose θ0 the reference gives (a full
-fine-tune's embeddings, tied head and norms: :func:`changed_outside`). θ0's logits are those of θ0 in every one of
+task's samples, so that the gain is kept while the past behaviour returns. The point trains from the JANUS point
+in a :class:`RepairSpace` (Adam on float32 copies, written back into the model's dtype after each step; the model in
+eval mode, so the run is deterministic): the target layers' weights and every other parameter fine-tuning changed
+whose θ0 the reference gives (a full fine-tune's embeddings, tied head and norms: :func:`changed_outside`), or a LoRA
+adapter's own factors. θ0's logits are those of θ0 in every one of
 these parameters: with the others left at θ̂ the KL would pull toward a model that has already forgotten part of
 what θ0 answered.
 
@@ -25,11 +26,12 @@ import inspect
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Optional
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from hf_janus.engine.capture import forward_logits, model_device
@@ -37,7 +39,7 @@ from hf_janus.engine.memory_plan import REPAIR_REFERENCE_CACHE_BYTES
 from hf_janus.engine.report import PointFigures, RepairReport
 from hf_janus.engine.target_layers import TargetLayers
 from hf_janus.errors import JanusError
-from hf_janus.model_modes import evaluation_mode
+from hf_janus.model_modes import checkpointed_layers, evaluation_mode
 from hf_janus.parallel.distributed import World
 from hf_janus.replay.prepare import IGNORE_INDEX, counted_tokens, loss_targets
 
@@ -135,34 +137,118 @@ def _on(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-class Repair:
-    """Distil the model the :class:`TargetLayers` hold (the JANUS point) toward θ0 while fitting the new task, then
-    choose the point; the layers' ``current`` end at the chosen point and the model holds it, and so do the changed
-    parameters outside them (which JANUS leaves at θ̂).
+class RepairSpace:
+    """Where the repair's points live and how the model is put at one: what :class:`Repair` trains and chooses
+    through. A point is a list of float32 tensors on the model's device, one per tensor the repair trains, in
+    :meth:`trained_tensors`' order. :class:`WeightSpace` trains the target layers' weights (and the other
+    parameters fine-tuning changed); a LoRA adapter trains its own factors
+    (:class:`hf_janus.adapters.live.adapter_repair.AdapterSpace`)."""
 
-    A point is a list of float32 tensors: one ``(d_out, d_in)`` matrix per target layer, then one tensor per changed
-    parameter outside them, in the parameter's own shape."""
+    #: the model the points are written into and run
+    model: nn.Module
+    #: parameters outside the target layers that move with them, by name (the report lists them)
+    outside_names: list[str] = []
 
-    def __init__(self, layers: TargetLayers, replay: list[dict[str, Tensor]], new_task: list[dict[str, Tensor]],
-                 config: Any, world: World, progress: bool = True,
-                 new_task_validation: Optional[list[dict[str, Tensor]]] = None,
-                 outside: Optional[Mapping[str, Tensor]] = None,
-                 reference_cache_bytes: int = REPAIR_REFERENCE_CACHE_BYTES):
-        """``replay`` and ``new_task``: the whole batches, the same on every rank (each rank takes its rows);
-        ``new_task_validation``: held-out new-task batches to measure the gain on, instead of a slice of
-        ``new_task``; ``outside``: θ0 of the changed parameters outside the target layers, by name
-        (:func:`changed_outside`); ``reference_cache_bytes``: the most bytes of θ0's logits kept between passes
-        (0: θ0 runs at every step)."""
-        self.layers, self.config, self.world, self.progress = layers, config, world, progress
-        self.model = layers.model
-        self.device = model_device(self.model)
+    def points(self, device: torch.device) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """θ0, θ̂ and the JANUS point (the one the model holds when the repair starts)."""
+        raise NotImplementedError
+
+    def trained_tensors(self) -> list[Tensor]:
+        """The model's tensors the gradients are taken for, in a point's order."""
+        raise NotImplementedError
+
+    def gradient_layouts(self) -> list[Callable[[Tensor], Tensor]]:
+        """Per trained tensor, its gradient in the point's layout."""
+        return [lambda g: g] * len(self.trained_tensors())
+
+    def write(self, point: list[Tensor]) -> None:
+        """Put the model at ``point``."""
+        raise NotImplementedError
+
+    def moved(self, b: float, reference: list[Tensor], trained: list[Tensor]) -> list[Tensor]:
+        """The point ``θ0 + b(θ_T − θ0)`` of the model's weights."""
+        return trained if b == 1.0 else [r + b * (t - r) for r, t in zip(reference, trained)]
+
+    def keep(self, point: list[Tensor]) -> None:
+        """Keep ``point`` for good: the model holds it from now on."""
+        self.write(point)
+
+    def undo(self) -> None:
+        """After a failure: put back what the space changed that its owner does not restore."""
+
+
+class WeightSpace(RepairSpace):
+    """The target layers' weights (as ``(d_out, d_in)`` matrices), then every changed parameter outside them in its
+    own shape (:func:`changed_outside`). The layers' ``current`` ends at the point kept; the
+    :class:`~hf_janus.engine.rectifier.Rectifier` restores them after a failure, the space the others."""
+
+    def __init__(self, layers: TargetLayers, outside: Optional[Mapping[str, Tensor]] = None):
+        self.layers, self.model = layers, layers.model
         params = dict(self.model.named_parameters())
         outside = dict(outside or {})
-        #: the changed parameters outside the target layers, their θ0 and θ̂ (float32, on the host until used)
         self.outside_names = list(outside)
         self.outside = [params[name] for name in outside]
+        #: θ0 and θ̂ of the changed parameters outside the target layers (float32, on the host until used)
         self.outside_reference = [outside[name].float() for name in outside]
         self.outside_finetuned = [p.detach().float().cpu().clone() for p in self.outside]
+
+    def points(self, device: torch.device) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        finetuned_outside = [t.to(device) for t in self.outside_finetuned]
+        reference = ([layer.reference(device) for layer in self.layers]
+                     + [t.to(device) for t in self.outside_reference])
+        finetuned = [layer.finetuned(device) for layer in self.layers] + finetuned_outside
+        janus = [layer.current.detach().float().clone() for layer in self.layers] + finetuned_outside
+        return reference, finetuned, janus
+
+    def trained_tensors(self) -> list[Tensor]:
+        return [layer.module.weight for layer in self.layers] + self.outside
+
+    def gradient_layouts(self) -> list[Callable[[Tensor], Tensor]]:
+        return [layer.rule.to_matrix for layer in self.layers] + [lambda g: g] * len(self.outside)
+
+    def write(self, point: list[Tensor]) -> None:
+        self.layers.held = None
+        device = model_device(self.model)
+        for layer, matrix in zip(self.layers, point):
+            layer.write(matrix.to(device))
+        self._write_outside(point[len(self.layers):])
+
+    def keep(self, point: list[Tensor]) -> None:
+        for layer, matrix in zip(self.layers, point):
+            layer.current.copy_(matrix.to(layer.current.device))
+        self.layers.rewrite_current()
+        self._write_outside(point[len(self.layers):])
+
+    def undo(self) -> None:
+        self._write_outside(self.outside_finetuned)  # θ̂ back; the rectifier restores the target layers
+
+    def _write_outside(self, values: list[Tensor]) -> None:
+        for param, value in zip(self.outside, values):
+            param.data.copy_(value)
+
+
+class Repair:
+    """Distil the model from the JANUS point toward θ0 while fitting the new task, then choose the point, in a
+    :class:`RepairSpace`; the model ends at the chosen point."""
+
+    def __init__(self, space: RepairSpace, replay: list[dict[str, Tensor]], new_task: list[dict[str, Tensor]],
+                 config: Any, world: World, progress: bool = True,
+                 new_task_validation: Optional[list[dict[str, Tensor]]] = None,
+                 reference_cache_bytes: int = REPAIR_REFERENCE_CACHE_BYTES,
+                 autocast: Optional[Callable[[], AbstractContextManager]] = None):
+        """``replay`` and ``new_task``: the whole batches, the same on every rank (each rank takes its rows);
+        ``new_task_validation``: held-out new-task batches to measure the gain on, instead of a slice of
+        ``new_task``; ``reference_cache_bytes``: the most bytes of θ0's logits kept between passes (0: θ0 runs at
+        every step); ``autocast``: the context the training passes run in, as fine-tuning's did (a Trainer's mixed
+        precision, ``accelerator.autocast``); θ0's logits and the figures the choice compares are computed at the
+        weights' own precision."""
+        self.space, self.config, self.world, self.progress = space, config, world, progress
+        self.autocast = autocast if autocast is not None else nullcontext
+        #: the autocast dtype the training passes ran at (None: the weights' own) and the layers they checkpointed
+        self.pass_precision: Optional[str] = None
+        self.checkpointed = 0
+        self.model = space.model
+        self.device = model_device(self.model)
         self.keep_positions = keeps_positions(self.model)
         #: θ0's logits per training replay batch, by index, and their bytes
         self.reference_cache: dict[int, Tensor] = {}
@@ -213,20 +299,9 @@ class Repair:
             figures.replay_agreement = float(sums[3]) / replay_tokens
         return figures
 
-    def _figures_at(self, matrices: list[Tensor], new_task: bool = True, replay: bool = True) -> PointFigures:
-        self._write(matrices)
+    def _figures_at(self, point: list[Tensor], new_task: bool = True, replay: bool = True) -> PointFigures:
+        self.space.write(point)
         return self._figures(new_task, replay)
-
-    def _write(self, point: list[Tensor]) -> None:
-        self.layers.held = None
-        for layer, matrix in zip(self.layers, point):
-            layer.write(matrix.to(self.device))
-        self._write_outside(point[len(self.layers):])
-
-    def _write_outside(self, values: list[Tensor]) -> None:
-        """``values`` into the changed parameters outside the target layers, in their order."""
-        for param, value in zip(self.outside, values):
-            param.data.copy_(value)
 
     # ---- training -----------------------------------------------------------------------------------------
     def _train(self, start: list[Tensor], reference: list[Tensor]) -> tuple[list[Tensor], Optional[str]]:
@@ -236,9 +311,8 @@ class Repair:
         # the fused kernel: a full fine-tune's Adam step, tensor by tensor, is a large share of a step's time
         optimizer = torch.optim.Adam(master, lr=cfg.distill_lr,
                                      fused=self.device.type in ("cpu", "cuda") or None)
-        weights = [layer.module.weight for layer in self.layers] + self.outside
-        # a gradient in a point's layout: a target layer's matrix, an outside parameter's own shape
-        as_point = [layer.rule.to_matrix for layer in self.layers] + [lambda g: g] * len(self.outside)
+        weights = self.space.trained_tensors()
+        as_point = self.space.gradient_layouts()
         flags = [w.requires_grad for w in weights]
         bar = tqdm(total=cfg.distill_steps, desc="JANUS repair: distillation", unit="step",
                    disable=not self.progress, leave=False)
@@ -279,8 +353,11 @@ class Repair:
         if mine_replay is None and mine_fitted is None:
             return self.world.sum_(loss), grads
         reference_logits = self._reference_logits(index, mine_replay, reference) if mine_replay is not None else None
-        self._write([m.detach() for m in master])
-        with torch.enable_grad():
+        self.space.write([m.detach() for m in master])
+        with torch.enable_grad(), checkpointed_layers(self.model) as checkpointed, self.autocast():
+            self.checkpointed = len(checkpointed)
+            if torch.is_autocast_enabled(self.device.type):
+                self.pass_precision = str(torch.get_autocast_dtype(self.device.type)).replace("torch.", "")
             total = torch.zeros((), device=self.device)
             if mine_replay is not None:
                 logits, _ = counted_logits(self.model, mine_replay, self.keep_positions)
@@ -302,7 +379,7 @@ class Repair:
         cached = self.reference_cache.get(index)
         if cached is not None:
             return cached
-        self._write(reference)
+        self.space.write(reference)
         logits = counted_logits(self.model, batch, self.keep_positions)[0]
         if self.cached_bytes + logits.numel() * logits.element_size() <= self.reference_cache_bytes:
             self.reference_cache[index] = logits
@@ -318,21 +395,15 @@ class Repair:
                               gain_measured_on=self.gain_measured_on,
                               validation_samples={"replay": sum(len(b["input_ids"]) for b in self.replay_held),
                                                   "new_task": sum(len(b["input_ids"]) for b in self.new_held)})
-        reference = ([layer.reference(self.device) for layer in self.layers]
-                     + [t.to(self.device) for t in self.outside_reference])
-        finetuned_outside = [t.to(self.device) for t in self.outside_finetuned]
-        janus = [layer.current.detach().float().clone() for layer in self.layers] + finetuned_outside
-        finetuned = [layer.finetuned(self.device) for layer in self.layers] + finetuned_outside
+        reference, finetuned, janus = self.space.points(self.device)
         try:
             chosen = self._run(report, reference, janus, finetuned)
         except BaseException:
-            self._write_outside(self.outside_finetuned)  # θ̂ back; the rectifier restores the target layers
+            self.space.undo()
             raise
-        for layer, matrix in zip(self.layers, chosen):
-            layer.current.copy_(matrix.to(layer.current.device))
-        self.layers.rewrite_current()
-        self._write_outside(chosen[len(self.layers):])
-        report.outside_parameters = self.outside_names
+        self.space.keep(chosen)
+        report.outside_parameters = list(self.space.outside_names)
+        report.autocast_dtype, report.checkpointed_layers = self.pass_precision, self.checkpointed
         report.seconds = time.perf_counter() - started
         return report
 
@@ -367,7 +438,7 @@ class Repair:
         figures["b=1"] = figures["trained"]
 
         def moved(b: float) -> list[Tensor]:
-            return trained if b == 1.0 else [r + b * (t - r) for r, t in zip(reference, trained)]
+            return self.space.moved(b, reference, trained)
 
         def kept(index: int) -> bool:
             """Whether the move ``MOVES[index]`` keeps the gain, scoring it the first time it is asked (its weights

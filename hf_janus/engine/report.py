@@ -113,6 +113,10 @@ class RepairReport:
     gain_measured_on: str = ""
     #: the parameters outside the target layers fine-tuning changed that were distilled and moved with them
     outside_parameters: list[str] = field(default_factory=list)
+    #: the training passes' autocast dtype (a Trainer's mixed precision), None at the weights' own precision
+    autocast_dtype: Optional[str] = None
+    #: the layers whose training passes ran under gradient checkpointing, as they did in fine-tuning
+    checkpointed_layers: int = 0
     seconds: float = 0.0
 
     def gain_kept(self, point: str = "chosen") -> Optional[float]:
@@ -142,8 +146,10 @@ class RepairReport:
             return f"repair after JANUS: none ({self.reason})"
         kept = self.gain_kept()
         outside = f", and {len(self.outside_parameters)} other changed parameters" if self.outside_parameters else ""
+        engine = "".join([f", {self.autocast_dtype} autocast" if self.autocast_dtype else "",
+                          f", {self.checkpointed_layers} layers checkpointed" if self.checkpointed_layers else ""])
         lines = [f"repair after JANUS: {self.steps} distillation steps (lr {self.lr:g}, new task ×"
-                 f"{self.new_task_weight:g}; the target layers{outside}), chosen {self.chosen}: {self.reason}"
+                 f"{self.new_task_weight:g}{engine}; the target layers{outside}), chosen {self.chosen}: {self.reason}"
                  + (f"; gain kept {kept:.0%}" if kept is not None else "") + f" ({self.seconds:.1f} s)",
                  f"  validation (new-task loss / replay NLL / replay agreement; the gain measured on "
                  f"{self.gain_measured_on or 'held-out new-task samples'}):"]

@@ -20,13 +20,15 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from hf_janus.adapters.live.adapter_repair import adapter_repair_blocker
 from hf_janus.adapters.live.rectify import PeftOutput, check_live_peft, rectify_live_peft
-from hf_janus.adapters.peft_layers import is_peft_model
+from hf_janus.adapters.peft_layers import adapted_linear_layers, is_peft_model
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.report import RectificationReport
 from hf_janus.engine.repair import NEW_TASK_VALIDATION_MAX
 from hf_janus.errors import JanusError, RectificationError
+from hf_janus.integrations.mixed_precision import own_precision, training_autocast
 from hf_janus.integrations.snapshot import SNAPSHOT_NAME, Theta0Snapshot, weights_fingerprint
 from hf_janus.integrations.trainer_link import TrainerLink
 from hf_janus.engine.quantized import quantization_of
@@ -162,15 +164,7 @@ class JanusCallback(TrainerCallback):
     def _check_supported(self, model: nn.Module, args: TrainingArguments) -> Optional[dict[str, nn.Module]]:
         """Refuse unsupported setups before training; the adapted layers of a PEFT model (None otherwise)."""
         if self.config.distill_steps:
-            quantized = any(quantization_of(m) is not None for m in model.modules())
-            sharded = any(is_sharded(p) or is_zero3_param(p) for p in model.parameters())
-            if quantized or sharded:
-                raise JanusError(
-                    "the repair after JANUS (distill_steps) trains the target layers' full weights, which it cannot "
-                    f"on a {'quantized base' if quantized else 'model sharded with FSDP or ZeRO-3'}: set "
-                    "distill_steps=0 (the JANUS point), or save the model or adapter and repair it with "
-                    "JanusMerger(..., new_task_samples=...) or hf_janus.rectify(..., new_task=...) unsharded"
-                )
+            self._check_repair_supported(model)
         # args.fsdp alone is no reason to refuse: FSDP2 weights are handled, FSDP1 is caught by check_sharding.
         if getattr(args, "deepspeed", None):
             if is_peft_model(model):
@@ -197,6 +191,25 @@ class JanusCallback(TrainerCallback):
                 "trainer: JanusCallback(..., trainer=trainer) or set callback.trainer = trainer before train()"
             )
         return check_live_peft(model, self.config, self.peft_output)
+
+    def _check_repair_supported(self, model: nn.Module) -> None:
+        """Refuse, before training, a repair after JANUS (``distill_steps``) the model cannot take: on a quantized
+        base it trains the adapter's own factors, which needs a plain LoRA that starts at zero and keeps its rank;
+        weights sharded by FSDP or ZeRO-3 it cannot train."""
+        if any(is_sharded(p) or is_zero3_param(p) for p in model.parameters()):
+            raise JanusError(
+                "the repair after JANUS (distill_steps) cannot train weights sharded with FSDP or ZeRO-3: set "
+                "distill_steps=0 (the JANUS point), or save the model or adapter and repair it with "
+                "JanusMerger(..., new_task_samples=...) or hf_janus.rectify(..., new_task=...) unsharded")
+        if not any(quantization_of(m) is not None for m in model.modules()):
+            return
+        blocker = None if not is_peft_model(model) else adapter_repair_blocker(
+            adapted_linear_layers(model, self.config.target_modules, self.config.exclude_modules), self.peft_output)
+        if not is_peft_model(model) or blocker is not None:
+            raise JanusError(
+                "the repair after JANUS (distill_steps) on a quantized base trains the LoRA adapter's own factors, "
+                f"and cannot here: {blocker or 'the model has no adapter'}. Set distill_steps=0 (the JANUS point), "
+                "or train a plain LoRA (init_lora_weights=True, adapter_rank='same')")
 
     # ---- Trainer events -----------------------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -278,17 +291,21 @@ class JanusCallback(TrainerCallback):
             replay = self._resolved.samples
             theta0 = self.theta0()
             new_task, validation = self._new_task_samples(), self._new_task_validation()
-            if is_peft_model(model):
-                run = rectify_live_peft(model, theta0, replay, self.config, self.peft_output, progress=progress,
-                                        new_task=new_task, new_task_validation=validation)
-                self.report, self.model, self.rectifier = run.report, run.model, run.rectifier
-                if self.model is not model:  # merged: the trainer saves and pushes the plain model from now on
-                    self.trainer.model = self.trainer.model_wrapped = self.model
-            else:
-                self.rectifier = Rectifier(model, theta0, replay, self.config, progress=progress, new_task=new_task,
-                                           new_task_validation=validation)
-                self.report = self.rectifier.run().report
-                self.model = model
+            autocast = training_autocast(self.link.trainer) if new_task is not None else None
+            with own_precision(model):
+                if is_peft_model(model):
+                    run = rectify_live_peft(model, theta0, replay, self.config, self.peft_output, progress=progress,
+                                            new_task=new_task, new_task_validation=validation,
+                                            repair_autocast=autocast)
+                    self.report, self.model, self.rectifier = run.report, run.model, run.rectifier
+                else:
+                    self.rectifier = Rectifier(model, theta0, replay, self.config, progress=progress,
+                                               new_task=new_task, new_task_validation=validation,
+                                               repair_autocast=autocast)
+                    self.report = self.rectifier.run().report
+                    self.model = model
+            if self.model is not model:  # merged: the trainer saves and pushes the plain model from now on
+                self.trainer.model = self.trainer.model_wrapped = self.model
         except (JanusError, RectificationError) as err:
             if self.on_error == "raise":
                 if self.snapshot.place == "disk":

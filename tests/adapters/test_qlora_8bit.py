@@ -145,3 +145,19 @@ def test_cli_merge_with_load_in_8bit(base_dir, int8_adapter, tmp_path, capsys): 
     err = capsys.readouterr().err
     assert "already exists" in err and "--overwrite" in err
     assert {p: (out / p).read_bytes() for p in os.listdir(out)} == written
+
+
+def test_an_8bit_layer_that_has_run_still_runs_after_it_is_dequantized(base_dir):  # noqa: F811
+    """An 8-bit layer moves its scales from its weight into its state at its first forward; dequantizing it after
+    that (JANUS reads θ0 and θ̂ at train end) must leave it able to run, with the same outputs."""
+    from hf_janus.engine.quantized import dequantized_weight
+
+    model = quantized_base(base_dir, "int8").eval()
+    ids = torch.tensor([[1, 5, 9, 13, 2, 30]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        layer = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt))
+        dense = dequantized_weight(layer)
+        after = model(input_ids=ids).logits
+    assert dense.shape == (layer.out_features, layer.in_features)
+    assert torch.equal(after, before)

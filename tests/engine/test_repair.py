@@ -10,15 +10,14 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
-from testing_utils import REPAIR_CONFIG, build_tiny, fine_tune, fine_tune_samples, random_replay
+from testing_utils import REPAIR_CONFIG, build_tiny, fine_tune, fine_tune_samples, held_out, random_replay
 
 from hf_janus import JanusConfig, JanusError, RectificationReport, rectify
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.layers import resolve_target_modules
 from hf_janus.engine.memory_plan import REPAIR_REFERENCE_CACHE_BYTES
-from hf_janus.engine.repair import (MOVES, NEW_TASK_VALIDATION_MAX, VALIDATION_EVERY, Repair, counted_logits,
-                                    keeps_positions, split_validation)
+from hf_janus.engine.repair import (MOVES, VALIDATION_EVERY, Repair, WeightSpace,
+                                    counted_logits, keeps_positions, split_validation)
 from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay
 
 FAST = {k: v for k, v in REPAIR_CONFIG.items() if k in ("rank", "replay_batch_size", "tau")}
@@ -47,25 +46,8 @@ def run(models, **overrides):
 
 
 def held_out_figures(model, replay, new_task, split=True):
-    """The held-out slices' figures computed here, apart from the engine: every eighth sample in the order the
-    engine batches them."""
-    def nll(samples, agreement=False):
-        total = tokens = agree = 0
-        for batch in samples:
-            with torch.no_grad():
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-            targets = loss_targets(batch)
-            counted = targets != IGNORE_INDEX
-            total += float(F.cross_entropy(logits[counted].float(), targets[counted], reduction="sum"))
-            agree += int((logits[counted].argmax(-1) == targets[counted]).sum())
-            tokens += int(counted.sum())
-        return (total / tokens, agree / tokens) if agreement else total / tokens
-
-    _, replay_held = split_validation(prepare_replay(replay, FAST["replay_batch_size"]))
     batch_size = JanusConfig(**FAST, **REPAIR).new_task_batch_size
-    new_batches = prepare_replay(new_task, batch_size, group_by_length=False)
-    new_held = split_validation(new_batches, NEW_TASK_VALIDATION_MAX)[1] if split else new_batches
-    return nll(new_held), *nll(replay_held, agreement=True)
+    return held_out(model, replay, new_task, FAST["replay_batch_size"], batch_size, split=split)
 
 
 def test_every_eighth_sample_across_batches_is_held_out():
@@ -238,6 +220,26 @@ def test_a_bfloat16_model_is_repaired(models):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_training_passes_under_autocast_train_the_point_float32_passes_train(models):
+    """With ``repair_autocast`` the training passes run in bf16 autocast and the rest at the weights' precision:
+    θ0's, θ̂'s and the JANUS point's figures are bit for bit a float32 run's, and the trained point's figures
+    differ from its by bf16 rounding only."""
+    finetuned, theta0 = models
+    reports = []
+    for autocast in (None, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+        rectifier = Rectifier(copy.deepcopy(finetuned), theta0, random_replay(24), JanusConfig(**FAST, **REPAIR),
+                              progress=False, new_task=new_task_samples(), repair_autocast=autocast)
+        reports.append(rectifier.run().report.repair)
+    plain, mixed = reports
+    assert plain.autocast_dtype is None and mixed.autocast_dtype == "bfloat16"
+    for point in ("reference", "finetuned", "janus"):
+        assert mixed.validation[point] == plain.validation[point], point
+    trained, reference = mixed.validation["trained"], plain.validation["trained"]
+    assert trained != reference
+    assert trained.new_task_loss == pytest.approx(reference.new_task_loss, rel=2e-2)
+    assert trained.replay_nll == pytest.approx(reference.replay_nll, rel=2e-2)
+
+
 @pytest.mark.parametrize("field, value", [("distill_steps", -1), ("keep_gain", 0.0), ("keep_gain", 1.5),
                                           ("distill_lr", 0.0), ("new_task_weight", -1.0),
                                           ("new_task_batch_size", 0)])
@@ -270,8 +272,9 @@ def test_theta0s_kept_logits_train_the_point_running_theta0_every_step_trains(mo
         model = copy.deepcopy(finetuned)
         config = JanusConfig(**FAST, **REPAIR)
         rectifier = Rectifier(model, theta0, random_replay(24), config, progress=False, new_task=new_task_samples())
-        repair = Repair(rectifier.layers, rectifier.batches, rectifier.new_task_batches, config, rectifier.world,
-                        progress=False, outside=rectifier.outside, reference_cache_bytes=cache)
+        repair = Repair(WeightSpace(rectifier.layers, rectifier.outside), rectifier.batches,
+                        rectifier.new_task_batches, config, rectifier.world, progress=False,
+                        reference_cache_bytes=cache)
         report = repair.run()
         assert (len(repair.reference_cache) > 0) == (cache > 0)
         points.append((report.chosen, model.state_dict()))

@@ -199,6 +199,22 @@ def test_gradient_checkpointing_run(tmp_path):
         torch.testing.assert_close(value, twin.state_dict()[key], rtol=0, atol=1e-6)
 
 
+def test_mixed_precision_training_rectifies_at_the_weights_precision(tmp_path):
+    """bf16=True leaves accelerate's autocast wrapper on the model's forward after train(): JANUS runs without it,
+    so the callback gives what rectify gives on the same weights, and the Trainer's model keeps its wrapper."""
+    model = pretrained_llama()
+    theta0 = copy.deepcopy(model.state_dict())
+    probe, janus = Probe(), JanusCallback(replay_data(), CONFIG)
+    make_trainer(tmp_path, model, [probe, janus], bf16=True).train()
+    assert "_original_forward" in model.__dict__ and model.forward is not model._original_forward
+    twin = pretrained_llama()
+    twin.load_state_dict(probe.finetuned)
+    expected = rectify(twin, theta0, replay_data(), CONFIG, progress=False)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, twin.state_dict()[key], rtol=0, atol=1e-6)
+    assert janus.report.replay_loss == expected.replay_loss
+
+
 def _tensor_bytes_reachable(root, model) -> int:
     """Bytes of the distinct tensor storages reachable from ``root`` through Python references, leaving out the
     model's own parameters and buffers (the user's model, not a copy) and not walking into modules."""

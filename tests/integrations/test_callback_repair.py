@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from peft import get_peft_model
-from testing_utils import build_tiny
+from transformers import TrainerCallback
 from trainer_fixtures import FAST, lora_config, make_trainer, pretrained_llama, replay_data
 
 from hf_janus import JanusCallback, JanusError
@@ -57,6 +57,52 @@ def test_the_trainers_eval_dataset_measures_the_gain(tmp_path):
     assert repair.gain_measured_on == "the new task's validation samples" and repair.chosen is not None
 
 
+def test_the_repair_trains_in_the_trainers_mixed_precision(tmp_path):
+    """bf16=True: the repair's training passes run under the Trainer's autocast (the report says so); the figures
+    it chooses by run at the weights' own precision, so θ0's are those of a float32 run's, exactly."""
+    reports = {}
+    for bf16 in (False, True):
+        model = pretrained_llama()
+        janus = JanusCallback(replay_data(), REPAIR)
+        trainer = make_trainer(tmp_path / str(bf16), model, [janus], max_steps=6, bf16=bf16)
+        janus.trainer = trainer
+        trainer.train()
+        reports[bf16] = janus.report.repair
+    assert reports[True].autocast_dtype == "bfloat16" and reports[False].autocast_dtype is None
+    assert "bfloat16 autocast" in reports[True].summary()
+    assert reports[True].validation["reference"] == reports[False].validation["reference"]
+
+
+class _AttentionCalls(TrainerCallback):
+    """Counts the first layer's attention passes from train end on (registered before JanusCallback): under
+    gradient checkpointing a backward pass runs the layer again."""
+
+    calls = 0
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        model.model.layers[0].self_attn.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+
+def test_the_repair_checkpoints_the_layers_training_checkpointed(tmp_path):
+    """gradient_checkpointing=True: each of the repair's training passes (a replay and a new-task batch a step)
+    runs the checkpointed layers once more in its backward pass, and the point is the same as without."""
+    runs = {}
+    for checkpointing in (False, True):
+        model, counter = pretrained_llama(), _AttentionCalls()
+        janus = JanusCallback(replay_data(), REPAIR)
+        trainer = make_trainer(tmp_path / str(checkpointing), model, [counter, janus], max_steps=6,
+                               gradient_checkpointing=checkpointing)
+        janus.trainer = trainer
+        trainer.train()
+        runs[checkpointing] = (counter.calls, janus.report.repair, model.state_dict())
+    (plain_calls, plain, plain_weights), (calls, checkpointed, weights) = runs[False], runs[True]
+    assert checkpointed.checkpointed_layers == len(model.model.layers) and plain.checkpointed_layers == 0
+    assert calls - plain_calls == 2 * REPAIR.distill_steps
+    assert checkpointed.chosen == plain.chosen
+    for key, value in weights.items():
+        torch.testing.assert_close(value, plain_weights[key], rtol=0, atol=1e-5)
+
+
 def test_a_lora_comes_out_a_lora(tmp_path):
     model = get_peft_model(pretrained_llama(), lora_config())
     janus = JanusCallback(replay_data(), REPAIR)
@@ -69,18 +115,41 @@ def test_a_lora_comes_out_a_lora(tmp_path):
     assert all("lora_A" in n or "lora_B" in n for n, p in model.named_parameters() if p.requires_grad)
 
 
-def test_a_quantized_base_is_refused_before_training(tmp_path):
-    pytest.importorskip("bitsandbytes")
-    from transformers import BitsAndBytesConfig
+def _quantized_lora(tmp_path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     path = tmp_path / "base"
-    build_tiny("llama").save_pretrained(path)
-    from transformers import AutoModelForCausalLM
-
+    pretrained_llama().save_pretrained(path)
     base = AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
-    model = get_peft_model(base, lora_config())
-    trainer = make_trainer(tmp_path, model, [JanusCallback(replay_data(), REPAIR, on_error="raise")], max_steps=1)
+    return get_peft_model(base, lora_config())
+
+
+def test_a_qlora_trains_its_own_factors_and_its_base_stays_as_it_was(tmp_path):
+    """On a quantized base the repair trains the adapter's lora_A and lora_B through the PEFT model; the quantized
+    weights are never written, the adapter keeps its rank, and the chosen point is the adapter's factors."""
+    pytest.importorskip("bitsandbytes")
+    model = _quantized_lora(tmp_path)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+    janus = JanusCallback(replay_data(), REPAIR, on_error="raise")
+    trainer = make_trainer(tmp_path, model, [janus], max_steps=6)
+    janus.trainer = trainer
+    trainer.train()
+    repair = janus.report.repair
+    assert repair.chosen is not None and repair.outside_parameters == []
+    assert janus.report.output["format"] == "adapter"
+    for name, value in model.named_parameters():
+        if name in base:
+            assert torch.equal(value, base[name]), name
+    ranks = {p.shape[0] for n, p in model.named_parameters() if "lora_A" in n}
+    assert ranks == {lora_config().r}
+
+
+def test_a_quantized_base_whose_adapter_cannot_train_is_refused_before_training(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    model = _quantized_lora(tmp_path)
+    janus = JanusCallback(replay_data(), REPAIR, on_error="raise", adapter_rank=2)
+    trainer = make_trainer(tmp_path, model, [janus], max_steps=1)
     weight = next(p for n, p in model.named_parameters() if "lora_B" in n).detach().clone()
-    with pytest.raises(JanusError, match="distill_steps.*quantized base"):
+    with pytest.raises(JanusError, match="distill_steps.*quantized base.*adapter_rank=2"):
         trainer.train()
     assert torch.equal(next(p for n, p in model.named_parameters() if "lora_B" in n), weight)

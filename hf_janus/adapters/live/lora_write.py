@@ -16,7 +16,7 @@ from hf_janus.engine.layers import rule_for
 from hf_janus.errors import JanusError
 
 
-def _lora_kind(module: nn.Module, adapter: str) -> Optional[str]:
+def lora_kind(module: nn.Module, adapter: str) -> Optional[str]:
     """``"lora"``, ``"dora"``, or None when the layer is not a LoRA layer this module can re-factorize."""
     if not (hasattr(module, "lora_A") and hasattr(module, "lora_B")) or adapter not in module.lora_A:
         return None
@@ -32,7 +32,7 @@ def check_adapter_writable(layers: dict[str, nn.Module]) -> None:
     bad = []
     for name, module in layers.items():
         adapter = active_adapter(module)
-        if _lora_kind(module, adapter) is None:
+        if lora_kind(module, adapter) is None:
             variant = (getattr(module, "lora_variant", {}) or {}).get(adapter)
             bad.append(f"{name} ({type(variant).__name__ if variant is not None else type(module).__name__})")
     if bad:
@@ -90,7 +90,7 @@ def write_lora(module: nn.Module, name: str, target: Tensor, reference: Tensor, 
     norms of ``W_base + D_k`` so that the effective weight is exactly ``W_base + D_k``.
     """
     adapter = adapter if adapter is not None else active_adapter(module)
-    kind = _lora_kind(module, adapter)
+    kind = lora_kind(module, adapter)
     base = module.get_base_layer()
     w_base = rule_for(base).weight(base).to(device=target.device, dtype=torch.float64)
     d = target.to(torch.float64) - w_base

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
 from hf_janus.adapters.live.adapter_beside import check_new_adapter_name, new_adapter_beside
+from hf_janus.adapters.live.adapter_repair import AdapterSpace, adapter_repair_blocker
 from hf_janus.adapters.live.lora_write import (
     BaseLayerState,
     LayerTarget,
+    LoraState,
     check_adapter_writable,
     set_base_params,
     validate_peft_output,
@@ -110,7 +113,8 @@ class LivePeftRun(NamedTuple):
 
 def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any, config: JanusConfig,
                       output: PeftOutput, *, progress: bool = True, new_task: Any = None,
-                      new_task_validation: Any = None) -> LivePeftRun:
+                      new_task_validation: Any = None,
+                      repair_autocast: Optional[Callable[[], AbstractContextManager]] = None) -> LivePeftRun:
     """Rectify the effective weights of the adapted layers of ``model``, then keep them as ``output`` asks.
 
     ``initial``: what :func:`~hf_janus.adapters.peft_layers.initial_state` took at train begin (θ0 itself for
@@ -123,9 +127,14 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
         ``format="adapter"``, the merged plain model for ``format="merged"``) and the rectifier.
     """
     layers = adapted_linear_layers(model, config.target_modules, config.exclude_modules)
+    # the repair after JANUS trains the adapter's own factors where it can (always on a quantized base, which
+    # check_live_peft and the callback refuse otherwise), the effective weights elsewhere
+    in_adapter = (bool(config.distill_steps) and new_task is not None
+                  and adapter_repair_blocker(layers, output, initial) is None)
     rectifier = rectify_adapted_layers(model, layers, initial, replay, config, progress=progress,
                                        keep_reference_factors=output.format == "adapter", new_task=new_task,
-                                       new_task_validation=new_task_validation)
+                                       new_task_validation=new_task_validation, repair_autocast=repair_autocast,
+                                       defer_repair=in_adapter)
     result = rectifier.result
     report = result.report
     if output.format == "merged":
@@ -133,7 +142,7 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
         report.output = {"format": "merged"}
         return LivePeftRun(report, merged, rectifier)
     try:
-        report.output = _write_adapter(model, layers, result, output)
+        report.output = _write_adapter(model, layers, result, output, rectifier if in_adapter else None)
     finally:
         result.release()
     return LivePeftRun(report, model, rectifier)
@@ -142,11 +151,14 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
 def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initial: dict[str, Tensor], replay: Any,
                            config: JanusConfig, *, progress: bool = True,
                            keep_reference_factors: bool = False, new_task: Any = None,
-                           new_task_validation: Any = None) -> Rectifier:
+                           new_task_validation: Any = None,
+                           repair_autocast: Optional[Callable[[], AbstractContextManager]] = None,
+                           defer_repair: bool = False) -> Rectifier:
     """The rectification of :func:`rectify_live_peft` without keeping its result: the finished :class:`Rectifier`
     (``.result`` holds θ_rect of each of ``layers``, from :func:`~hf_janus.adapters.peft_layers.adapted_linear_layers`)
     and the model exactly as it was. For callers that keep the update their own way, and for measuring the
-    rectification alone (at 7B the adapter's re-factorization is 224 float64 SVDs)."""
+    rectification alone. With ``defer_repair`` the repair after JANUS is left to the caller
+    (:meth:`~hf_janus.engine.rectifier.Rectifier.repair`)."""
     # On a quantized base θ0 and θ̂ are rebuilt from the base and the adapter when needed, never held for all layers.
     rebuilt = rebuilt_on_quantized_bases(layers, initial)
     dense = {name: module for name, module in layers.items() if name not in rebuilt}
@@ -159,32 +171,44 @@ def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initi
         weights = WeightSource(theta0, finetuned=finetuned, rebuilt=rebuilt)
         rectifier = Rectifier(plain, weights, replay, config, progress=progress,
                               keep_reference_factors=keep_reference_factors, new_task=new_task,
-                              new_task_validation=new_task_validation)
+                              new_task_validation=new_task_validation, repair_autocast=repair_autocast,
+                              defer_repair=defer_repair)
         rectifier.run()
     return rectifier
 
 
 def _write_adapter(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult,
-                   output: PeftOutput) -> dict[str, Any]:
+                   output: PeftOutput, repair: Optional[Rectifier] = None) -> dict[str, Any]:
     """All or nothing: an interruption (Ctrl-C included) before the last line leaves the adapters and their configs
     as training left them (a half-written adapter would not even reload): the trained adapter is put back, or the
-    new one beside it (``output.new_adapter_name``) is deleted."""
+    new one beside it (``output.new_adapter_name``) is deleted. With ``repair`` (a run deferred its repair), the
+    adapter the JANUS point is written into then trains its own factors (:class:`AdapterSpace`)."""
     trained = next(iter(layers.values())).active_adapters[0]
     if output.new_adapter_name is None:
-        return _write_into(model, layers, result, output, trained)
+        return _write_into(model, layers, result, output, trained, repair)
     with new_adapter_beside(model, trained, output.new_adapter_name):
-        written = _write_into(model, layers, result, output, output.new_adapter_name)
+        written = _write_into(model, layers, result, output, output.new_adapter_name, repair)
     return {**written, "adapter_name": output.new_adapter_name, "trained_adapter": trained}
 
 
 def _write_into(model: nn.Module, layers: dict[str, nn.Module], result: RectificationResult, output: PeftOutput,
-                adapter: str) -> dict[str, Any]:
+                adapter: str, repair: Optional[Rectifier] = None) -> dict[str, Any]:
+    # the trained factors: θ̂ of the repair, and what an interrupted repair puts back
+    trained = [LoraState.capture(module, adapter) for module in layers.values()] if repair is not None else []
     targets = (LayerTarget(name, layer.rectified.detach().float(), layer.reference, layer.rect_delta(),
                            layer.jacobian, layer.jvp0_norm()) for name, layer in result.layers.items())
     written = write_adapter_layers(model, layers, targets, adapter, output.rank, output.energy)
     kept = [w.stats.kept_energy for w in written]
     logger.info("JANUS: rectified update written into the adapter %r (%d layers, kept energy min %.4f)",
                 adapter, len(written), min(kept) if kept else 1.0)
+    if repair is not None:
+        finetuned = [t.float() for state in trained for t in (state.a_weight, state.b_weight)]
+        try:
+            result.report.repair = repair.repair(AdapterSpace(model, layers, adapter, finetuned))
+        except BaseException:
+            for state in trained:
+                state.restore()
+            raise
     return {"format": "adapter", "adapter_rank": output.rank, "adapter_energy": output.energy,
             "layers": [w.stats.to_dict() for w in written]}
 
