@@ -459,10 +459,15 @@ class DenseStandIn(nn.Linear):
     """A dense ``nn.Linear`` in a quantized layer's place. Like bitsandbytes' layers it computes in its own dtype
     (the quantized layer's compute dtype) and hands back the input's dtype: an 8-bit layer of a bf16 model has no
     compute dtype of its own, so its stand-in holds float32 while the activations around it are bf16. Its weight
-    may live on the host while the activations are on the device (see :func:`stand_in_home`)."""
+    may live on the host while the activations are on the device (see :func:`stand_in_home`). It is frozen (no
+    weight gradient is kept) unless its weight requires grad, as the repair after JANUS asks while it trains the
+    effective weights."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return _FrozenLinear.apply(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        if not self.weight.requires_grad:
+            return _FrozenLinear.apply(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.device)
+        return nn.functional.linear(x.to(self.weight.dtype), self.weight.to(x.device), bias).to(x.dtype)
 
 
 def dense_stand_in(module: nn.Module, weight: Optional[Tensor], home: Optional[torch.device] = None) -> nn.Linear:

@@ -157,6 +157,10 @@ class RepairSpace:
         """The model's tensors the gradients are taken for, in a point's order."""
         raise NotImplementedError
 
+    def tensor_names(self) -> list[str]:
+        """A name per trained tensor, for messages."""
+        return [f"tensor {i}" for i in range(len(self.trained_tensors()))]
+
     def gradient_layouts(self) -> list[Callable[[Tensor], Tensor]]:
         """Per trained tensor, its gradient in the point's layout."""
         return [lambda g: g] * len(self.trained_tensors())
@@ -203,6 +207,9 @@ class WeightSpace(RepairSpace):
     def trained_tensors(self) -> list[Tensor]:
         return [layer.module.weight for layer in self.layers] + self.outside
 
+    def tensor_names(self) -> list[str]:
+        return [f"{layer.name}.weight" for layer in self.layers] + self.outside_names
+
     def gradient_layouts(self) -> list[Callable[[Tensor], Tensor]]:
         return [layer.rule.to_matrix for layer in self.layers] + [lambda g: g] * len(self.outside)
 
@@ -247,6 +254,7 @@ class Repair:
         #: the autocast dtype the training passes ran at (None: the weights' own) and the layers they checkpointed
         self.pass_precision: Optional[str] = None
         self.checkpointed = 0
+        self.gradients_checked = False
         self.model = space.model
         self.device = model_device(self.model)
         self.keep_positions = keeps_positions(self.model)
@@ -368,8 +376,22 @@ class Repair:
                     logits, targets, reduction="sum") / fitted_tokens
             if total.requires_grad:
                 grads = list(torch.autograd.grad(total, weights, allow_unused=True))
+                self._check_reached(grads)
                 grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, weights)]
         return self.world.sum_(total.detach()), grads
+
+    def _check_reached(self, grads: list[Optional[Tensor]]) -> None:
+        """Refuse, at the first step, to train tensors the loss sends no gradient to (a layer whose forward keeps its
+        weight frozen): the steps would leave them where they are while the report said they trained."""
+        if self.gradients_checked:
+            return
+        self.gradients_checked = True
+        names = self.space.tensor_names()
+        missing = [names[i] for i, g in enumerate(grads) if g is None]
+        if missing:
+            raise JanusError(f"the repair after JANUS gets no gradient for {missing[0]!r} (and {len(missing) - 1} "
+                             "more): its forward keeps the weight frozen, so it cannot be trained; set "
+                             "distill_steps=0 (the JANUS point)")
 
     @torch.no_grad()
     def _reference_logits(self, index: int, batch: dict[str, Tensor], reference: list[Tensor]) -> Tensor:

@@ -20,9 +20,8 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from hf_janus.adapters.live.adapter_repair import adapter_repair_blocker
 from hf_janus.adapters.live.rectify import PeftOutput, check_live_peft, rectify_live_peft
-from hf_janus.adapters.peft_layers import adapted_linear_layers, is_peft_model
+from hf_janus.adapters.peft_layers import is_peft_model
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.report import RectificationReport
@@ -193,23 +192,14 @@ class JanusCallback(TrainerCallback):
         return check_live_peft(model, self.config, self.peft_output)
 
     def _check_repair_supported(self, model: nn.Module) -> None:
-        """Refuse, before training, a repair after JANUS (``distill_steps``) the model cannot take: on a quantized
-        base it trains the adapter's own factors, which needs a plain LoRA that starts at zero and keeps its rank;
-        weights sharded by FSDP or ZeRO-3 it cannot train."""
+        """Refuse, before training, a repair after JANUS (``distill_steps``) the model cannot take: weights sharded by
+        FSDP or ZeRO-3 it cannot train. (On a quantized base a plain LoRA trains its own factors, other adapters the
+        dense stand-ins of the quantized layers.)"""
         if any(is_sharded(p) or is_zero3_param(p) for p in model.parameters()):
             raise JanusError(
                 "the repair after JANUS (distill_steps) cannot train weights sharded with FSDP or ZeRO-3: set "
                 "distill_steps=0 (the JANUS point), or save the model or adapter and repair it with "
                 "JanusMerger(..., new_task_samples=...) or hf_janus.rectify(..., new_task=...) unsharded")
-        if not any(quantization_of(m) is not None for m in model.modules()):
-            return
-        blocker = None if not is_peft_model(model) else adapter_repair_blocker(
-            adapted_linear_layers(model, self.config.target_modules, self.config.exclude_modules), self.peft_output)
-        if not is_peft_model(model) or blocker is not None:
-            raise JanusError(
-                "the repair after JANUS (distill_steps) on a quantized base trains the LoRA adapter's own factors, "
-                f"and cannot here: {blocker or 'the model has no adapter'}. Set distill_steps=0 (the JANUS point), "
-                "or train a plain LoRA (init_lora_weights=True, adapter_rank='same')")
 
     # ---- Trainer events -----------------------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 
+import pytest
 import torch
 from merge_fixtures import VOCAB, save_base, text_rows, train_adapter, write_jsonl
 
@@ -47,3 +48,19 @@ def test_merge_repairs_with_the_adapters_training_samples_and_writes_an_adapter(
     assert skipped["chosen"] is None and "no new-task samples" in skipped["reason"]
     assert "repair after JANUS" in (out / "README.md").read_text()  # the card says what was done instead
     assert "no new-task samples" in caplog.text
+
+
+def test_merge_repairs_a_qlora_adapter_by_training_the_dense_stand_ins(tmp_path):
+    """On a 4-bit base the effective weights are dense stand-ins of the quantized layers: the repair trains them
+    (the distilled point moves away from the JANUS point) and the output is an adapter on the quantized base."""
+    pytest.importorskip("bitsandbytes")
+    base = save_base(tmp_path / "base")
+    lora = train_adapter(base, tmp_path / "lora", "lora", steps=20, lr=5e-2)
+    replay = write_jsonl(tmp_path / "replay.jsonl", text_rows(16))
+    new_task = write_jsonl(tmp_path / "new_task.jsonl", _adapter_training_rows())
+    out = tmp_path / "repaired"
+    assert main(["merge", "--base", base, "--adapter", lora, "--replay", replay, "--new-task-samples", new_task,
+                 "--output", str(out), "--load-in-4bit", *REPAIR, *FAST]) == 0
+    validation = json.loads((out / REPORT_NAME).read_text())["repair"]["validation"]
+    assert validation["trained"]["new_task_loss"] != validation["janus"]["new_task_loss"]
+    assert os.path.exists(out / "adapter_config.json")

@@ -240,6 +240,42 @@ def test_training_passes_under_autocast_train_the_point_float32_passes_train(mod
     assert trained.replay_nll == pytest.approx(reference.replay_nll, rel=2e-2)
 
 
+class _WithAnUnreachedTensor(WeightSpace):
+    """The target layers' weights and a tensor no forward uses (as a layer that keeps its weight frozen)."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.unreached = torch.nn.Parameter(torch.zeros(3))
+
+    def points(self, device):
+        return tuple(point + [torch.zeros(3)] for point in super().points(device))
+
+    def trained_tensors(self):
+        return super().trained_tensors() + [self.unreached]
+
+    def tensor_names(self):
+        return super().tensor_names() + ["frozen.weight"]
+
+    def gradient_layouts(self):
+        return super().gradient_layouts() + [lambda g: g]
+
+    def write(self, point):
+        super().write(point[:-1])
+        self.unreached.data.copy_(point[-1])
+
+
+def test_a_tensor_the_loss_sends_no_gradient_to_is_refused_not_left_untrained(models):
+    """A tensor the forward does not reach would stay where it is while the report said it trained: the first step
+    refuses it by name."""
+    finetuned, theta0 = models
+    rectifier = Rectifier(copy.deepcopy(finetuned), theta0, random_replay(24), JanusConfig(**FAST, **REPAIR),
+                          progress=False, new_task=new_task_samples(), defer_repair=True)
+    rectifier.run()
+    assert rectifier.result.report.repair is None  # deferred: the caller runs it
+    with pytest.raises(JanusError, match="no gradient for 'frozen.weight'"):
+        rectifier.repair(_WithAnUnreachedTensor(rectifier.layers))
+
+
 @pytest.mark.parametrize("field, value", [("distill_steps", -1), ("keep_gain", 0.0), ("keep_gain", 1.5),
                                           ("distill_lr", 0.0), ("new_task_weight", -1.0),
                                           ("new_task_batch_size", 0)])

@@ -55,8 +55,10 @@ class AdapterSpace(RepairSpace):
         self.model = peft_model
         self.outside_names = []
         self.tensors: list[Tensor] = []
-        for module in layers.values():
+        self.names: list[str] = []
+        for name, module in layers.items():
             self.tensors += [module.lora_A[adapter].weight, module.lora_B[adapter].weight]
+            self.names += [f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"]
         #: which tensors are lora_B: the move toward θ0 scales them and keeps lora_A as trained
         self.scaled = [False, True] * len(layers)
         self.finetuned = finetuned
@@ -68,6 +70,9 @@ class AdapterSpace(RepairSpace):
 
     def trained_tensors(self) -> list[Tensor]:
         return self.tensors
+
+    def tensor_names(self) -> list[str]:
+        return self.names
 
     @torch.no_grad()
     def write(self, point: list[Tensor]) -> None:
