@@ -30,7 +30,6 @@ from hf_janus.errors import JanusError, RectificationError
 from hf_janus.integrations.mixed_precision import own_precision, training_autocast
 from hf_janus.integrations.snapshot import SNAPSHOT_NAME, Theta0Snapshot, weights_fingerprint
 from hf_janus.integrations.trainer_link import TrainerLink
-from hf_janus.engine.quantized import quantization_of
 from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3, is_zero3_param
 from hf_janus.publish.record_file import REPORT_NAME
 from hf_janus.replay.resolve import ResolvedReplay, resolve_replay

@@ -13,7 +13,7 @@ from peft import get_peft_model
 from transformers import TrainerCallback
 from trainer_fixtures import FAST, lora_config, make_trainer, pretrained_llama, replay_data
 
-from hf_janus import JanusCallback, JanusError
+from hf_janus import JanusCallback
 from hf_janus.demo import math_samples
 from hf_janus.engine.repair import NEW_TASK_VALIDATION_MAX
 from hf_janus.publish.record_file import REPORT_NAME
