@@ -221,3 +221,17 @@ def test_frontier_generates_from_the_reference_not_the_finetuned_model(tmp_path)
     from_base, from_tuned = replay.generate(base, tok), replay.generate(tuned, tok)
     assert from_base != from_tuned  # else this test could not tell which model answered
     assert replayed and all(r == from_base for r in replayed)
+
+
+def test_a_callback_given_no_replay_replays_theta0s_answers_to_the_generic_prompts(tmp_path):
+    """No past-task data: JanusCallback() is JanusCallback(SelfReplay()), θ0 answering the package's prompts."""
+    model = build_tiny("llama", vocab=VOCAB)
+    janus = JanusCallback(config=FAST)
+    assert isinstance(janus.replay, SelfReplay) and janus.replay.describe() == SelfReplay().describe()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4,
+                             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                             remove_unused_columns=False)
+    Trainer(model=model, args=args, train_dataset=math_samples(0, 8, max_len=64), data_collator=collate,
+            processing_class=char_tokenizer(), callbacks=[janus]).train()
+    generated = json.loads((tmp_path / "out" / REPORT_NAME).read_text())["replay"]["self_replay"]
+    assert generated["prompts"] == "generic" and janus.report.num_samples == len(janus.replay_samples) > 0
