@@ -11,6 +11,7 @@ import torch
 from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
+from hf_janus.engine.config import PAPER
 from hf_janus.engine.capture import ReplayLosses, replay_losses
 from hf_janus.engine.ghost import eig_psd
 from hf_janus.engine.acceptance import acceptance_score
@@ -93,6 +94,19 @@ def test_config_validates_the_new_fields():
     with pytest.raises(ValueError, match="ghost_matmul"):
         JanusConfig(ghost_matmul="bfloat16")
     assert JanusConfig.from_dict(JanusConfig(max_evaluations=7, step_control="paper").to_dict()).max_evaluations == 7
+
+
+def test_the_papers_configuration_is_one_call_away():
+    """JanusConfig.paper() is Algorithm 1 as published: it differs from the defaults in the fields where the project
+    measured an equivalent, every method field is the paper's, and single fields can be overridden (and are
+    validated)."""
+    paper, default = JanusConfig.paper().to_dict(), JanusConfig().to_dict()
+    assert {k for k in paper if paper[k] != default[k]} == {"compression", "step_control", "final_step"}
+    assert set(JanusConfig.method_fields()) - set(PAPER) <= {"loss_tolerance", "constraint_projections",
+                                                             "constraint_tokens"}  # options of other kinds
+    assert JanusConfig.paper(tau=0.9).tau == 0.9 and JanusConfig.paper(tau=0.9).step_control == "paper"
+    with pytest.raises(ValueError, match="step_control"):
+        JanusConfig.paper(step_control="fast")
 
 
 # ---- the loop, on a tiny model -------------------------------------------------------------------------
