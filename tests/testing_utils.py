@@ -116,3 +116,26 @@ def held_out(model, replay, new_task, replay_batch_size: int, new_task_batch_siz
     new_batches = prepare_replay(new_task, new_task_batch_size, group_by_length=False)
     new_held = split_validation(new_batches, NEW_TASK_VALIDATION_MAX)[1] if split else new_batches
     return nll(new_held), *nll(replay_held, agreement=True)
+
+
+def trained_lora(**lora_kwargs):
+    """A LoRA fine-tuned on the new task (the samples of :func:`fine_tune_samples`), and its state at train begin."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_janus.adapters.peft_layers import adapted_linear_layers, initial_state
+    from hf_janus.replay.prepare import prepare_replay
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0,
+                        **lora_kwargs)
+    model = get_peft_model(build_tiny("llama"), config)
+    initial = initial_state(adapted_linear_layers(model))
+    batch = prepare_replay(fine_tune_samples(), 16)[0]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    model.train()
+    for _ in range(20):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval(), initial

@@ -8,34 +8,14 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from testing_utils import REPAIR_CONFIG, build_tiny, fine_tune_samples, held_out, random_replay
+from testing_utils import REPAIR_CONFIG, fine_tune_samples, held_out, random_replay, trained_lora
 
 from hf_janus import JanusConfig
 from hf_janus.adapters.live.adapter_repair import adapter_repair_blocker
 from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
-from hf_janus.adapters.peft_layers import adapted_linear_layers, initial_state
-from hf_janus.replay.prepare import prepare_replay
+from hf_janus.adapters.peft_layers import adapted_linear_layers
 
 CONFIG = JanusConfig(**REPAIR_CONFIG)
-TARGETS = ["q_proj", "v_proj", "up_proj"]
-
-
-def trained_lora(**lora_kwargs):
-    """A LoRA fine-tuned on the new task (the samples of :func:`fine_tune_samples`), and its state at train begin."""
-    torch.manual_seed(0)
-    model = get_peft_model(build_tiny("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                                           lora_dropout=0.0, **lora_kwargs))
-    initial = initial_state(adapted_linear_layers(model))
-    batch = prepare_replay(fine_tune_samples(), 16)[0]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
-    model.train()
-    for _ in range(20):
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return model.eval(), initial
 
 
 def figures(model):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from testing_utils import REPAIR_CONFIG, build_tiny, fine_tune, fine_tune_samples, random_replay
+from testing_utils import REPAIR_CONFIG, build_tiny, fine_tune, fine_tune_samples, random_replay, trained_lora
 
 from hf_janus import JanusConfig
 from hf_janus.engine.rectifier import Rectifier
@@ -207,5 +207,37 @@ def test_two_processes_repair_as_one(tmp_path):
     assert repair["chosen"] == single.repair.chosen
     for point, figures in single.repair.to_dict()["validation"].items():
         assert repair["validation"][point] == pytest.approx(figures, rel=1e-4), point
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
+
+
+def _adapter_repair_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, initial = trained_lora()
+        report = rectify_live_peft(model, initial, random_replay(24), JanusConfig(**REPAIR_CONFIG), PeftOutput(),
+                                   progress=False, new_task=fine_tune_samples()).report
+        torch.save({"state": model.state_dict(), "report": report.to_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_repair_an_adapter_as_one(tmp_path):
+    """The adapter trains its own factors (AdapterSpace) under DDP: both ranks end with the same adapter, the one a
+    single process gives."""
+    from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
+
+    mp.spawn(_adapter_repair_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for key, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
+    torch.set_num_threads(1)
+    model, initial = trained_lora()
+    single = rectify_live_peft(model, initial, random_replay(24), JanusConfig(**REPAIR_CONFIG), PeftOutput(),
+                               progress=False, new_task=fine_tune_samples()).report
+    assert ranks[0]["report"]["repair"]["chosen"] == single.repair.chosen
     for key, value in model.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
