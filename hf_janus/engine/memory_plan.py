@@ -29,11 +29,11 @@ Pieces (all bytes, summed over the target layers):
 * ``activations``: one replay batch's forward/backward with the recorders' inputs held until their gradient arrives;
 * ``ghost``: the largest layer's Gram blocks, eigendecompositions and update-sized temporaries;
 * ``repair`` (with ``JanusConfig.distill_steps``, after the factors are dropped): the distillation's float32 copies
-  of the target layers and of the changed parameters outside them (the trained point, its gradient, Adam's two
-  moments, θ0, the JANUS point, θ̂ and the point being scored), the weights' gradients in their dtype, and θ0's
-  float32 logits at the replay's counted tokens, kept up to ``REPAIR_REFERENCE_CACHE_BYTES`` so that θ0 runs once;
-  its phase adds one step's forward/backward, gradients flowing into the weights, over the longer of a replay batch
-  and a new-task batch.
+  of the target layers and of the changed parameters outside them, or of an adapter's own factors (the trained
+  point, its gradient, Adam's two moments, θ0, the JANUS point, θ̂ and the point being scored), the weights'
+  gradients in their dtype, and θ0's float32 logits at the replay's counted tokens, kept up to
+  ``REPAIR_REFERENCE_CACHE_BYTES`` so that θ0 runs once; its phase adds one step's forward/backward, gradients
+  flowing into the weights, over the longer of a replay batch and a new-task batch.
 """
 
 from __future__ import annotations
@@ -120,6 +120,9 @@ class Workload:
     repair_outside_numel: int = 0
     # replay tokens that carry loss: θ0's logits at them are kept (up to REPAIR_REFERENCE_CACHE_BYTES)
     repair_replay_tokens: int = 0
+    # elements the repair trains when they are not the target layers' weights (an adapter's own factors), held in
+    # the same float32 copies, their gradients among them; None: the target layers'
+    repair_numel: Optional[int] = None
 
     @property
     def rows(self) -> int:
@@ -143,7 +146,11 @@ class Workload:
                   "activations": self.activation_bytes(), "ghost": self.ghost_bytes()}
         if self.repair_tokens:
             cache = min(self.repair_replay_tokens * self.vocab * 4, REPAIR_REFERENCE_CACHE_BYTES)
-            pieces["repair"] = REPAIR_FP32_COPIES * (fp32 + 4 * self.repair_outside_numel) + weights + cache
+            if self.repair_numel is None:
+                trained, gradients = fp32 + 4 * self.repair_outside_numel, weights
+            else:
+                trained, gradients = 4 * self.repair_numel, 4 * self.repair_numel
+            pieces["repair"] = REPAIR_FP32_COPIES * trained + gradients + cache
             pieces["repair_activations"] = self.activation_bytes(max(self.repair_tokens,
                                                                      self.batch_size * self.seq_len))
         return pieces

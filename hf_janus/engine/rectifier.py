@@ -75,7 +75,8 @@ class Rectifier:
                  config: Optional[JanusConfig] = None, progress: bool = True, keep_reference_factors: bool = False,
                  factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
                  observer: Optional[RunObserver] = None, new_task: Any = None, new_task_validation: Any = None,
-                 repair_autocast: Optional[Callable[[], AbstractContextManager]] = None, defer_repair: bool = False):
+                 repair_autocast: Optional[Callable[[], AbstractContextManager]] = None, defer_repair: bool = False,
+                 repair_numel: Optional[int] = None):
         """See :func:`rectify` for the first four arguments.
 
         Args:
@@ -101,9 +102,11 @@ class Rectifier:
             defer_repair: :meth:`run` stops at the JANUS point and the caller runs :meth:`repair` in a space of its
                 own (a LoRA adapter trains its factors once the JANUS point is written into them). The new-task
                 samples are read and checked here all the same.
+            repair_numel: with ``defer_repair``, the elements the caller's space trains (an adapter's factors), for
+                the memory plan; None: the target layers' weights.
         """
         self.model, self.progress, self.keep_reference_factors = model, progress, keep_reference_factors
-        self.repair_autocast, self.defer_repair = repair_autocast, defer_repair
+        self.repair_autocast, self.defer_repair, self.repair_numel = repair_autocast, defer_repair, repair_numel
         self.observer = observer if observer is not None else RunObserver()
         #: Set by :meth:`run` (which also returns it): the report and, per layer, θ0, θ̂, θ_rect (and J0).
         self.result: Optional[RectificationResult] = None
@@ -212,6 +215,7 @@ class Rectifier:
             repair_tokens=max((b["input_ids"].numel() for b in self.new_task_batches or ()), default=0),
             repair_outside_numel=sum(t.numel() for t in self.outside.values()),
             repair_replay_tokens=counted_tokens(self.batches) if self.new_task_batches is not None else 0,
+            repair_numel=self.repair_numel,
             **model_dimensions(self.model, shapes))
         check_cache_directory(cfg.cache)
         in_use, capacity = self.observer.measure_memory(self.device, cfg.cache)

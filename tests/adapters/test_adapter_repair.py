@@ -8,12 +8,14 @@ import copy
 
 import pytest
 import torch
-from testing_utils import REPAIR_CONFIG, fine_tune_samples, held_out, random_replay, trained_lora
+from testing_utils import VOCAB, REPAIR_CONFIG, fine_tune_samples, held_out, random_replay, trained_lora
 
 from hf_janus import JanusConfig
 from hf_janus.adapters.live.adapter_repair import adapter_repair_blocker
 from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
 from hf_janus.adapters.peft_layers import adapted_linear_layers
+from hf_janus.engine.memory_plan import REPAIR_FP32_COPIES
+from hf_janus.replay.prepare import counted_tokens, prepare_replay
 
 CONFIG = JanusConfig(**REPAIR_CONFIG)
 
@@ -40,6 +42,11 @@ def test_the_adapter_left_is_the_point_the_figures_were_taken_at():
     with model.disable_adapter():  # θ0: the adapter at zero is the base alone
         assert validation["reference"].new_task_loss == pytest.approx(figures(model)[0], rel=1e-5)
     assert repair.gain_kept() >= CONFIG.keep_gain
+    # the memory plan counted copies of the adapter, not of the layers' dense weights
+    layers = adapted_linear_layers(model)
+    adapter = sum(m.lora_A["default"].weight.numel() + m.lora_B["default"].weight.numel() for m in layers.values())
+    logits_kept = counted_tokens(prepare_replay(random_replay(24), CONFIG.replay_batch_size)) * VOCAB * 4
+    assert run.report.memory_plan["pieces"]["repair"] == (REPAIR_FP32_COPIES + 1) * 4 * adapter + logits_kept
     for name, value in model.named_parameters():
         if name in base:
             assert torch.equal(value, base[name]), name  # only the adapter trained

@@ -346,6 +346,14 @@ def test_the_repair_after_janus_is_a_phase_of_its_own_after_the_factors_are_drop
     assert plan.phases["repair"]["host"] == layers_only + plan.pieces["repair"] + plan.pieces["repair_activations"]
 
 
+def test_an_adapter_repair_holds_copies_of_the_adapter_not_of_the_layers():
+    """An adapter that trains its own factors (repair_numel): the float32 copies and gradients are the adapter's."""
+    work = small_work(repair_tokens=512, repair_numel=1000)
+    plan = plan_memory(work, torch.device("cpu"), "memory", {"device": 0, "host": 0}, {"device": None, "host": 8 << 30})
+    assert plan.pieces["repair"] == REPAIR_FP32_COPIES * 4000 + 4000
+    assert plan.pieces["repair"] < REPAIR_FP32_COPIES * sum(layer.numel * 4 for layer in work.layers)
+
+
 def test_a_repair_that_cannot_fit_is_refused_naming_its_own_knobs():
     work = small_work(repair_tokens=1 << 16)  # a long new-task batch: the repair's step is the peak
     need = plan_memory(small_work(), torch.device("cpu"), "memory", {"device": 0, "host": 0},

@@ -44,6 +44,12 @@ def adapter_repair_blocker(layers: Mapping[str, nn.Module], output: Any,
     return None
 
 
+def adapter_numel(layers: Mapping[str, nn.Module]) -> int:
+    """The elements an :class:`AdapterSpace` of ``layers`` trains: their active adapter's lora_A and lora_B."""
+    return sum(m.lora_A[a].weight.numel() + m.lora_B[a].weight.numel()
+               for m in layers.values() for a in [active_adapter(m)])
+
+
 class AdapterSpace(RepairSpace):
     """Each target layer's ``lora_A`` and ``lora_B`` weights of ``adapter``, in the order of ``layers``; the points
     are written into them and run through ``peft_model``."""

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from hf_janus.adapters.live.adapter_beside import check_new_adapter_name, new_adapter_beside
-from hf_janus.adapters.live.adapter_repair import AdapterSpace, adapter_repair_blocker
+from hf_janus.adapters.live.adapter_repair import AdapterSpace, adapter_numel, adapter_repair_blocker
 from hf_janus.adapters.live.lora_write import (
     BaseLayerState,
     LayerTarget,
@@ -134,7 +134,8 @@ def rectify_live_peft(model: nn.Module, initial: dict[str, Tensor], replay: Any,
     rectifier = rectify_adapted_layers(model, layers, initial, replay, config, progress=progress,
                                        keep_reference_factors=output.format == "adapter", new_task=new_task,
                                        new_task_validation=new_task_validation, repair_autocast=repair_autocast,
-                                       defer_repair=in_adapter)
+                                       defer_repair=in_adapter,
+                                       repair_numel=adapter_numel(layers) if in_adapter else None)
     result = rectifier.result
     report = result.report
     if output.format == "merged":
@@ -153,7 +154,7 @@ def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initi
                            keep_reference_factors: bool = False, new_task: Any = None,
                            new_task_validation: Any = None,
                            repair_autocast: Optional[Callable[[], AbstractContextManager]] = None,
-                           defer_repair: bool = False) -> Rectifier:
+                           defer_repair: bool = False, repair_numel: Optional[int] = None) -> Rectifier:
     """The rectification of :func:`rectify_live_peft` without keeping its result: the finished :class:`Rectifier`
     (``.result`` holds θ_rect of each of ``layers``, from :func:`~hf_janus.adapters.peft_layers.adapted_linear_layers`)
     and the model exactly as it was. For callers that keep the update their own way, and for measuring the
@@ -172,7 +173,7 @@ def rectify_adapted_layers(model: nn.Module, layers: dict[str, nn.Module], initi
         rectifier = Rectifier(plain, weights, replay, config, progress=progress,
                               keep_reference_factors=keep_reference_factors, new_task=new_task,
                               new_task_validation=new_task_validation, repair_autocast=repair_autocast,
-                              defer_repair=defer_repair)
+                              defer_repair=defer_repair, repair_numel=repair_numel)
         rectifier.run()
     return rectifier
 
