@@ -9,9 +9,9 @@ import logging
 import sys
 from typing import Any, Optional, Sequence
 
-from hf_janus.cli_options import (ALLOW_PICKLE_HELP, CONFIG_PREFIX, REPLAY_HELP, REPLAY_PREFIX, add_dataclass_options,
-                                  add_evaluation_options, add_self_replay_options, dataclass_values,
-                                  evaluation_settings, replay_argument, replay_input)
+from hf_janus.cli_options import (ALLOW_PICKLE_HELP, CONFIG_PREFIX, INTERNALS_TITLE, REPLAY_HELP, REPLAY_PREFIX,
+                                  add_dataclass_options, add_evaluation_options, add_self_replay_options,
+                                  dataclass_values, evaluation_settings, replay_argument, replay_input)
 from hf_janus.engine.config import STEP_CONTROLS, JanusConfig
 from hf_janus.replay.sources import ReplayOptions
 from hf_janus.version import __version__
@@ -92,10 +92,11 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
 
     jan = p.add_argument_group("JANUS")
     jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
-    add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX)
+    add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX, internal=False)
 
     _add_merge_output(p.add_argument_group("output"))
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_dataclass_options(p.add_argument_group(INTERNALS_TITLE), JanusConfig, CONFIG_PREFIX, internal=True)
     p.set_defaults(func=_run_merge)
 
 
@@ -365,7 +366,7 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
 
     jan = p.add_argument_group("JANUS (every run; the hybrids use --tau)")
     jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
-    add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX)
+    add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX, internal=False)
 
     out = p.add_argument_group("choice and output")
     crit = out.add_mutually_exclusive_group()
@@ -377,6 +378,7 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--push-to-hub", metavar="REPO", help="also upload the chosen model to this Hub repo")
     out.add_argument("--private", action="store_true", help="create the --push-to-hub repo as private")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_dataclass_options(p.add_argument_group(INTERNALS_TITLE), JanusConfig, CONFIG_PREFIX, internal=True)
     p.set_defaults(func=_run_frontier)
 
 

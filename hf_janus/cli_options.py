@@ -20,13 +20,19 @@ ALLOW_PICKLE_HELP = ("read weights stored only as a pickle (adapter_model.bin, p
                      "unpickler (weights_only=True). Convert them to safetensors instead when you can")
 
 
-def add_dataclass_options(group: argparse._ArgumentGroup, cls: type, prefix: str) -> None:
+#: the title of the group that holds the engine's internal settings (``metadata["internal"]``), shown last
+INTERNALS_TITLE = "JANUS engine internals (precision, memory, compression; the defaults suit most runs)"
+
+
+def add_dataclass_options(group: argparse._ArgumentGroup, cls: type, prefix: str,
+                          internal: Optional[bool] = None) -> None:
     """One option per field of dataclass ``cls`` that has ``metadata["help"]`` (as PEFT's configs document
     theirs): ``--field-name`` or ``metadata["cli"]``, typed by the default, with its ``choices``/``nargs``.
-    Every option defaults to None, so that only what the user gave overrides a config file."""
+    Every option defaults to None, so that only what the user gave overrides a config file. ``internal``: only the
+    fields whose ``metadata["internal"]`` is that (None: every field)."""
     for f in dataclasses.fields(cls):
         meta = f.metadata
-        if "help" not in meta:
+        if "help" not in meta or internal is not None and bool(meta.get("internal")) != internal:
             continue
         default = f.default
         shown = str(default).replace("torch.", "") if default is not None else "none"

@@ -64,7 +64,7 @@ class JanusConfig:
         "help": "rank r of the sequence-level SVD compression of the captured inputs and output gradients (None, "
                 "or 0 on the command line: no compression, every token kept: exact, more memory)",
         "cli": "--compression-rank", "zero_is_none": True})
-    compression: str = field(default="auto", metadata={
+    compression: str = field(default="auto", metadata={"internal": True,
         "help": "how the rank-r approximation is computed: exact (per-sample QR + SVD: the optimum, as in the "
                 "paper), randomized (batched subspace iteration, close to the optimum, much faster on accelerators) "
                 "or auto (exact on the CPU, randomized on accelerators)", "choices": COMPRESSION_CHOICES})
@@ -88,7 +88,7 @@ class JanusConfig:
                 "than at the last accepted point; otherwise that point is returned and "
                 "report.discarded_final_step says what was left out) or paper (always kept, as Algorithm 1)",
         "choices": FINAL_STEPS})
-    min_alpha: float = field(default=1e-3, metadata={
+    min_alpha: float = field(default=1e-3, metadata={"internal": True,
         "help": "smallest step size α tried; a step that would shrink below it is taken at min_alpha and flagged "
                 "forced in the report"})
     step_control: str = field(default="adaptive", metadata={"method": True,
@@ -108,14 +108,14 @@ class JanusConfig:
                 "charged, so that both schedules evaluate the same trials (None, or 0 on the command line: no "
                 "budget)",
         "type": float, "zero_is_none": True})
-    gram_dtype: torch.dtype = field(default=torch.float64, metadata={
+    gram_dtype: torch.dtype = field(default=torch.float64, metadata={"internal": True,
         "help": "dtype in which the Gram matrices and JVPs are accumulated and the eigendecompositions run",
         "choices": tuple(_DTYPES)})
-    ghost_matmul: str = field(default="float32", metadata={
+    ghost_matmul: str = field(default="float32", metadata={"internal": True,
         "help": "dtype of the ghost math's large products (Gram blocks, JVPs, VJPs): float32 (TF32 tensor cores on "
                 "CUDA; sums in gram_dtype and a refinement sweep keep the projection accurate; faster) or float64 "
                 "(the slow reference path)", "choices": GHOST_MATMULS})
-    gram_rcond: float = field(default=1e-10, metadata={
+    gram_rcond: float = field(default=1e-10, metadata={"internal": True,
         "help": "relative cutoff below which Gram eigenvalues count as zero (a pseudo-inverse: rank-deficient "
                 "Jacobians are fine)"})
     damping: float = field(default=0.0, metadata={"method": True,
@@ -124,14 +124,14 @@ class JanusConfig:
                 "singular value σ is kept instead of none (0 = the paper's exact projection; an experiment of "
                 "the stability-plasticity study, see the forgetting benchmark; the acceptance test does not "
                 "depend on it; the model card names it, as every setting that departs from the paper's)"})
-    materialize_max_bytes: int = field(default=1 << 30, metadata={
+    materialize_max_bytes: int = field(default=1 << 30, metadata={"internal": True,
         "help": "largest per-layer per-sample gradient tensor materialized where that is cheaper than the ghost "
                 "path; also the most bytes of the current point's materialized gradients kept, over all layers, "
                 "for the trials of a step (on a CPU up to 256 MiB of released buffers are also kept for reuse)"})
     cache: str = field(default="memory", metadata={
         "help": "memory, or a directory: compressed captures stay in host memory up to the memory plan's budget "
                 "(half of the memory available by default) and spill there as safetensors files beyond it"})
-    captures: str = field(default="auto", metadata={
+    captures: str = field(default="auto", metadata={"internal": True,
         "help": "how many Jacobian captures the run keeps alive: all (θ0's for the whole run, the current "
                 "point's, a passing trial the adaptive controller keeps while it probes a larger step, and the "
                 "trial's: up to four, no pass repeated), two (the current point's and the trial's: θ0's is dropped "
@@ -139,7 +139,7 @@ class JanusConfig:
                 "taken again only if the loop goes on from it; one or a few more forward/backward passes, counted "
                 "in the report's recaptures and not charged to max_seconds, and the same result) or auto (all "
                 "when the memory plan fits them in memory, else two)", "choices": CAPTURE_SCHEDULES})
-    factor_dtype: str = field(default="auto", metadata={
+    factor_dtype: str = field(default="auto", metadata={"internal": True,
         "help": "storage dtype of the compressed Jacobian factors: float32 (as computed), bfloat16 (half the "
                 "memory and disk, as the paper's float16 cache; on a tiny Llama the same decisions and a rectified "
                 "update within 1e-3 of the float32 one, relative to |ΔW|: tests/engine/test_memory_plan.py; θ0 is "

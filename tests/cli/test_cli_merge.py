@@ -39,6 +39,27 @@ def files(tmp_path_factory):
 
 
 # ---- help -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["merge", "frontier"])
+def test_help_shows_the_engines_internals_last(command, capsys):
+    """What users set (inputs, replay, JANUS's method, the repair, the output) comes first; the engine's precision,
+    memory and compression settings in their own group after them."""
+    import dataclasses
+
+    from hf_janus import JanusConfig
+    from hf_janus.cli_options import INTERNALS_TITLE
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    internals = text.index(INTERNALS_TITLE)
+    assert text.index("output:") < internals
+    for f in dataclasses.fields(JanusConfig):
+        option = f.metadata.get("cli", "--" + f.name.replace("_", "-"))
+        if "help" in f.metadata:
+            listed = text.index(f"\n  {option} ")  # its entry, not the usage line
+            assert (listed > internals) == bool(f.metadata.get("internal")), option
+
+
 def test_help_lists_merge_and_documents_every_option(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
