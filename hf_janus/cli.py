@@ -118,7 +118,8 @@ def _add_merge_inputs(src: argparse._ArgumentGroup) -> None:
                      help="dtype to load the base model in (default: the checkpoint's; the update is rectified in "
                           "float32 whatever it is, only --format full rounds to it)")
     src.add_argument("--device", default=None,
-                     help="device for the model and the Jacobians, e.g. cuda:0 (default: cpu)")
+                     help="device for the model and the Jacobians, e.g. cuda:0 (default: cuda when there is a GPU, "
+                          "else cpu)")
     quant = src.add_mutually_exclusive_group()
     quant.add_argument("--load-in-4bit", action="store_true",
                        help="load the base in 4 bits with bitsandbytes (nf4, double quantization, computing in --dtype "
@@ -447,9 +448,24 @@ def _quantization_config(args: argparse.Namespace) -> Any:
                               bnb_4bit_compute_dtype=compute)
 
 
+def default_device() -> Optional[str]:
+    """``--device`` when it is not given: the first CUDA device when there is one (what a user with a GPU expects of
+    a command that runs a model), else None (the CPU)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line as the commands read it: parsed, with the defaults that depend on the machine filled in."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "device", "unset") is None:
+        args.device = default_device()
+    return args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -78,7 +78,8 @@ def add_evaluation_options(group: Any, *, tasks_required: bool) -> None:
     group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="dtype to load the models in (default: the checkpoint's)")
     group.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
-    group.add_argument("--device", default=None, help="device for the models, e.g. cuda:0 (default: cpu)")
+    group.add_argument("--device", default=None,
+                       help="device for the models, e.g. cuda:0 (default: cuda when there is a GPU, else cpu)")
     group.add_argument("--batch-size", default="16", help="lm-eval batch size, an int or auto (default: 16)")
     group.add_argument("--limit", type=float, help="at most this many documents per task (a fraction when < 1)")
     group.add_argument("--include-path", metavar="DIR", help="a directory of more lm-eval task YAMLs")

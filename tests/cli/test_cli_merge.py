@@ -281,3 +281,14 @@ def test_replay_options_from_the_command_line():
     assert replay_options(build_parser().parse_args(base + ["--text-field", "body"])).format == "text"
     with pytest.raises(JanusError, match="num_samples=-1 is invalid"):
         replay_options(build_parser().parse_args(base + ["--replay-samples", "-1"]))
+
+
+def test_device_defaults_to_the_gpu_when_there_is_one(monkeypatch):
+    """--device unset: cuda where there is a GPU (a user with one expects it used), the CPU (None) elsewhere."""
+    from hf_janus.cli import parse_args
+
+    argv = ["merge", "--base", "b", "--adapter", "a", "--replay", "r.jsonl", "--output", "o"]
+    for available, expected in ((True, "cuda"), (False, None)):
+        monkeypatch.setattr("torch.cuda.is_available", lambda: available)
+        assert parse_args(argv).device == expected
+        assert parse_args([*argv, "--device", "cpu"]).device == "cpu"
