@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from testing_utils import build_tiny
-from trainer_fixtures import FAST, collate, make_trainer, pretrained_llama, replay_data
-from transformers import TrainingArguments
+from merge_fixtures import save_base
+from trainer_fixtures import FAST, make_trainer, pretrained_llama, replay_data
 
 from hf_janus import JanusCallback, __version__, load_report
-from hf_janus.demo import VOCAB, math_samples
+from hf_janus.demo import VOCAB
 from hf_janus.publish.card import BLOCK_BEGIN, CARD_NAME, JANUS_TAGS
 from hf_janus.publish.record_file import REPORT_NAME
 
@@ -32,42 +32,65 @@ def readme_snippet(marker: str) -> str:
     return matching[0]
 
 
-def new_task_rows() -> list[dict[str, list[int]]]:
-    """GSM8K rows of one length, so that Trainer's default collator (the snippet passes none) can stack them."""
-    batch = collate(math_samples(0, 16, max_len=48))
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    return [{"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": lab.tolist()}
-            for ids, mask, lab in zip(batch["input_ids"], batch["attention_mask"], labels)]
-
-
-def check_published(folder: Path, report) -> dict:
+def check_published(folder: Path, report, replay_size: int = len(replay_data())) -> dict:
     """The folder holds the publication record of ``report`` and a card with the JANUS section; returns the
     record's JSON."""
     record = json.loads((folder / REPORT_NAME).read_text(encoding="utf-8"))
     assert record["hf_janus_version"] == __version__ and record["kind"] == "full"
     published = load_report(str(folder))
     assert published.alphas == report.alphas and published.replay_loss == report.replay_loss
-    assert published.replay is not None and published.replay.size == len(replay_data())
+    assert published.replay is not None and published.replay.size == replay_size
     card = (folder / CARD_NAME).read_text(encoding="utf-8")
     assert BLOCK_BEGIN in card and all(tag in card for tag in JANUS_TAGS)
     return record
 
 
-def test_the_readme_trainer_snippet_publishes_the_record_and_the_card(tmp_path):
-    snippet = readme_snippet("JanusCallback(")
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
-                             learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
-                             seed=0)
-    namespace = {"model": pretrained_llama(), "args": args, "new_task": new_task_rows(),
-                 "replay": replay_data()}
-    exec(compile(snippet, "README.md (Trainer snippet)", "exec"), namespace)
+def _hub_with_the_readmes_ids(root: Path, hub) -> None:
+    """The model and datasets the snippet names, on the local Hub: a tiny Llama with a character tokenizer under
+    the model id, the package's GSM8K and NQ-open excerpts under the dataset ids (GSM8K's in its "main" config)."""
+    from huggingface_hub import HfApi
 
-    janus, out = namespace["janus"], Path(args.output_dir)
-    assert janus.report is not None and janus.report.replay_loss["rectified"] < janus.report.replay_loss["finetuned"]
-    record = check_published(out, janus.report)
-    assert (out / "model.safetensors").is_file()
-    # the record left at train end and the one save_model wrote are one document (same created_at)
-    assert record["created_at"] == load_report(str(out)).created_at
+    data = Path(__file__).resolve().parents[2] / "hf_janus" / "data"
+    base = save_base(root / "base")
+    api = HfApi()
+    api.create_repo("HuggingFaceTB/SmolLM2-135M-Instruct")
+    api.upload_folder(repo_id="HuggingFaceTB/SmolLM2-135M-Instruct", folder_path=base)
+    gsm8k = "".join(line for line in (data / "gsm8k_train_300.jsonl").read_text().splitlines(True)[:24])
+    configs = "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n---\n"
+    for repo, files in (("openai/gsm8k", {"main/train.jsonl": gsm8k, "README.md": configs}),
+                        ("google-research-datasets/nq_open",
+                         {"train.jsonl": "".join((data / "nq_open_dev_400.jsonl").read_text().splitlines(True)[:24])})):
+        api.create_repo(repo, repo_type="dataset")
+        for path, text in files.items():
+            api.upload_file(path_or_fileobj=text.encode(), path_in_repo=path, repo_id=repo, repo_type="dataset")
+
+
+def test_the_readme_trainer_snippet_repairs_and_publishes(tmp_path, monkeypatch):
+    """The README's Trainer snippet as written, against a local Hub that holds the model and datasets it names
+    (tiny stand-ins), its training shortened: the callback runs JANUS and the repair after it on the Trainer's own
+    samples, and push_to_hub publishes the weights with the record and the card."""
+    import transformers
+    from huggingface_hub import HfApi
+
+    from hub_server import LocalHub, patch_hub_clients
+
+    with LocalHub(token="hf_readme") as hub, patch_hub_clients(hub, tmp_path / "hf_home"):
+        _hub_with_the_readmes_ids(tmp_path, hub)
+        real = transformers.TrainingArguments
+
+        def short(output_dir, **kwargs):  # the snippet's run, a few steps long, in tmp_path
+            return real(str(tmp_path / output_dir), **{**kwargs, "max_steps": 3, "per_device_train_batch_size": 4,
+                                                       "report_to": [], "use_cpu": True, "disable_tqdm": True})
+
+        monkeypatch.setattr(transformers, "TrainingArguments", short)
+        namespace: dict = {}
+        exec(compile(readme_snippet("JanusCallback("), "README.md (Trainer snippet)", "exec"), namespace)
+        janus = namespace["janus"]
+        assert janus.report.repair is not None and janus.report.repair.chosen is not None
+        files = set(HfApi().list_repo_files(f"{HfApi().whoami()['name']}/smollm2-gsm8k"))
+        assert {"model.safetensors", REPORT_NAME, CARD_NAME} <= files
+        record = check_published(tmp_path / "smollm2-gsm8k", janus.report, replay_size=24)
+        assert record["repair"]["steps"] == 128
 
 
 @pytest.mark.parametrize("construction", ["callbacks", "add_callback", "trainer="])
