@@ -265,6 +265,8 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
         "adapter_line": _ref_line(published.adapter),
         "replay_line": replay_line,
         "repair_line": _plain(_repair_line(rect.repair)) if rect.repair is not None else None,
+        # a repair that moved the model (not skipped, not back at the JANUS point)
+        "repaired": rect.repair is not None and rect.repair.chosen not in (None, "janus"),
         "tau": _fmt(cfg.get("tau"), "g"),
         **_acceptance_variables(cfg),
         "beta": _fmt(cfg.get("beta"), "g"),
