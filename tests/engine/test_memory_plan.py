@@ -448,6 +448,7 @@ def test_the_plan_is_in_the_report(tmp_path, tuned_llama):
 
 PROBE = textwrap.dedent('''
     import json, sys
+    import peft  # what a run loads (PEFT's model checks): in a session before the rectification, as for users
     import torch
     import transformers as tf
     from benchmarks.memory_probe import own_peak_bytes
