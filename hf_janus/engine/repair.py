@@ -324,25 +324,29 @@ class Repair:
         flags = [w.requires_grad for w in weights]
         bar = tqdm(total=cfg.distill_steps, desc="JANUS repair: distillation", unit="step",
                    disable=not self.progress, leave=False)
-        try:
-            for w in weights:
-                w.requires_grad_(True)
-            for step in range(cfg.distill_steps):
-                fitted = self.new_train[step % len(self.new_train)]
-                loss, grads = self._gradients(step % len(self.replay_train), fitted, reference, master, weights)
-                for m, g, layout in zip(master, grads, as_point):
-                    m.grad = self.world.sum_(layout(g).float())
-                # a step that makes a weight non-finite makes the next step's loss non-finite: the loss is checked
-                # at every step, the weights (a pass over all of them) once after the last
-                if not bool(torch.isfinite(loss)):
-                    return start, f"the distillation diverged at step {step + 1} (lr {cfg.distill_lr:g})"
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                bar.update(1)
-        finally:
-            for w, flag in zip(weights, flags):
-                w.requires_grad_(flag)
-            bar.close()
+        # the layers the user trained under gradient checkpointing checkpoint the training passes (found once for
+        # the run: a walk over every module)
+        with checkpointed_layers(self.model) as checkpointed:
+            self.checkpointed = len(checkpointed)
+            try:
+                for w in weights:
+                    w.requires_grad_(True)
+                for step in range(cfg.distill_steps):
+                    fitted = self.new_train[step % len(self.new_train)]
+                    loss, grads = self._gradients(step % len(self.replay_train), fitted, reference, master, weights)
+                    for m, g, layout in zip(master, grads, as_point):
+                        m.grad = self.world.sum_(layout(g).float())
+                    # a step that makes a weight non-finite makes the next step's loss non-finite: the loss is checked
+                    # at every step, the weights (a pass over all of them) once after the last
+                    if not bool(torch.isfinite(loss)):
+                        return start, f"the distillation diverged at step {step + 1} (lr {cfg.distill_lr:g})"
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    bar.update(1)
+            finally:
+                for w, flag in zip(weights, flags):
+                    w.requires_grad_(flag)
+                bar.close()
         if not all(bool(torch.isfinite(m).all()) for m in master):
             return start, f"the distillation diverged at step {cfg.distill_steps} (lr {cfg.distill_lr:g})"
         return [m.detach() for m in master], None
@@ -362,8 +366,7 @@ class Repair:
             return self.world.sum_(loss), grads
         reference_logits = self._reference_logits(index, mine_replay, reference) if mine_replay is not None else None
         self.space.write([m.detach() for m in master])
-        with torch.enable_grad(), checkpointed_layers(self.model) as checkpointed, self.autocast():
-            self.checkpointed = len(checkpointed)
+        with torch.enable_grad(), self.autocast():
             if torch.is_autocast_enabled(self.device.type):
                 self.pass_precision = str(torch.get_autocast_dtype(self.device.type)).replace("torch.", "")
             total = torch.zeros((), device=self.device)

@@ -26,11 +26,17 @@ def _adapter_training_rows(seed: int = 0) -> list[dict]:
     return [{"input_ids": row, "labels": row} for row in data] * 2
 
 
-def test_merge_repairs_with_the_adapters_training_samples_and_writes_an_adapter(tmp_path, caplog):
+def _saved_inputs(tmp_path) -> tuple[str, str, str, str]:
+    """A tiny base, a LoRA trained on it, a replay file and the adapter's training samples as a file."""
     base = save_base(tmp_path / "base")
     lora = train_adapter(base, tmp_path / "lora", "lora", steps=20, lr=5e-2)
     replay = write_jsonl(tmp_path / "replay.jsonl", text_rows(16))
     new_task = write_jsonl(tmp_path / "new_task.jsonl", _adapter_training_rows())
+    return base, lora, replay, new_task
+
+
+def test_merge_repairs_with_the_adapters_training_samples_and_writes_an_adapter(tmp_path, caplog):
+    base, lora, replay, new_task = _saved_inputs(tmp_path)
 
     out = tmp_path / "repaired"
     assert main(["merge", "--base", base, "--adapter", lora, "--replay", replay, "--new-task-samples", new_task,
@@ -54,10 +60,7 @@ def test_merge_repairs_a_qlora_adapter_by_training_the_dense_stand_ins(tmp_path)
     """On a 4-bit base the effective weights are dense stand-ins of the quantized layers: the repair trains them
     (the distilled point moves away from the JANUS point) and the output is an adapter on the quantized base."""
     pytest.importorskip("bitsandbytes")
-    base = save_base(tmp_path / "base")
-    lora = train_adapter(base, tmp_path / "lora", "lora", steps=20, lr=5e-2)
-    replay = write_jsonl(tmp_path / "replay.jsonl", text_rows(16))
-    new_task = write_jsonl(tmp_path / "new_task.jsonl", _adapter_training_rows())
+    base, lora, replay, new_task = _saved_inputs(tmp_path)
     out = tmp_path / "repaired"
     assert main(["merge", "--base", base, "--adapter", lora, "--replay", replay, "--new-task-samples", new_task,
                  "--output", str(out), "--load-in-4bit", *REPAIR, *FAST]) == 0

@@ -181,28 +181,44 @@ def test_callback_under_ddp_matches_single_process_rectify(tmp_path, use_peft):
 
 # ---- the repair after JANUS: each rank takes its rows of every batch, so two ranks train as one process ----------
 
-def _repair_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _repaired(kind: str):
+    """(model, report) of a repair after JANUS in one process or one rank: the target layers' weights of a full
+    fine-tune (``"weights"``), or a LoRA's own factors (``"adapter"``, AdapterSpace)."""
+    config = JanusConfig(**REPAIR_CONFIG)
+    if kind == "weights":
+        model, reference = _setup()
+        return model, Rectifier(model, reference, random_replay(24), config, progress=False,
+                                new_task=fine_tune_samples()).run().report
+    from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
+
+    model, initial = trained_lora()
+    return model, rectify_live_peft(model, initial, random_replay(24), config, PeftOutput(), progress=False,
+                                    new_task=fine_tune_samples()).report
+
+
+def _repair_worker(rank: int, world: int, init_file: str, out_dir: str, kind: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        model, reference = _setup()
-        report = Rectifier(model, reference, random_replay(24), JanusConfig(**REPAIR_CONFIG), progress=False,
-                           new_task=fine_tune_samples()).run().report
+        model, report = _repaired(kind)
         torch.save({"state": model.state_dict(), "report": report.to_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_two_processes_repair_as_one(tmp_path):
-    mp.spawn(_repair_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+def _two_ranks_then_one(tmp_path, kind: str):
+    """Both ranks' saved states and reports (checked equal across the ranks), and a single process's model and
+    report."""
+    mp.spawn(_repair_worker, args=(2, str(tmp_path / "init"), str(tmp_path), kind), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for key, value in ranks[0]["state"].items():
         assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
-
     torch.set_num_threads(1)
-    model, reference = _setup()
-    single = Rectifier(model, reference, random_replay(24), JanusConfig(**REPAIR_CONFIG), progress=False,
-                       new_task=fine_tune_samples()).run().report
+    return ranks, *_repaired(kind)
+
+
+def test_two_processes_repair_as_one(tmp_path):
+    ranks, model, single = _two_ranks_then_one(tmp_path, "weights")
     repair = ranks[0]["report"]["repair"]
     assert repair["chosen"] == single.repair.chosen
     for point, figures in single.repair.to_dict()["validation"].items():
@@ -211,33 +227,10 @@ def test_two_processes_repair_as_one(tmp_path):
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
 
 
-def _adapter_repair_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        model, initial = trained_lora()
-        report = rectify_live_peft(model, initial, random_replay(24), JanusConfig(**REPAIR_CONFIG), PeftOutput(),
-                                   progress=False, new_task=fine_tune_samples()).report
-        torch.save({"state": model.state_dict(), "report": report.to_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_processes_repair_an_adapter_as_one(tmp_path):
     """The adapter trains its own factors (AdapterSpace) under DDP: both ranks end with the same adapter, the one a
     single process gives."""
-    from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
-
-    mp.spawn(_adapter_repair_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    for key, value in ranks[0]["state"].items():
-        assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
-    torch.set_num_threads(1)
-    model, initial = trained_lora()
-    single = rectify_live_peft(model, initial, random_replay(24), JanusConfig(**REPAIR_CONFIG), PeftOutput(),
-                               progress=False, new_task=fine_tune_samples()).report
+    ranks, model, single = _two_ranks_then_one(tmp_path, "adapter")
     assert ranks[0]["report"]["repair"]["chosen"] == single.repair.chosen
     for key, value in model.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
