@@ -57,7 +57,8 @@ def build_parser(description: str, *, lr: float, tiny_lr: float) -> argparse.Arg
     jan = p.add_argument_group("JANUS (see JanusConfig)")
     jan.add_argument("--tau", type=float, default=0.95, help="acceptance threshold τ (0 = single-step JANUS)")
     jan.add_argument("--beta", type=float, default=0.7, help="step-size decay β")
-    jan.add_argument("--rank", type=int, default=32, help="sequence compression rank r (0 = none, exact)")
+    jan.add_argument("--compression-rank", type=int, default=32,
+                     help="rank r of JANUS's sequence compression (0 = none, exact)")
     jan.add_argument("--janus-max-steps", type=int, default=50, help="cap on rectification steps")
     jan.add_argument("--replay-batch-size", type=int, default=8, help="replay samples per forward/backward pass")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the output directory to this Hub repo")
@@ -117,7 +118,8 @@ def janus_config(args: argparse.Namespace):
     """The :class:`hf_janus.JanusConfig` the command line describes."""
     from hf_janus import JanusConfig
 
-    return JanusConfig(tau=args.tau, beta=args.beta, rank=args.rank or None, max_steps=args.janus_max_steps,
+    return JanusConfig(tau=args.tau, beta=args.beta, compression_rank=args.compression_rank or None,
+                       max_steps=args.janus_max_steps,
                        replay_batch_size=args.replay_batch_size, seed=args.seed)
 
 

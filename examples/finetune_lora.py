@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                              quantization_config=quantization)
         delta = merger.run()
         merger_dir = os.path.join(args.output_dir, "adapter-merger-rectified")
-        delta.save_adapter(merger_dir, rank=args.adapter_rank, overwrite=True, progress=not args.tiny)
+        delta.save_adapter(merger_dir, adapter_rank=args.adapter_rank, overwrite=True, progress=not args.tiny)
         rows["+ JanusMerger (adapter)"] = common.measure(PeftModel.from_pretrained(base(), merger_dir), data, pad_id)
         extra["merger_replay_loss"] = dict(delta.report.rectification.replay_loss)
 

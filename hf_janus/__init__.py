@@ -29,7 +29,7 @@ _PUBLIC = {
     "RectificationResult": "hf_janus.engine.result",
     "JanusError": "hf_janus.errors",
     "RectificationError": "hf_janus.errors",
-    "FrontierResult": "hf_janus.evaluation.frontier_search",
+    "FrontierResult": "hf_janus.evaluation.frontier_result",
     "frontier": "hf_janus.evaluation.frontier_search",
     "EvaluationResult": "hf_janus.evaluation.harness",
     "evaluate": "hf_janus.evaluation.harness",
@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time each name is 
     from hf_janus.engine.report import LayerStats, RectificationReport, StepRecord, TrialRecord
     from hf_janus.engine.result import LayerResult, RectificationResult
     from hf_janus.errors import JanusError, RectificationError
-    from hf_janus.evaluation.frontier_search import FrontierResult, frontier
+    from hf_janus.evaluation.frontier_result import FrontierResult
+    from hf_janus.evaluation.frontier_search import frontier
     from hf_janus.evaluation.harness import EvaluationResult, evaluate
     from hf_janus.integrations.trainer import JanusCallback
     from hf_janus.publish.hub import load_report

@@ -9,9 +9,10 @@ import logging
 import sys
 from typing import Any, Optional, Sequence
 
-from hf_janus.cli_options import (ALLOW_PICKLE_HELP, CONFIG_PREFIX, INTERNALS_TITLE, REPLAY_HELP, REPLAY_PREFIX,
-                                  add_dataclass_options, add_evaluation_options, add_self_replay_options,
-                                  dataclass_values, evaluation_settings, replay_argument, replay_input)
+from hf_janus.cli_options import (ADVANCED, ADVANCED_JANUS_TITLE, ALLOW_PICKLE_HELP, CONFIG_PREFIX, INTERNALS_TITLE,
+                                  REPLAY_HELP, REPLAY_PREFIX, add_dataclass_options, add_evaluation_options,
+                                  add_self_replay_options, dataclass_values, evaluation_settings, replay_argument,
+                                  replay_input)
 from hf_janus.engine.config import STEP_CONTROLS, JanusConfig
 from hf_janus.replay.sources import ReplayOptions
 from hf_janus.version import __version__
@@ -34,7 +35,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-lora", action="store_true", help="skip the LoRA adapter part of the story")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold τ (default: 0.95)")
-    p.add_argument("--rank", type=int, default=32, help="sequence compression rank r (default: 32)")
+    p.add_argument("--compression-rank", type=int, default=32,
+                   help="rank r of JANUS's sequence compression (default: 32)")
     p.add_argument("--step-control", choices=STEP_CONTROLS, default="adaptive",
                    help="step-size controller (default: adaptive; paper = Algorithm 1)")
     p.add_argument("--max-evaluations", type=int, default=DEMO_MAX_EVALUATIONS,
@@ -60,7 +62,7 @@ _MERGE_EPILOG = """\
 examples:
   hf-janus merge --base meta-llama/Llama-3.2-1B --adapter me/llama-math-lora \\
       --replay me/past-task-qa:train --prompt-field question --response-field answer \\
-      --output ./rectified --format adapter --rank same --refine
+      --output ./rectified --format adapter --adapter-rank same --refine
   hf-janus merge --base ./base --adapter ./adapter --replay past.jsonl --text-field text \\
       --output ./rectified-full --format full --overwrite --push-to-hub me/rectified
 
@@ -79,74 +81,81 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
                     "weights.",
         epilog=_MERGE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_merge_inputs(p.add_argument_group("inputs"))
-
-    rep = p.add_argument_group("replay (samples of the past task to protect)")
-    rep.add_argument("--replay", metavar="DATASET[:SPLIT]", help=REPLAY_HELP)
-    add_self_replay_options(rep)
-    add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
-    rep.add_argument("--new-task-samples", metavar="DATASET[:SPLIT]",
-                     help="what the adapter was trained on, read as --replay is, for the repair after JANUS "
-                          "(--distill-steps): it fits them and keeps --keep-gain of their gain; without them the "
-                          "repair is skipped and the JANUS point kept")
-
-    jan = p.add_argument_group("JANUS")
-    jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
-    add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX, internal=False)
-
-    _add_merge_output(p.add_argument_group("output"))
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    add_dataclass_options(p.add_argument_group(INTERNALS_TITLE), JanusConfig, CONFIG_PREFIX, internal=True)
+    # what most runs set comes first (at most 20 options); the rest in the "advanced" groups after it
+    inputs = p.add_argument_group("inputs")
+    replay = p.add_argument_group("replay (samples of the past task to protect)")
+    janus, output = p.add_argument_group("JANUS"), p.add_argument_group("output")
+    advanced = p.add_argument_group(f"{ADVANCED}: inputs, replay and output")
+    _add_merge_inputs(inputs, advanced)
+    _add_replay(replay, advanced, new_task_help="what the adapter was trained on, read as --replay is, for the repair "
+                "after JANUS (--distill-steps): it fits them and keeps --keep-gain of their gain; without them the "
+                "repair is skipped and the JANUS point kept")
+    janus.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options given override it")
+    add_dataclass_options(janus, JanusConfig, CONFIG_PREFIX, tier="main")
+    _add_merge_output(output, advanced)
+    advanced.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_dataclass_options(p.add_argument_group(ADVANCED_JANUS_TITLE), JanusConfig, CONFIG_PREFIX, tier=ADVANCED)
+    add_dataclass_options(p.add_argument_group(INTERNALS_TITLE), JanusConfig, CONFIG_PREFIX, tier="internal")
     p.set_defaults(func=_run_merge)
 
 
-def _add_merge_inputs(src: argparse._ArgumentGroup) -> None:
+def _add_replay(replay: argparse._ArgumentGroup, advanced: argparse._ArgumentGroup, new_task_help: str) -> None:
+    """The past task's replay (``--replay``, self-replay, how it is read) and the new task's samples."""
+    replay.add_argument("--replay", metavar="DATASET[:SPLIT]", help=REPLAY_HELP)
+    add_self_replay_options(replay, advanced)
+    add_dataclass_options(replay, ReplayOptions, REPLAY_PREFIX, tier="main")
+    add_dataclass_options(advanced, ReplayOptions, REPLAY_PREFIX, tier=ADVANCED)
+    replay.add_argument("--new-task-samples", metavar="DATASET[:SPLIT]", help=new_task_help)
+
+
+def _add_merge_inputs(src: argparse._ArgumentGroup, advanced: argparse._ArgumentGroup) -> None:
     """``merge``'s base model and adapter, and how they are loaded."""
     src.add_argument("--base", required=True, metavar="ID_OR_DIR", help="base model: Hub repo id or local directory")
     src.add_argument("--adapter", required=True, metavar="ID_OR_DIR",
                      help="PEFT adapter: Hub repo id or local directory")
-    src.add_argument("--revision", help="revision (branch, tag, commit) of the adapter repo")
-    src.add_argument("--base-revision", help="revision of the base model repo")
-    src.add_argument("--initial-adapter", metavar="ID_OR_DIR",
-                     help="for an unconverted PiSSA-like adapter with a randomized or data-dependent init "
-                          "(pissa_niter_k, olora, corda, lora_ga, loftq): the adapter saved right after initialization")
-    src.add_argument("--allow-base-mismatch", action="store_true",
-                     help="warn instead of failing when the adapter names a different base model (shapes are "
-                          "still checked)")
-    src.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
-    src.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                     help="dtype to load the base model in (default: the checkpoint's; the update is rectified in "
-                          "float32 whatever it is, only --format full rounds to it)")
     src.add_argument("--device", default=None,
                      help="device for the model and the Jacobians, e.g. cuda:0 (default: cuda when there is a GPU, "
                           "else cpu)")
-    quant = src.add_mutually_exclusive_group()
-    quant.add_argument("--load-in-4bit", action="store_true",
-                       help="load the base in 4 bits with bitsandbytes (nf4, double quantization, computing in --dtype "
-                            "or float32), to rectify a QLoRA adapter against the base it was trained on; --format "
-                            "adapter only. For other settings use JanusMerger(quantization_config=...)")
-    quant.add_argument("--load-in-8bit", action="store_true",
-                       help="load the base in 8 bits with bitsandbytes (LLM.int8); --format adapter only")
+    src.add_argument("--load-in-4bit", action="store_true",
+                     help="load the base in 4 bits with bitsandbytes (nf4, double quantization, computing in --dtype "
+                          "or float32), to rectify a QLoRA adapter against the base it was trained on; --format "
+                          "adapter only. For other settings use JanusMerger(quantization_config=...)")
+    advanced.add_argument("--load-in-8bit", action="store_true",
+                          help="load the base in 8 bits with bitsandbytes (LLM.int8); --format adapter only")
+    advanced.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                          help="dtype to load the base model in (default: the checkpoint's; the update is rectified "
+                               "in float32 whatever it is, only --format full rounds to it)")
+    advanced.add_argument("--revision", help="revision (branch, tag, commit) of the adapter repo")
+    advanced.add_argument("--base-revision", help="revision of the base model repo")
+    advanced.add_argument("--initial-adapter", metavar="ID_OR_DIR",
+                          help="for an unconverted PiSSA-like adapter with a randomized or data-dependent init "
+                               "(pissa_niter_k, olora, corda, lora_ga, loftq): the adapter saved right after "
+                               "initialization")
+    advanced.add_argument("--allow-base-mismatch", action="store_true",
+                          help="warn instead of failing when the adapter names a different base model (shapes are "
+                               "still checked)")
+    advanced.add_argument("--allow-pickle", action="store_true", help=ALLOW_PICKLE_HELP)
 
 
-def _add_merge_output(out: argparse._ArgumentGroup) -> None:
+def _add_merge_output(out: argparse._ArgumentGroup, advanced: argparse._ArgumentGroup) -> None:
     """Where and in what form ``merge`` writes the rectified model."""
     out.add_argument("--output", required=True, metavar="DIR", help="output directory (written atomically)")
     out.add_argument("--format", dest="output_format", default="adapter", choices=["adapter", "full"],
                      help="adapter: a standard LoRA adapter re-factorized by truncated SVD (default); full: base + "
                           "rectified update with save_pretrained, sharded like the base")
-    out.add_argument("--rank", default="same", metavar="same|auto|INT|FLOAT",
+    out.add_argument("--adapter-rank", default="same", metavar="same|auto|INT|FLOAT",
                      help="LoRA rank for --format adapter: same (each layer's rank in the input adapter, default), "
-                          "auto (smallest rank keeping --energy of each layer's update), an int, or a float in "
-                          "(0, 1] as an energy threshold")
-    out.add_argument("--energy", type=float, default=0.99, help="energy kept by --rank auto (default: 0.99)")
-    out.add_argument("--refine", action="store_true",
-                     help="alternate between the rank-k set and the Jacobian null space so that truncation gives "
-                          "back less of the repair")
-    out.add_argument("--refine-iterations", type=int, default=5, help="iterations of --refine (default: 5)")
+                          "auto (smallest rank keeping --adapter-energy of each layer's update), an int, or a float "
+                          "in (0, 1] as an energy threshold")
     out.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output directory")
     out.add_argument("--push-to-hub", metavar="REPO", help="also upload the output directory to this Hub repo")
-    out.add_argument("--private", action="store_true", help="create the --push-to-hub repo as private")
+    advanced.add_argument("--adapter-energy", type=float, default=0.99,
+                          help="energy kept by --adapter-rank auto (default: 0.99)")
+    advanced.add_argument("--refine", action="store_true",
+                          help="alternate between the rank-k set and the Jacobian null space so that truncation "
+                               "gives back less of the repair")
+    advanced.add_argument("--refine-iterations", type=int, default=5, help="iterations of --refine (default: 5)")
+    advanced.add_argument("--private", action="store_true", help="create the --push-to-hub repo as private")
 
 
 def merge_config(args: argparse.Namespace) -> JanusConfig:
@@ -172,12 +181,14 @@ def _run_merge(args: argparse.Namespace) -> int:
     from hf_janus.io_utils import check_output_dir
     from hf_janus.publish.hub import push_folder
 
+    if args.load_in_4bit and args.load_in_8bit:
+        raise ValueError("--load-in-4bit and --load-in-8bit exclude each other: give one")
     if (args.load_in_4bit or args.load_in_8bit) and args.output_format != "adapter":
         raise ValueError("--load-in-4bit/--load-in-8bit rectify against a quantized base, which gives an adapter "
                          "only: use --format adapter, or drop the flag to get full weights from the "
                          "full-precision base")
-    rank = parse_rank_spec(args.rank) if args.output_format == "adapter" else "same"
-    validate_rank_spec(rank, args.energy)
+    rank = parse_rank_spec(args.adapter_rank) if args.output_format == "adapter" else "same"
+    validate_rank_spec(rank, args.adapter_energy)
     if args.refine_iterations < 0:
         raise ValueError(f"--refine-iterations must be >= 0, got {args.refine_iterations}")
     options = replay_options(args)
@@ -195,7 +206,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     )
     delta = merger.run()
     if args.output_format == "adapter":
-        delta.save_adapter(output, rank=rank, energy=args.energy, refine=args.refine,
+        delta.save_adapter(output, adapter_rank=rank, adapter_energy=args.adapter_energy, refine=args.refine,
                            refine_iterations=args.refine_iterations, overwrite=args.overwrite,
                            progress=not args.no_progress)
     else:
@@ -284,92 +295,45 @@ shows the time left. --output gets frontier.json, frontier.md and frontier.png.
 """
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
-
-
 def _add_frontier(sub: argparse._SubParsersAction) -> None:
-    from hf_janus.evaluation.candidates import (DEFAULT_DAMPINGS, DEFAULT_HYBRID_GRID, DEFAULT_INTRUDER_LAMBDAS,
-                                               DEFAULT_PEERS, DEFAULT_PRE_JANUS_GRID,
-                                               DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS, DEFAULT_TAUS, DEFAULT_WISE_GRID,
-                                               NEW_TASK_PEERS)
-
-    def kinds_shown() -> list[str]:
-        from hf_janus.evaluation.candidates import kinds
-
-        return [kind.name for kind in kinds()]
-
-    def shown(grid: Sequence[float]) -> str:
-        return ",".join(f"{v:g}" for v in grid)
+    from hf_janus.evaluation.candidates import DEFAULT_GRID, DEFAULT_PEERS, NEW_TASK_PEERS, kinds
 
     p = sub.add_parser(
         "frontier",
         help="score WiSE-FT, JANUS and hybrids on your tasks, plot AP1 against AP2 and save the point you ask for",
         description="Build the stability-plasticity frontier between θ0 (--reference) and θ̂ (--finetuned): WiSE-FT "
-                    "interpolations, JANUS at each τ, damped JANUS at each damping, JANUS followed by interpolation "
-                    "toward θ0 or θ̂, and interpolation followed by JANUS; for a LoRA adapter also PEFT's "
-                    "intruder-dimension reduction and intruder reduction followed by JANUS; or the candidates "
-                    "--candidates names, the post-hoc peers among them (replay fine-tuning, the input-covariance "
-                    "null space, RegMean, Fisher interpolation, LiNeS, DG-Hard). Each is scored with "
-                    "lm-evaluation-harness (AP1 on --past-task, AP2 on --new-task); the point meeting the criterion "
-                    "is chosen and can be saved or pushed with its record. Needs the [eval] extra: "
-                    "pip install 'hf-janus[eval]'.",
+                    "interpolations, JANUS at several τ, damped JANUS, JANUS followed by interpolation toward θ0 or "
+                    "θ̂, and interpolation followed by JANUS; for a LoRA adapter also PEFT's intruder-dimension "
+                    "reduction and intruder reduction followed by JANUS; the post-hoc peers (replay fine-tuning, the "
+                    "input-covariance null space, RegMean, Fisher interpolation, LiNeS, DG-Hard); or the candidates "
+                    "--candidates names. Each is scored with lm-evaluation-harness (AP1 on --past-task, AP2 on "
+                    "--new-task); the point meeting the criterion is chosen and can be saved or pushed with its "
+                    "record. Needs the [eval] extra: pip install 'hf-janus[eval]'.",
         epilog=_FRONTIER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("models and tasks")
     add_evaluation_options(src, tasks_required=True)
 
     rep = p.add_argument_group("replay (samples of the past task, for JANUS)")
-    rep.add_argument("--replay", metavar="DATASET[:SPLIT]", help=REPLAY_HELP)
-    add_self_replay_options(rep)
-    add_dataclass_options(rep, ReplayOptions, REPLAY_PREFIX)
-    rep.add_argument("--new-task-samples", metavar="DATASET[:SPLIT]",
-                     help="samples of the new task (what fine-tuning trained on), read as --replay is, for "
-                          "janus-repair (the repair after JANUS, added to the default peers when given) and "
-                          "replay-sft's new_task_weight=, which fit them beside the replay so that the gain is kept")
-
-    grid = p.add_argument_group("candidates")
-    grid.add_argument("--candidates", metavar="SPEC",
-                      help="the candidates to score instead of the grids below, e.g. 'wise:0.25,0.5,0.7 "
-                           "janus:tau=0.95 replay-sft:passes=4,8:loss=kl input-null fisher lines dg-hard': "
-                           "space-separated NAME[:KEY=V,V...]...; kinds: " + ", ".join(kinds_shown()) + " (see "
-                           "the evaluate-and-frontier guide)")
-    grid.add_argument("--peers", default=None, metavar="SPEC",
-                      help="the post-hoc peers scored after the grids below, in --candidates syntax; '' for none; "
-                           "one that is not defined here or does not fit in memory is left out with a warning "
-                           f"(default: '{DEFAULT_PEERS}', those that beat JANUS on a benchmark run, and with "
-                           f"--new-task-samples also '{NEW_TASK_PEERS}', JANUS with the repair after it as the entry "
-                           "points run it)")
-    grid.add_argument("--wise-grid", type=_floats, default=list(DEFAULT_WISE_GRID), metavar="A,A,...",
-                      help=f"WiSE-FT coefficients a in (0, 1) (default: {shown(DEFAULT_WISE_GRID)})")
-    grid.add_argument("--taus", type=_floats, default=list(DEFAULT_TAUS), metavar="T,T,...",
-                      help=f"τ of the plain JANUS runs (default: {shown(DEFAULT_TAUS)})")
-    grid.add_argument("--dampings", type=_floats, default=list(DEFAULT_DAMPINGS), metavar="D,D,...",
-                      help="damping of the damped-JANUS runs at --tau, relative to each layer's largest Gram "
-                           f"eigenvalue; '' for none (default: {shown(DEFAULT_DAMPINGS)})")
-    grid.add_argument("--no-hybrids", action="store_true", help="leave out the hybrids")
-    grid.add_argument("--hybrid-grid", type=_floats, default=list(DEFAULT_HYBRID_GRID), metavar="B,B,...",
-                      help="interpolation b after JANUS, toward θ0 and toward θ̂ (default: "
-                           f"{shown(DEFAULT_HYBRID_GRID)})")
-    grid.add_argument("--pre-janus-grid", type=_floats, default=list(DEFAULT_PRE_JANUS_GRID), metavar="A,A,...",
-                      help=f"WiSE-FT a before JANUS (default: {shown(DEFAULT_PRE_JANUS_GRID)})")
-    grid.add_argument("--intruder-lambdas", type=_floats, default=list(DEFAULT_INTRUDER_LAMBDAS), metavar="L,L,...",
-                      help="mitigation_lambda of PEFT's intruder-dimension reduction in [0, 1), scored when "
-                           "--finetuned is a LoRA adapter; '' for none (default: "
-                           f"{shown(DEFAULT_INTRUDER_LAMBDAS)})")
-    grid.add_argument("--pre-janus-intruder-lambdas", type=_floats,
-                      default=list(DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS), metavar="L,L,...",
-                      help="intruder-reduction λ before JANUS, a hybrid for LoRA adapters; '' for none (default: "
-                           f"{shown(DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS)})")
-
-    jan = p.add_argument_group("JANUS (every run; the hybrids use --tau)")
-    jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options below override it")
-    add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX, internal=False)
-
+    # groups are shown in the order they are made: every main one before the advanced ones
+    jan = p.add_argument_group("candidates and JANUS")
     out = p.add_argument_group("choice and output")
+    advanced = p.add_argument_group(f"{ADVANCED}: replay and output")
+    _add_replay(rep, advanced, new_task_help="samples of the new task (what fine-tuning trained on), read as --replay "
+                f"is, for {NEW_TASK_PEERS} (the repair after JANUS, added to the default candidates when given) and "
+                "replay-sft's new_task_weight=, which fit them beside the replay so that the gain is kept")
+
+    jan.add_argument("--candidates", metavar="SPEC",
+                     help="the candidates to score after θ0 and θ̂, e.g. 'wise:0.25,0.5,0.7 janus:tau=0.95 "
+                          "replay-sft:passes=4,8:loss=kl input-null fisher lines dg-hard': space-separated "
+                          "NAME[:KEY=V,V...]... (an option left out takes the kind's default grid); kinds: "
+                          + ", ".join(kind.name for kind in kinds()) + f" (default: '{DEFAULT_GRID}', intruder "
+                          f"reduction only for a LoRA adapter, then the post-hoc peers '{DEFAULT_PEERS}', those that "
+                          "beat JANUS on a benchmark run, left out where they cannot run; with --new-task-samples also "
+                          f"'{NEW_TASK_PEERS}'; see the evaluate-and-frontier guide)")
+    jan.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options given override it")
+    add_dataclass_options(jan, JanusConfig, CONFIG_PREFIX, tier="main")
+
     crit = out.add_mutually_exclusive_group()
     crit.add_argument("--min-ap2", type=float, help="choose the largest AP1 among points with AP2 >= this (%%)")
     crit.add_argument("--min-ap1", type=float, help="choose the largest AP2 among points with AP1 >= this (%%)")
@@ -377,9 +341,10 @@ def _add_frontier(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--save", metavar="DIR", help="save the chosen model (full weights, record, card) here")
     out.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --save directory")
     out.add_argument("--push-to-hub", metavar="REPO", help="also upload the chosen model to this Hub repo")
-    out.add_argument("--private", action="store_true", help="create the --push-to-hub repo as private")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    add_dataclass_options(p.add_argument_group(INTERNALS_TITLE), JanusConfig, CONFIG_PREFIX, internal=True)
+    advanced.add_argument("--private", action="store_true", help="create the --push-to-hub repo as private")
+    advanced.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_dataclass_options(p.add_argument_group(ADVANCED_JANUS_TITLE), JanusConfig, CONFIG_PREFIX, tier=ADVANCED)
+    add_dataclass_options(p.add_argument_group(INTERNALS_TITLE), JanusConfig, CONFIG_PREFIX, tier="internal")
     p.set_defaults(func=_run_frontier)
 
 
@@ -400,14 +365,10 @@ def _run_frontier(args: argparse.Namespace) -> int:
     if args.output:
         check_output_dir(args.output, True, inputs)
     result = frontier(args.reference, args.finetuned, replay, past_tasks=args.past_task,
-                      new_tasks=args.new_task, config=merge_config(args), wise_grid=args.wise_grid, taus=args.taus,
-                      dampings=args.dampings, hybrids=not args.no_hybrids, hybrid_grid=args.hybrid_grid,
-                      pre_janus_grid=args.pre_janus_grid, intruder_lambdas=args.intruder_lambdas,
-                      pre_janus_intruder_lambdas=args.pre_janus_intruder_lambdas, candidates=args.candidates,
-                      peers=args.peers, new_task_samples=args.new_task_samples,
-                      min_ap2=args.min_ap2, min_ap1=args.min_ap1,
-                      replay_options=options, progress=not args.no_progress,
+                      new_tasks=args.new_task, config=merge_config(args), candidates=args.candidates,
+                      new_task_samples=args.new_task_samples, replay_options=options, progress=not args.no_progress,
                       **evaluation_settings(args))
+    result.select(min_ap2=args.min_ap2, min_ap1=args.min_ap1)
     table = result.to_markdown()
     print(table)
     if args.output:

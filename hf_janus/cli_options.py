@@ -20,19 +20,27 @@ ALLOW_PICKLE_HELP = ("read weights stored only as a pickle (adapter_model.bin, p
                      "unpickler (weights_only=True). Convert them to safetensors instead when you can")
 
 
-#: the title of the group that holds the engine's internal settings (``metadata["internal"]``), shown last
-INTERNALS_TITLE = "JANUS engine internals (precision, memory, compression; the defaults suit most runs)"
+#: ``--help`` shows first the options most runs set (``metadata["main"]``), then groups whose titles start with
+#: :data:`ADVANCED`: the other settings, and last the engine's internals (``metadata["internal"]``)
+ADVANCED = "advanced"
+ADVANCED_JANUS_TITLE = f"{ADVANCED}: JANUS (step control, replay constraint and acceptance, the repair's training)"
+INTERNALS_TITLE = f"{ADVANCED}: JANUS engine internals (precision, memory, compression; the defaults suit most runs)"
+
+
+def field_tier(f: dataclasses.Field) -> str:
+    """Where a dataclass field's option is shown: ``"main"``, ``"advanced"`` or ``"internal"`` (its metadata)."""
+    return "internal" if f.metadata.get("internal") else "main" if f.metadata.get("main") else ADVANCED
 
 
 def add_dataclass_options(group: argparse._ArgumentGroup, cls: type, prefix: str,
-                          internal: Optional[bool] = None) -> None:
+                          tier: Optional[str] = None) -> None:
     """One option per field of dataclass ``cls`` that has ``metadata["help"]`` (as PEFT's configs document
     theirs): ``--field-name`` or ``metadata["cli"]``, typed by the default, with its ``choices``/``nargs``.
-    Every option defaults to None, so that only what the user gave overrides a config file. ``internal``: only the
-    fields whose ``metadata["internal"]`` is that (None: every field)."""
+    Every option defaults to None, so that only what the user gave overrides a config file. ``tier``: only the
+    fields of that :func:`field_tier` (None: every field)."""
     for f in dataclasses.fields(cls):
         meta = f.metadata
-        if "help" not in meta or internal is not None and bool(meta.get("internal")) != internal:
+        if "help" not in meta or tier is not None and field_tier(f) != tier:
             continue
         default = f.default
         shown = str(default).replace("torch.", "") if default is not None else "none"
@@ -99,10 +107,10 @@ REPLAY_HELP = ("Hub dataset id, local .jsonl/.json/.parquet/.csv file, or datase
                "--replay-prompts / --replay-self")
 
 
-def add_self_replay_options(group: Any) -> None:
-    """``--replay-prompts`` and ``--replay-self``: replay that θ0 generates (:class:`hf_janus.SelfReplay`), in place
-    of ``--replay``."""
-    group.add_argument("--replay-prompts", metavar="FILE[:SPLIT]",
+def add_self_replay_options(group: Any, advanced: Any) -> None:
+    """``--replay-self`` (in ``group``) and ``--replay-prompts`` with its settings (in ``advanced``): replay that θ0
+    generates (:class:`hf_janus.SelfReplay`), in place of ``--replay``."""
+    advanced.add_argument("--replay-prompts", metavar="FILE[:SPLIT]",
                        help="self-replay: θ0 (the base or reference model, never the fine-tuned one) answers these "
                             f"prompts (greedy, up to {DEFAULT_MAX_NEW_TOKENS} new tokens) and its answers are the "
                             "replay; a local file, datasets directory or Hub dataset id, read from --prompt-field or "
@@ -114,10 +122,10 @@ def add_self_replay_options(group: Any) -> None:
                             "prompts (chat instructions alternating with plain-text questions answered to the end of "
                             "the line), for replay without any data of the past task (greedy up to N=100, beyond that "
                             "several sampled answers per prompt, seeded)")
-    group.add_argument("--replay-stop", action="append", metavar="TEXT",
+    advanced.add_argument("--replay-stop", action="append", metavar="TEXT",
                        help="with --replay-prompts: a string that ends θ0's answer, kept in it (repeatable; escapes "
                             "such as \\n are read), e.g. --replay-stop '\\n' for prompts like 'Q: ...\\nA:'")
-    group.add_argument("--replay-no-chat-template", action="store_true",
+    advanced.add_argument("--replay-no-chat-template", action="store_true",
                        help="with --replay-prompts: give the prompts to θ0 as plain text, not through its tokenizer's "
                             "chat template")
 

@@ -175,7 +175,7 @@ def _lora_story(pretrained: dict, replay: list[dict], held_out: list[dict], math
         delta = JanusMerger(base_dir, adapter_dir, replay, config, progress=progress).run()
         delta.model.eval()
         rows["LoRA + JANUS (merged weights)"] = _measure(delta.model, held_out, math_test)
-        delta.save_adapter(rect_dir, rank="same", progress=progress)
+        delta.save_adapter(rect_dir, adapter_rank="same", progress=progress)
         reloaded_base = AutoModelForCausalLM.from_pretrained(base_dir, use_safetensors=True)
         reloaded = PeftModel.from_pretrained(reloaded_base, rect_dir).eval()
         rows[f"LoRA + JANUS (saved as r={LORA_RANK} adapter)"] = _measure(reloaded, held_out, math_test)
@@ -216,8 +216,8 @@ def run_demo(seed: int = 0, quick: bool = False, progress: bool = True, config: 
     train(model, math_train, finetune_steps, 1e-3, 16, seed + 1, "fine-tuning on GSM8K", progress)
     table["fine-tuned θ̂"] = _measure(model, held_out, math_test)
 
-    config = config or JanusConfig(rank=32, replay_batch_size=48)
-    say(f"rectifying with JANUS (τ={config.tau}, r={config.rank}), replaying {n_replay} of the QA pairs")
+    config = config or JanusConfig(compression_rank=32, replay_batch_size=48)
+    say(f"rectifying with JANUS (τ={config.tau}, r={config.compression_rank}), replaying {n_replay} of the QA pairs")
     report = rectify(model, pretrained, replay, config, progress=progress)
     table["JANUS-rectified"] = _measure(model, held_out, math_test)
     phases["full fine-tuning"] = time.perf_counter() - t0
@@ -249,7 +249,7 @@ def run_cli(args) -> int:
     """``hf-janus demo``: run :func:`run_demo` as the command line says, narrate it and print the results."""
     from tqdm.auto import tqdm
 
-    config = JanusConfig(tau=args.tau, rank=args.rank, replay_batch_size=48, seed=args.seed,
+    config = JanusConfig(tau=args.tau, compression_rank=args.compression_rank, replay_batch_size=48, seed=args.seed,
                          step_control=args.step_control, max_evaluations=args.max_evaluations or None)
     if args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")

@@ -142,7 +142,7 @@ def qa_rows(n: int = 6) -> list[dict]:
 
 def fast_config(**kw) -> JanusConfig:
     """Single-step JANUS without compression: ΔW_rect is exactly the projection, and it runs in ~a second."""
-    base = dict(tau=0.0, rank=None, replay_batch_size=8)
+    base = dict(tau=0.0, compression_rank=None, replay_batch_size=8)
     base.update(kw)
     return JanusConfig(**base)
 

@@ -120,7 +120,7 @@ def test_empty_trial_jacobian_does_not_pass(tuned_llama):
     """When every trial Jacobian is empty (the audit: weights x1e30), c̄ is not 1: the row space vanished."""
     model, reference = tuned_llama
     finetuned = {k: v.clone() for k, v in model.state_dict().items()}
-    rectifier = Rectifier(model, reference, random_replay(4), JanusConfig(rank=4), progress=False)
+    rectifier = Rectifier(model, reference, random_replay(4), JanusConfig(compression_rank=4), progress=False)
     loop = rectifier.make_loop()
     rectifier.layers.rewrite_current()
     rectifier.capture("c0")
@@ -158,7 +158,7 @@ def test_malformed_replay_is_refused_and_the_model_kept(tuned_llama, replay, fra
     model, reference = tuned_llama
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(JanusError, match=fragment):
-        Rectifier(model, reference, replay, JanusConfig(rank=4), progress=False).run()
+        Rectifier(model, reference, replay, JanusConfig(compression_rank=4), progress=False).run()
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
 
@@ -167,7 +167,7 @@ def test_integer_reference_is_refused(tuned_llama):
     model, reference = tuned_llama
     bad = {k: v.long() for k, v in reference.items()}
     with pytest.raises(JanusError, match="dtype torch.int64"):
-        Rectifier(model, bad, random_replay(4), JanusConfig(rank=4), progress=False)
+        Rectifier(model, bad, random_replay(4), JanusConfig(compression_rank=4), progress=False)
 
 
 def test_replay_that_fills_a_layer_warns(caplog):
@@ -182,7 +182,7 @@ def test_replay_that_fills_a_layer_warns(caplog):
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight.add_(0.1 * torch.randn(4, 4))
     with caplog.at_level("WARNING", logger="hf_janus.engine.rectifier"):
-        Rectifier(model, reference, random_replay(40, vocab=32), JanusConfig(tau=0.0, rank=None,
+        Rectifier(model, reference, random_replay(40, vocab=32), JanusConfig(tau=0.0, compression_rank=None,
                   target_modules=["q_proj"]), progress=False).run()
     assert "null space is empty" in caplog.text and "q_proj" in caplog.text
 
@@ -206,7 +206,8 @@ def test_exit_passes_through_and_oom_gets_the_hint(tuned_llama, exc, kind):
     failing = fail_capture(2, exc)
     expected = SystemExit if kind is SystemExit else RectificationError
     with pytest.raises(expected) as info:
-        Rectifier(model, reference, random_replay(4), JanusConfig(rank=4), progress=False, observer=failing).run()
+        Rectifier(model, reference, random_replay(4), JanusConfig(compression_rank=4), progress=False,
+                  observer=failing).run()
     if kind is SystemExit:
         assert info.value is exc
     else:
@@ -429,7 +430,8 @@ def test_bad_rectify_inputs_are_refused_and_the_model_kept(tuned_llama, change, 
     before = {k: v.clone() for k, v in model.state_dict().items()}
     flags = [(p.requires_grad, model.training) for p in model.parameters()]
     with pytest.raises(error, match=fragment):
-        rectify(model, reference, replay, config if config is not None else JanusConfig(rank=4), progress=False)
+        rectify(model, reference, replay, config if config is not None else JanusConfig(compression_rank=4),
+                progress=False)
     after = model.state_dict()
     assert before.keys() == after.keys()
     for key, value in after.items():
@@ -444,7 +446,7 @@ def test_interrupted_rectification_restores_the_finetuned_weights(tuned_llama, e
     failing = fail_capture(3, exc)
     expected = KeyboardInterrupt if isinstance(exc, KeyboardInterrupt) else RectificationError
     with pytest.raises(expected) as info:
-        Rectifier(model, reference, random_replay(4), JanusConfig(tau=0.999, rank=4), progress=False,
+        Rectifier(model, reference, random_replay(4), JanusConfig(tau=0.999, compression_rank=4), progress=False,
                   observer=failing).run()
     if expected is RectificationError:
         assert "injected NaN" in str(info.value) and "restored" in str(info.value)

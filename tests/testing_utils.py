@@ -71,7 +71,8 @@ def fine_tune_samples(seed: int = 2, vocab: int = VOCAB) -> list[dict]:
 
 #: a rectification with the repair after JANUS, small enough for tests: on these tiny models the distillation gives
 #: back replay NLL for most of the gain, so a small keep_gain lets it choose a point on the line toward θ0
-REPAIR_CONFIG = dict(rank=4, replay_batch_size=4, tau=0.9, distill_steps=12, distill_lr=1e-2, keep_gain=0.05,
+REPAIR_CONFIG = dict(compression_rank=4, replay_batch_size=4, tau=0.9, distill_steps=12, distill_lr=1e-2,
+                     keep_gain=0.05,
                      new_task_batch_size=4)
 
 

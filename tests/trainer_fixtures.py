@@ -15,8 +15,9 @@ from hf_janus import JanusConfig
 from hf_janus.demo import VOCAB, full_text, math_samples, qa_samples
 from hf_janus.replay.prepare import prepare_replay
 
-CONFIG = JanusConfig(rank=8, replay_batch_size=8)
-FAST = JanusConfig(rank=8, replay_batch_size=8, tau=0.0)  # single step: where the loop itself is not under test
+CONFIG = JanusConfig(compression_rank=8, replay_batch_size=8)
+# single step: where the loop itself is not under test
+FAST = JanusConfig(compression_rank=8, replay_batch_size=8, tau=0.0)
 
 
 def collate(samples):

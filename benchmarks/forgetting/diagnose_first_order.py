@@ -188,7 +188,7 @@ def run_case(label, theta0, tuned, replay, held_out, args, rank=None) -> dict:
     for temperature in args.temperatures:
         rectified = copy.deepcopy(tuned)
         start = time.perf_counter()
-        rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=rank, replay_batch_size=16,
+        rectify(rectified, reference, replay, JanusConfig(tau=0.0, compression_rank=rank, replay_batch_size=16,
                                                           constraint_temperature=temperature), progress=False)
         r = replay_loss(rectified, replay)
         by_temperature[str(temperature)] = {"replay_loss": r,
@@ -196,7 +196,7 @@ def run_case(label, theta0, tuned, replay, held_out, args, rank=None) -> dict:
                                             "seconds": time.perf_counter() - start}
     rectified = copy.deepcopy(tuned)
     start = time.perf_counter()
-    report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=rank, replay_batch_size=16),
+    report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, compression_rank=rank, replay_batch_size=16),
                      progress=False)
     seconds = time.perf_counter() - start
     r2 = replay_loss(rectified, replay)
@@ -209,7 +209,8 @@ def run_case(label, theta0, tuned, replay, held_out, args, rank=None) -> dict:
         rectified = copy.deepcopy(tuned)
         start = time.perf_counter()
         try:
-            run = rectify(rectified, reference, replay, JanusConfig(rank=rank, replay_batch_size=16, **VARIANTS[name]),
+            run = rectify(rectified, reference, replay, JanusConfig(compression_rank=rank, replay_batch_size=16,
+                                                                    **VARIANTS[name]),
                           progress=False)
         except JanusError as exc:  # e.g. a memory plan that does not fit: recorded, the other variants still run
             variants[name] = {"refused": str(exc)}

@@ -66,7 +66,7 @@ VARIANTS = (
     ("m=64", "m=64, every token", {}),
     ("m=1024", "m=1024, every token", {}),
     ("m=256, answer-only labels", "m=256, answer only", {}),
-    # (the frontier itself runs damping 0.01 and 0.1: hf_janus.evaluation.frontier_search.DEFAULT_DAMPINGS)
+    # (the frontier itself runs damping 0.01 and 0.1: hf_janus.evaluation.candidates.damped_janus.DEFAULT_DAMPINGS)
     ("damping 0.001", MAIN_REPLAY, {"damping": 1e-3}),
     ("damping 0.3", MAIN_REPLAY, {"damping": 0.3}),
     ("damping 1", MAIN_REPLAY, {"damping": 1.0}),
@@ -75,8 +75,9 @@ VARIANTS = (
     # issue 43's lever on the real model (the first k labelled tokens of each sample, each its own row)
     ("constraint=token_loss k=2", MAIN_REPLAY, {"constraint": "token_loss", "constraint_tokens": 2}),
     # issue 43's compression lever: the real model's replay is short, where r=8 matched r=32 in less time
-    ("rank 8", MAIN_REPLAY, {"rank": 8}),
-    ("constraint=token_loss k=2, rank 8", MAIN_REPLAY, {"constraint": "token_loss", "constraint_tokens": 2, "rank": 8}),
+    ("rank 8", MAIN_REPLAY, {"compression_rank": 8}),
+    ("constraint=token_loss k=2, rank 8", MAIN_REPLAY, {"constraint": "token_loss", "constraint_tokens": 2,
+                                                        "compression_rank": 8}),
     # single-step (τ=0) constraints of the well-fit study (issue 22; diagnose_first_order.py): the paper's loss,
     # the target logit, and k random logit projections (k Jacobian rows per sample, k backward passes per batch)
     ("single-step", MAIN_REPLAY, {"tau": 0.0}),
@@ -229,7 +230,8 @@ def main(argv=None) -> int:
     logging.getLogger("hf_janus").setLevel(logging.WARNING)
     from hf_janus import JanusConfig, rectify
     from hf_janus.evaluation import frontier
-    from hf_janus.evaluation.frontier_search import wise_margin
+    from hf_janus.evaluation.candidates import default_peers
+    from hf_janus.evaluation.frontier_result import wise_margin
     from hf_janus.evaluation.harness import Scorer, resolve_tasks
     from hf_janus.evaluation.scoring import ap_metrics
 
@@ -251,15 +253,14 @@ def main(argv=None) -> int:
         ft_seconds = time.perf_counter() - t0
         log(f"[{args.scenario}] {args.method} fine-tuning on GSM8K (seed {args.seed}) in {ft_seconds:.0f}s")
         hf_tok = tok.hf(add_bos=True)
-        config = JanusConfig(tau=JANUS_TAU, beta=s.beta, rank=s.janus_rank, replay_batch_size=s.replay_batch,
+        config = JanusConfig(tau=JANUS_TAU, beta=s.beta, compression_rank=s.janus_rank,
+                             replay_batch_size=s.replay_batch,
                              seed=args.seed)
         main_replay = replays[MAIN_REPLAY]
-        if args.candidates:
-            chosen = dict(candidates=args.candidates)
-        else:
-            chosen = dict(taus=(), hybrids=False, dampings=()) if args.wise_only else {}
+        candidates = args.candidates or ("wise " + default_peers(False) if args.wise_only else None)
         result = frontier(theta0, finetuned, main_replay, past_tasks=past, new_tasks=new, config=config,
-                          tokenizer=hf_tok, batch_size=64, progress=False, min_ap2=90.0, **chosen)
+                          tokenizer=hf_tok, batch_size=64, progress=False, candidates=candidates)
+        result.select(min_ap2=90.0)
         log(result.to_markdown())
 
         # variants of JANUS(τ=0.95), on the same anchors and WiSE-FT curve

@@ -46,6 +46,7 @@ from benchmarks.forgetting import lib  # noqa: E402  (the benchmark data)
 from hf_janus import JanusConfig  # noqa: E402
 from hf_janus.evaluation import completion_task, qa_task  # noqa: E402
 from hf_janus.evaluation.local_tasks import qa_prompt  # noqa: E402
+from hf_janus.evaluation.candidates import default_peers  # noqa: E402
 from hf_janus.evaluation.frontier_search import frontier  # noqa: E402
 
 MATH_PROMPT = "Question: {question}\nAnswer:"
@@ -296,6 +297,20 @@ RUN_NAMES = {"full": "full fine-tuning, float32", "lora": "LoRA r=16, bf16 model
              "qlora": "QLoRA r=16, nf4 base, bf16 compute"}
 
 
+def candidate_spec(s: Settings, adapter: bool) -> str:
+    """The frontier's candidates of this benchmark: its own grids (no WiSE-FT → JANUS), intruder reduction for the
+    adapters, then the frontier's default post-hoc peers."""
+    def grid(name: str, option: str, values: tuple) -> list[str]:
+        return [f"{name}:{option}=" + ",".join(f"{v:g}" for v in values)] if values else []
+
+    items = grid("wise", "a", s.wise_grid)
+    items += grid("intruder", "mitigation_lambda", s.intruder_lambdas) if adapter else []
+    items += grid("janus", "tau", s.taus) + grid("damped-janus", "damping", s.dampings)
+    items += grid("janus-to-reference", "b", s.hybrid_grid) + grid("janus-to-finetuned", "b", s.hybrid_grid)
+    items += grid("intruder-then-janus", "mitigation_lambda", s.pre_janus_intruder_lambdas) if adapter else []
+    return " ".join(items + [default_peers(False)])
+
+
 def summarize(quick: bool = False) -> str:
     """``results/real_model{_quick}.md``: per run, θ̂, JANUS at its defaults, the frontier's choice (max AP) and
     the best peer points, with the margins over the WiSE-FT and intruder-reduction curves."""
@@ -379,9 +394,7 @@ def main() -> None:
             qa_task(data["paths"]["past_wq"], "past_webq_own", max_new_tokens=s.answer_tokens)]
     new = [completion_task(data["paths"]["new_gsm"], "new_gsm8k")]
     result = frontier(reference, finetuned, data["replay"], past_tasks=past, new_tasks=new, config=config,
-                      wise_grid=s.wise_grid, taus=s.taus, dampings=s.dampings, hybrid_grid=s.hybrid_grid,
-                      pre_janus_grid=(), intruder_lambdas=s.intruder_lambdas,
-                      pre_janus_intruder_lambdas=s.pre_janus_intruder_lambdas, tokenizer=tok,
+                      candidates=candidate_spec(s, adapter=args.run != "full"), tokenizer=tok,
                       batch_size=s.eval_batch, torch_dtype=dtype, progress=False)
 
     janus_runs = janus_run_figures(result.to_dict()["reports"], plain)

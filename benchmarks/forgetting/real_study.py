@@ -614,7 +614,7 @@ def variant_config(lever: dict) -> JanusConfig:
         if kind in lever:
             options.update(constraint=TokenMargin.register(lever[kind], with_loss=kind == "margin"),
                            cache=FACTOR_CACHE)
-    for key, field in (("r", "rank"), ("tau", "tau"), ("steps", "max_steps"), ("damp", "damping"),
+    for key, field in (("r", "compression_rank"), ("tau", "tau"), ("steps", "max_steps"), ("damp", "damping"),
                        ("repair", "distill_steps"), ("keep", "keep_gain")):
         if key in lever:
             options[field] = lever[key]

@@ -312,7 +312,8 @@ def main(argv=None) -> int:
     assert not {q.question for q in splits.replay} & {q.question for q in splits.nq_eval + splits.wq_eval}
 
     def cfg(tau: float, step_control: str = args.step_control):
-        return JanusConfig(tau=tau, beta=s.beta, rank=s.janus_rank, replay_batch_size=s.replay_batch, seed=s.seed,
+        return JanusConfig(tau=tau, beta=s.beta, compression_rank=s.janus_rank, replay_batch_size=s.replay_batch,
+                           seed=s.seed,
                            step_control=step_control)
 
     other_control = "paper" if args.step_control == "adaptive" else "adaptive"

@@ -20,7 +20,7 @@ from benchmarks.forgetting.lib import collate
 from hf_janus.evaluation.candidates import FINETUNED, REFERENCE
 from hf_janus.evaluation.candidates.base import interpolate
 from hf_janus.evaluation.candidates.wise import Wise
-from hf_janus.evaluation.frontier_search import FrontierPoint, wise_margin
+from hf_janus.evaluation.frontier_result import FrontierPoint, wise_margin
 from hf_janus.evaluation.intruder_reduction import IntruderReduction
 
 
@@ -165,7 +165,7 @@ def merged_copy(peft_model: nn.Module) -> nn.Module:
 def above_wise(point: tuple[float, float], reference: tuple[float, float], finetuned: tuple[float, float],
                wise: Sequence[tuple[float, float, float]]) -> Optional[float]:
     """How far (AP1 points) ``point`` = (AP2, AP1) lies above the WiSE-FT curve at the same AP2, as the frontier
-    measures it (:func:`hf_janus.evaluation.frontier_search.wise_margin`): the curve runs through θ0 and θ̂ (each an
+    measures it (:func:`hf_janus.evaluation.frontier_result.wise_margin`): the curve runs through θ0 and θ̂ (each an
     (AP2, AP1) pair) and the WiSE-FT points ``(a, AP2, AP1)``; ``None`` when AP2 is outside its range."""
     points = [FrontierPoint(REFERENCE, {}, ap1=reference[1], ap2=reference[0]),
               FrontierPoint(FINETUNED, {}, ap1=finetuned[1], ap2=finetuned[0])]

@@ -70,7 +70,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     names = list(resolve_target_modules(finetuned, "all-linear"))
     reference = pre_model.state_dict()
     theta0 = {n + ".weight": reference[n + ".weight"].clone() for n in names}
-    cfg = JanusConfig(tau=spec["tau"], beta=s.beta, rank=s.janus_rank, replay_batch_size=s.replay_batch, seed=s.seed)
+    cfg = JanusConfig(tau=spec["tau"], beta=s.beta, compression_rank=s.janus_rank, replay_batch_size=s.replay_batch,
+                      seed=s.seed)
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     _, report = variants.rectify_copy(finetuned, theta0, replay, cfg)
     return {

@@ -94,7 +94,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         # placement measure the same limit
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["device_memory_gib"] * pr.GIB / total), device)
-    config = JanusConfig(tau=0.0, rank=spec.get("rank", 32), replay_batch_size=spec.get("batch_size", 8),
+    config = JanusConfig(tau=0.0, compression_rank=spec.get("rank", 32), replay_batch_size=spec.get("batch_size", 8),
                          cache=spec["cache"])
     start = time.perf_counter()
     with pr.Instrument(device, verbose=True, ops=False, on_section=partial.on_section):
@@ -197,7 +197,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                     help="comma-separated bases to run, of bf16 and nf4 (default: %(default)s)")
     ap.add_argument("--m", type=int, default=None, help="replay samples (default: the size's)")
     ap.add_argument("--T", type=int, default=None, help="tokens per replay sample (default: the size's)")
-    ap.add_argument("--rank", type=int, default=32, help="JANUS compression rank (default: %(default)s)")
+    ap.add_argument("--compression-rank", type=int, default=32, help="JANUS compression rank (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=8, help="replay batch size (default: %(default)s)")
     ap.add_argument("--device", default=None, help="default: cuda when one is visible, else cpu")
     ap.add_argument("--cache", default=None, help="directory for the saved model and JanusConfig.cache (factors "
@@ -244,7 +244,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         save_model(args.size, tmp)
         progress.stage("model saved")
         for quant in args.quants:
-            rows.append(launch({"path": tmp, "quant": quant, "m": m, "T": T, "rank": args.rank,
+            rows.append(launch({"path": tmp, "quant": quant, "m": m, "T": T, "rank": args.compression_rank,
                                 "batch_size": args.batch_size, "device": device, "cache": cache,
                                 "device_memory_gib": args.device_memory_gib,
                                 "output": args.output, "partial": partial, "done": rows}))

@@ -113,7 +113,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     schedule = pr.schedule(spec["evals"]) if spec["evals"] else {}  # 0: default settings, to convergence
     if spec.get("captures", "auto") != "auto":  # only then: an engine before issue 34 has no such field
         schedule["captures"] = spec["captures"]
-    config = hf_janus.JanusConfig(rank=spec["r"], replay_batch_size=spec["batch_size"], seed=spec["seed"],
+    config = hf_janus.JanusConfig(compression_rank=spec["r"], replay_batch_size=spec["batch_size"], seed=spec["seed"],
                                   cache=spec.get("cache", "memory"), **schedule)
     options = {"factor_dtype": getattr(torch, spec["factor_dtype"])} if spec.get("factor_dtype") else {}
     if device.type == "cuda":

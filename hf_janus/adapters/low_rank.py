@@ -38,17 +38,20 @@ DEFAULT_REFINE_ITERATIONS = 5
 def validate_rank_spec(rank: RankSpec, energy: float = 0.99) -> None:
     """Raise :class:`JanusError` unless ``rank`` is ``"same"``, ``"auto"``, an int >= 1 or a float in (0, 1]."""
     if not (isinstance(energy, (int, float)) and not isinstance(energy, bool) and 0.0 < energy <= 1.0):
-        raise JanusError(f"energy={energy!r} is invalid: expected a float in (0, 1], e.g. 0.99")
+        raise JanusError(f"adapter_energy={energy!r} is invalid: expected a float in (0, 1], e.g. 0.99")
     if isinstance(rank, str):
         if rank not in ("same", "auto"):
-            raise JanusError(f"rank={rank!r} is invalid: expected 'same', 'auto', an int >= 1 or a float in (0, 1]")
+            raise JanusError(f"adapter_rank={rank!r} is invalid: expected 'same', 'auto', an int >= 1 or a float in "
+                             "(0, 1]")
         return
     if isinstance(rank, bool) or not isinstance(rank, (int, float)):
-        raise JanusError(f"rank={rank!r} is invalid: expected 'same', 'auto', an int >= 1 or a float in (0, 1]")
+        raise JanusError(f"adapter_rank={rank!r} is invalid: expected 'same', 'auto', an int >= 1 or a float in "
+                         "(0, 1]")
     if isinstance(rank, int) and rank < 1:
-        raise JanusError(f"rank={rank} is invalid: a LoRA rank must be >= 1 (use 'auto' to pick it per layer)")
+        raise JanusError(f"adapter_rank={rank} is invalid: a LoRA rank must be >= 1 (use 'auto' to pick it per "
+                         "layer)")
     if isinstance(rank, float) and not 0.0 < rank <= 1.0:
-        raise JanusError(f"rank={rank} is invalid: a float rank is an energy threshold in (0, 1]")
+        raise JanusError(f"adapter_rank={rank} is invalid: a float rank is an energy threshold in (0, 1]")
 
 
 def parse_rank_spec(text: str) -> RankSpec:

@@ -9,6 +9,7 @@ command line (``hf_janus.cli``) and the configuration reference (``docs/referenc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -44,6 +45,29 @@ GHOST_MATMULS = ("float32", "float64")
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
+#: what :class:`JanusConfig` says of keys people reach for that it does not have (PEFT's names for a LoRA's rank)
+_ADAPTER_RANK_HINT = ("JanusConfig sets JANUS, not the adapter: the rank of JANUS's compression of the Jacobian "
+                      "factors is compression_rank; a LoRA's rank is chosen where the adapter is written: "
+                      "JanusCallback(adapter_rank=...), RectifiedDelta.save_adapter(adapter_rank=...), "
+                      "hf-janus merge --adapter-rank")
+FIELD_HINTS = {name: _ADAPTER_RANK_HINT for name in ("r", "rank", "lora_r", "lora_rank", "adapter_rank")}
+
+
+def _refuse_unknown_fields(cls: type) -> type:
+    """``cls(...)`` with a keyword that is not a field raises a :class:`~hf_janus.errors.JanusError` naming the field
+    meant (the dataclass's own ``__init__`` raises a bare ``TypeError``)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        known_fields(cls, kwargs, strict=True, hints=FIELD_HINTS)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_refuse_unknown_fields
 @dataclass
 class JanusConfig:
     """Hyper-parameters of JANUS (JAcobian NUll Space) rectification; the defaults are the paper's (τ=0.95,
@@ -53,17 +77,18 @@ class JanusConfig:
     list below and the configuration reference are all made from it.
     """
 
-    tau: float = field(default=0.95, metadata={
+    tau: float = field(default=0.95, metadata={"main": True,
         "help": "acceptance threshold τ on the mean cosine c̄ of the principal angles between the Jacobian row "
                 "spaces at the current point and at the trial point, averaged over layers (0 = single-step "
                 "JANUS)"})
     beta: float = field(default=0.7, metadata={
         "help": "step-size decay β after a rejected trial, in (0, 1): the step sizes tried lie on the grid 1, β, "
                 "β², ..."})
-    rank: Optional[int] = field(default=32, metadata={
+    compression_rank: Optional[int] = field(default=32, metadata={"main": True,
         "help": "rank r of the sequence-level SVD compression of the captured inputs and output gradients (None, "
-                "or 0 on the command line: no compression, every token kept: exact, more memory)",
-        "cli": "--compression-rank", "zero_is_none": True})
+                "or 0 on the command line: no compression, every token kept: exact, more memory); not a LoRA's "
+                "rank, which is adapter_rank where an adapter is written",
+        "zero_is_none": True})
     compression: str = field(default="auto", metadata={"internal": True,
         "help": "how the rank-r approximation is computed: exact (per-sample QR + SVD: the optimum, as in the "
                 "paper), randomized (batched subspace iteration, close to the optimum, much faster on accelerators) "
@@ -171,12 +196,12 @@ class JanusConfig:
         "help": "with constraint loss: the softmax temperature T of the per-sample replay loss whose Jacobian is "
                 "kept (1 = the paper's; T > 1 softens confident predictions so that they keep a gradient where the "
                 "past task is well fit; the replay loss reported and compared stays at T = 1)"})
-    distill_steps: int = field(default=0, metadata={
+    distill_steps: int = field(default=0, metadata={"main": True,
         "help": "the repair after JANUS: optimizer steps on the replay's KL divergence to θ0 that also fit the new "
                 "task's samples (new_task_weight), from the JANUS point, after which the farthest point on the line "
                 "back toward θ0 that keeps keep_gain of the new task's gain is taken, measured on held-out slices; "
                 "needs the new task's samples (0 = off: the paper's method alone)"})
-    keep_gain: float = field(default=0.95, metadata={
+    keep_gain: float = field(default=0.95, metadata={"main": True,
         "help": "with distill_steps: the share of the fine-tune's new-task gain (its loss drop from θ0 to θ̂ on "
                 "the held-out new-task samples) the chosen point must keep, in (0, 1]"})
     distill_lr: float = field(default=1e-5, metadata={
@@ -224,8 +249,8 @@ class JanusConfig:
                "1 unless constraint='loss' (a temperature scales only the loss)")
         _check(isinstance(self.beta, (int, float)) and 0.0 < self.beta < 1.0, "beta", self.beta, "a float in (0, 1)")
         _check(
-            self.rank is None or (_is_int(self.rank) and self.rank >= 1),
-            "rank", self.rank, "None or an int >= 1",
+            self.compression_rank is None or (_is_int(self.compression_rank) and self.compression_rank >= 1),
+            "compression_rank", self.compression_rank, "None or an int >= 1",
         )
         _check(self.compression in COMPRESSION_CHOICES, "compression", self.compression,
                "'auto', 'exact' or 'randomized'")
@@ -296,7 +321,7 @@ class JanusConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JanusConfig":
-        return cls(**known_fields(cls, data, strict=True))
+        return cls(**known_fields(cls, data, strict=True, hints=FIELD_HINTS))
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -359,6 +384,6 @@ JanusConfig.__doc__ = (JanusConfig.__doc__ or "").rstrip() + "\n" + _fields_docs
 
 #: :meth:`JanusConfig.paper`: the paper's Algorithm 1 and its settings (τ=0.95, β=0.7, r=32, m=256 replay samples
 #: are the caller's), every other field at its default
-PAPER: dict[str, Any] = dict(tau=0.95, beta=0.7, rank=32, compression="exact", step_control="paper",
+PAPER: dict[str, Any] = dict(tau=0.95, beta=0.7, compression_rank=32, compression="exact", step_control="paper",
                              final_step="paper", acceptance="cosine", constraint="loss", constraint_temperature=1.0,
                              damping=0.0, distill_steps=0)

@@ -304,7 +304,7 @@ def plan_memory(work: Workload, device: torch.device, cache: str, in_use: dict[s
         half = ", factor_dtype='bfloat16' (halves the factors)" if work.factor_itemsize > 2 else ""
         notes = [f"the factors that do not fit in host memory need {disk / GIB:.1f} GiB of disk in cache="
                  f"{cache!r} but {capacity['disk'] / GIB:.1f} GiB are free there; point cache at a larger file "
-                 f"system, or lower rank or the replay samples{half} (factors: "
+                 f"system, or lower compression_rank or the replay samples{half} (factors: "
                  f"{pieces['factors'] / GIB:.1f} GiB for {work.captures_alive} captures)"]
     return MemoryPlan(device=str(device), placements=placements, pieces=pieces, phases=plan, in_use=dict(in_use),
                       capacity=dict(capacity), fits=fits, notes=notes, disk_bytes=disk,
@@ -451,7 +451,8 @@ def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, i
                 f"layers: {pieces['repair'] / GIB:.1f} GiB) but {capacity[where] / GIB:.1f} GiB can be used; lower "
                 "new_task_batch_size or the target layers, or set distill_steps=0 (the JANUS point)")
     knobs = ["replay_batch_size (activations: {:.1f} GiB)".format(pieces["activations"] / GIB),
-             "rank (factors: {:.1f} GiB for {} captures)".format(pieces["factors"] / GIB, work.captures_alive),
+             "compression_rank (factors: {:.1f} GiB for {} captures)".format(pieces["factors"] / GIB,
+                                                                             work.captures_alive),
              "fewer replay samples", "target_modules / exclude_modules (fewer layers)"]
     if str(cache) == "memory":
         knobs.insert(0, "cache=<a directory> (factors spill to disk)")

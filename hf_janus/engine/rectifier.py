@@ -44,7 +44,8 @@ from hf_janus.engine.memory_plan import (
     model_dimensions,
     plan_schedule,
 )
-from hf_janus.engine.repair import Repair, RepairSpace, WeightSpace, changed_outside, check_samples
+from hf_janus.engine.repair import Repair, changed_outside, check_samples
+from hf_janus.engine.repair_space import RepairSpace, WeightSpace
 from hf_janus.engine.report import REFERENCE_JACOBIAN, RectificationReport, RepairReport, rounded_reference
 from hf_janus.engine.result import LayerResult, RectificationResult
 from hf_janus.engine.statistics import layer_statistics
@@ -58,6 +59,7 @@ from hf_janus.parallel.distributed import World
 from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3_param, passes_are_collective, reshard
 from hf_janus.replay.prepare import check_vocabulary, counted_tokens, prepare_replay, samples_without_loss
 from hf_janus.replay.resolve import resolve_new_task, resolve_replay
+from hf_janus.replay.sources import ReplayOptions
 
 logger = logging.getLogger(__name__)
 
@@ -118,14 +120,7 @@ class Rectifier:
         check_sharding(model, {name: module.weight for name, module in modules.items()})
         self.batches = prepare_replay(replay, self.config.replay_batch_size)
         check_vocabulary(self.batches, model, in_given_order=False)  # grouped by length
-        #: why a repair asked for (``config.distill_steps``) is not run, for the report; None otherwise
-        self.repair_skipped: Optional[str] = None
-        self.new_task_batches = self._new_task_batches(new_task, modules)
-        self.new_task_validation = (None if self.new_task_batches is None or new_task_validation is None
-                                    else self._labelled(new_task_validation, "new-task validation",
-                                                        "give some, or none to hold out every eighth new-task sample"))
-        if self.new_task_batches is not None:
-            check_samples(self.batches, self.new_task_batches, self.new_task_validation)
+        self._read_new_task(new_task, new_task_validation, modules)
         # an explicit dtype wins over config.factor_dtype (the memory plan resolves "auto")
         factor_dtype = (self.config.factor_dtype if factor_dtype is None
                         else str(factor_dtype).replace("torch.", ""))
@@ -155,6 +150,18 @@ class Rectifier:
         # passes: a rank with a shorter share repeats a batch and discards what it measured.
         collective = passes_are_collective(model)
         self.idle_batches = self.batches[:1] * self.world.shortfall(self.batches) if collective else []
+
+    def _read_new_task(self, new_task: Any, validation: Any, modules: dict[str, nn.Module]) -> None:
+        """The repair's samples, checked against the replay now, before any work (``new_task_batches`` and
+        ``new_task_validation``, None without a repair), and why a repair asked for is skipped."""
+        #: why a repair asked for (``config.distill_steps``) is not run, for the report; None otherwise
+        self.repair_skipped: Optional[str] = None
+        self.new_task_batches = self._new_task_batches(new_task, modules)
+        self.new_task_validation = (None if self.new_task_batches is None or validation is None
+                                    else self._labelled(validation, "new-task validation",
+                                                        "give some, or none to hold out every eighth new-task sample"))
+        if self.new_task_batches is not None:
+            check_samples(self.batches, self.new_task_batches, self.new_task_validation)
 
     def _new_task_batches(self, new_task: Any, modules: dict[str, nn.Module]) -> Optional[list[dict[str, Tensor]]]:
         """The new task's batches for the repair after JANUS (every rank holds them all and takes its rows of each),
@@ -204,7 +211,7 @@ class Rectifier:
             layers=shapes, num_samples=sum(int(b["input_ids"].shape[0]) for b in self.batches),
             rows_per_sample=make_constraint(cfg).rows_per_sample,
             batch_size=max(int(b["input_ids"].shape[0]) for b in self.batches),
-            seq_len=max(int(b["input_ids"].shape[1]) for b in self.batches), rank=cfg.rank,
+            seq_len=max(int(b["input_ids"].shape[1]) for b in self.batches), rank=cfg.compression_rank,
             activation_itemsize=floats[0].element_size() if floats else 4,
             matmul_itemsize=torch.empty((), dtype=getattr(torch, cfg.ghost_matmul)).element_size(),
             materialize_max_bytes=cfg.materialize_max_bytes, captures_alive=CAPTURES_ALIVE[cfg.step_control],
@@ -247,10 +254,12 @@ class Rectifier:
         targets = {layer.name: (layer.module, layer.d_in, layer.d_out) for layer in self.layers}
         cfg = self.config
         kinds = dict(compression=cfg.compression, constraint=make_constraint(cfg))
-        result = capture_factors(self.model, targets, self.local_batches, self.store, tag, cfg.rank, self.timer,
+        result = capture_factors(self.model, targets, self.local_batches, self.store, tag, cfg.compression_rank,
+                                 self.timer,
                                  **kinds)
         if self.idle_batches:
-            capture_factors(self.model, targets, self.idle_batches, self.store, "_idle", cfg.rank, self.timer, **kinds)
+            capture_factors(self.model, targets, self.idle_batches, self.store, "_idle", cfg.compression_rank,
+                            self.timer, **kinds)
             self.store.drop("_idle")
         shapes = {layer.name: (layer.d_in, layer.d_out) for layer in self.layers}
         return self.observer.captured(tag, combine_ranks(self.world, self.store, result, shapes, self.device,
@@ -407,7 +416,7 @@ class Rectifier:
         hint = ""
         if isinstance(err, torch.OutOfMemoryError) or (
                 isinstance(err, RuntimeError) and "out of memory" in str(err).lower()):
-            hint = " Lower replay_batch_size or rank, or set cache to a directory."
+            hint = " Lower replay_batch_size or compression_rank, or set cache to a directory."
         raise RectificationError(
             f"JANUS rectification failed while {phase}: {type(err).__name__}: {err}. The model was restored "
             f"to its fine-tuned weights.{hint}"
@@ -416,7 +425,8 @@ class Rectifier:
 
 def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optional[JanusConfig] = None, *,
             progress: bool = True, finetuned: Optional[Mapping[str, Tensor]] = None,
-            new_task: Any = None, new_task_validation: Any = None, tokenizer: Any = None) -> RectificationReport:
+            new_task: Any = None, new_task_validation: Any = None, tokenizer: Any = None,
+            replay_options: Optional[ReplayOptions] = None) -> RectificationReport:
     """Rectify a fine-tuned model in place so that it forgets less of a past task.
 
     Args:
@@ -442,6 +452,8 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
         new_task_validation: held-out samples of the new task, for the repair's gain instead of every eighth of
             ``new_task`` (which it then fits whole).
         tokenizer: for replay or new-task samples given as text (a file, dataset id or rows of text).
+        replay_options: how replay given by name or as rows of text is read (:class:`~hf_janus.ReplayOptions`, as
+            ``JanusMerger`` reads it).
 
     Returns:
         A :class:`RectificationReport`. On failure the model is restored to θ̂ exactly and a
@@ -449,7 +461,8 @@ def rectify(model: nn.Module, reference: Reference, replay: Any, config: Optiona
         says what happened.
     """
     generator = reference if isinstance(reference, nn.Module) else None
-    replay = resolve_replay(replay, reference=generator, tokenizer=tokenizer, progress=progress).samples
+    replay = resolve_replay(replay, reference=generator, tokenizer=tokenizer, options=replay_options,
+                            progress=progress).samples
     new_task, new_task_validation = (resolve_new_task(samples, tokenizer=tokenizer)
                                      for samples in (new_task, new_task_validation))
     weights = WeightSource(reference, finetuned=finetuned)

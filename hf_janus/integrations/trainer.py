@@ -34,6 +34,7 @@ from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3, is_
 from hf_janus.publish.record_file import REPORT_NAME
 from hf_janus.replay.resolve import ResolvedReplay, resolve_replay
 from hf_janus.replay.self_replay import SelfReplay
+from hf_janus.replay.sources import ReplayOptions, check_replay_source
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class JanusCallback(TrainerCallback):
             pass the samples ``SelfReplay.generate`` gave instead. None (no past-task data): ``SelfReplay()``, θ0's
             answers to the package's generic prompts: it protects θ0's general behaviour and brings back fewer lost
             answers than replay of the past task (docs/concepts/choosing-parameters.md, "Where to get replay").
+            A local file or folder that does not exist is refused here, when the callback is built.
         config: :class:`JanusConfig` (defaults to τ=0.95, β=0.7, r=32).
         snapshot: where θ0 is kept during training: ``"cpu"`` (host memory) or ``"disk"`` (a safetensors
             file in ``args.output_dir``). θ0 never stays on the accelerator. The file is removed when the run
@@ -84,12 +86,12 @@ class JanusCallback(TrainerCallback):
             given in ``Trainer(callbacks=[...])``, from the Trainer being built. Copies in checkpoints stay.
         on_error: ``"raise"`` (default) or ``"warn"``: on failure the model keeps its fine-tuned weights
             either way; ``"warn"`` logs the error and lets training finish normally.
-        trainer: optional ``Trainer``; when given, the rectification steps are logged with ``trainer.log``
-            so every reporting integration (wandb, tensorboard, ...) receives them. Required for
-            ``peft_output="merged"`` (the merged model replaces ``trainer.model``). Publishing does not need
-            it: the callback finds the Trainer that runs it (given in ``Trainer(callbacks=[...])`` or added with
-            ``add_callback``), and ``trainer.save_model()``/``push_to_hub()`` after a rectifying ``train()``
-            write the same record and card either way.
+        trainer: optional ``Trainer``. Required for ``peft_output="merged"`` (the merged model replaces
+            ``trainer.model``). Otherwise the callback finds the Trainer that runs it (given in
+            ``Trainer(callbacks=[...])`` or added with ``add_callback``): the rectification's figures go through its
+            ``trainer.log``, so every reporting integration (wandb, tensorboard, ...) receives them, and
+            ``trainer.save_model()``/``push_to_hub()`` after a rectifying ``train()`` write the same record and card
+            either way.
         peft_output: for a PEFT model, ``"adapter"`` (default) writes the rectified update back into the
             LoRA factors (truncated SVD per layer, see ``adapter_rank``) so ``trainer.save_model()`` saves an
             adapter; ``"merged"`` writes the rectified weights into the base layers and replaces
@@ -103,6 +105,10 @@ class JanusCallback(TrainerCallback):
             ``save_pretrained``/``trainer.save_model()`` write both (PEFT puts an adapter not named ``"default"`` in a
             subfolder of its name), and the record and card say which is which. Refused at train begin for an
             adapter whose init rewrites the base (PiSSA, OLoRA, CorDA, ...), and for a name the model already has.
+        replay_options: how replay given by name or as rows of text is read (:class:`~hf_janus.ReplayOptions`: the
+            format, the text or prompt/response fields, how many rows, the length), as ``JanusMerger`` and
+            ``hf-janus merge --replay`` read it; default: every row of text, prompt/response rows with the prompt
+            masked.
 
     After training, ``callback.report`` is the :class:`RectificationReport`; its publication record
     (:class:`~hf_janus.publish.record_file.PublishedReport`, the document every ``janus_rectification.json`` holds)
@@ -113,9 +119,15 @@ class JanusCallback(TrainerCallback):
 
     def __init__(self, replay: Any = None, config: Optional[JanusConfig] = None, snapshot: str = "cpu",
                  peft_output: str = "adapter", adapter_rank: Any = "same", adapter_energy: float = 0.99,
-                 on_error: str = "raise", trainer: Any = None, new_adapter_name: Optional[str] = None):
+                 on_error: str = "raise", trainer: Any = None, new_adapter_name: Optional[str] = None,
+                 replay_options: Optional[ReplayOptions] = None):
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r} is invalid: expected 'raise' or 'warn'")
+        if replay_options is not None and not isinstance(replay_options, ReplayOptions):
+            raise JanusError(f"replay_options must be a hf_janus.ReplayOptions, got {type(replay_options).__name__}")
+        if isinstance(replay, (str, os.PathLike)):  # a file that is not there is refused now, not at train begin
+            check_replay_source(replay)
+        self.replay_options = replay_options
         self.snapshot = Theta0Snapshot(snapshot)
         self.peft_output = PeftOutput(peft_output, adapter_rank, adapter_energy, new_adapter_name)
         if replay is None:
@@ -380,7 +392,8 @@ class JanusCallback(TrainerCallback):
             raise JanusError("the self-replay was not generated at train begin (see the warning then), and the model "
                              "no longer holds θ0 to generate it from")
 
-        return resolve_replay(self.replay, reference=theta0 or no_theta0, tokenizer=tokenizer, progress=progress)
+        return resolve_replay(self.replay, reference=theta0 or no_theta0, tokenizer=tokenizer,
+                              options=self.replay_options, progress=progress)
 
     def _new_task_samples(self) -> Optional[list[dict[str, Any]]]:
         """What the Trainer trained on, for the repair after JANUS (``config.distill_steps``): the first batches of
@@ -432,9 +445,10 @@ class JanusCallback(TrainerCallback):
                        "janus/repair_replay_agreement": chosen.replay_agreement, "janus/repair_seconds": repair.seconds}
             # the JANUS point kept has no move, and a fine-tune without gain no share of it: the loggers take numbers
             entries.append({k: v for k, v in figures.items() if v is not None})
+        trainer = self.link.trainer  # given or found: its log reaches every reporting integration it has
         for logs in entries:
-            if self.trainer is not None:
-                self.trainer.log(logs)
+            if trainer is not None:
+                trainer.log(logs)
             else:
                 state.log_history.append({**logs, "step": state.global_step})
 

@@ -3,8 +3,9 @@
 Rendered with huggingface_hub's ``ModelCard.from_template`` from ``model_card_templates/janus_modelcard.md``
 (shipped inside the package) and ``ModelCardData`` front matter: ``base_model`` (Hub ids only: the Hub
 rejects paths there), ``library_name`` (``peft`` for adapters, ``transformers`` for full models), ``tags``
-(``janus``, ``hf-janus``, ``janus-rectified``), ``datasets`` (the replay dataset, when it is a Hub id) and
-``pipeline_tag``.
+(``janus``, ``hf-janus``, ``janus-rectified``), ``datasets`` (the replay dataset, when it is a Hub id),
+``pipeline_tag``, the licence the base model's own card declares, and, for a point ``frontier`` chose, its scores as
+``model-index``.
 
 Our text lives between ``<!-- hf-janus:begin ... -->`` and ``<!-- hf-janus:end -->``. When a card already
 exists (the one ``Trainer.create_model_card`` writes, or one the user edited), its front matter is kept and
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import html
 import json
-
+import math
 import os
 import re
 from importlib import resources
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from hf_janus.errors import JanusError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     from hf_janus.engine.acceptance import AcceptanceRule
     from hf_janus.publish.provenance import RepoRef
@@ -147,7 +148,7 @@ def _refactor_line(published: "PublishedReport") -> Optional[str]:
     ranks = [int(s["rank"]) for s in layers]
     kept = [float(s["kept_energy"]) for s in layers if s.get("kept_energy") is not None]
     rank_text = str(ranks[0]) if min(ranks) == max(ranks) else f"{min(ranks)}..{max(ranks)}"
-    line = f"rank {rank_text} per layer"
+    line = f"LoRA rank {rank_text} per layer"
     if kept:
         line += f", kept energy ≥ {min(kept):.4f}"
     if source.get("refine"):
@@ -270,7 +271,8 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
         "tau": _fmt(cfg.get("tau"), "g"),
         **_acceptance_variables(cfg),
         "beta": _fmt(cfg.get("beta"), "g"),
-        "rank": "none (every token kept, exact)" if cfg.get("rank") is None else str(cfg["rank"]),
+        "compression_rank": ("none (every token kept, exact)" if cfg.get("compression_rank") is None
+                             else str(cfg["compression_rank"])),
         "settings_line": _settings_line(cfg),
         "m": f"{rect.num_samples}" + (f" ({rect.num_tokens} tokens)" if rect.num_tokens else ""),
         "result_line": result,
@@ -290,8 +292,10 @@ def template_variables(published: "PublishedReport", *, load_id: str) -> dict[st
     }
 
 
-def card_data(published: "PublishedReport", *, pipeline_tag: Optional[str] = None) -> "ModelCardData":
-    """The front matter: only Hub ids go into ``base_model``/``datasets`` (the Hub validates them)."""
+def card_data(published: "PublishedReport", *, pipeline_tag: Optional[str] = None,
+              model_name: Optional[str] = None) -> "ModelCardData":
+    """The front matter: only Hub ids go into ``base_model``/``datasets`` (the Hub validates them); the base model
+    card's licence; a frontier's scores of the chosen point as ``model-index`` (under ``model_name``)."""
     from huggingface_hub import ModelCardData
 
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -306,18 +310,49 @@ def card_data(published: "PublishedReport", *, pipeline_tag: Optional[str] = Non
         return ref.id
 
     base, replay = hub_id(published.base_model), hub_id(published.replay)
+    licence = (published.base_model.license if published.base_model is not None else None) or {}
+    results = eval_results(published.frontier)
     return ModelCardData(
         base_model=base,
         library_name="peft" if published.kind == "adapter" else "transformers",
         tags=list(JANUS_TAGS),
         datasets=[replay] if replay else None,
         pipeline_tag=pipeline_tag,
+        eval_results=results or None,
+        model_name=model_name if results else None,
+        **licence,
     )
+
+
+def eval_results(frontier: Any) -> list["EvalResult"]:
+    """The chosen point's scores on each task the frontier scored, as the Hub's ``model-index`` entries (a task named
+    by a file is named by the file's name); empty without a frontier record, or for entries of other types."""
+    from huggingface_hub import EvalResult
+
+    if not isinstance(frontier, Mapping):
+        return []
+    chosen, metrics = frontier.get("chosen"), frontier.get("metrics")
+    scores = chosen.get("scores") if isinstance(chosen, Mapping) else None
+    if not isinstance(scores, Mapping):
+        return []
+    metrics = metrics if isinstance(metrics, Mapping) else {}
+    tasks = [task for key in ("past_tasks", "new_tasks") if isinstance(frontier.get(key), list)
+             for task in frontier[key] if isinstance(task, str)]
+    out = []
+    for task in tasks:
+        value = scores.get(task)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        name = os.path.basename(task) if os.sep in task else task
+        out.append(EvalResult(task_type="text-generation", dataset_type=name, dataset_name=name,
+                              metric_type=str(metrics.get(task) or "score"), metric_value=float(value)))
+    return out
 
 
 def _merge_data(existing: "ModelCardData", ours: "ModelCardData") -> None:
     """Add our front matter to ``existing`` in place: tags and datasets are unioned; ``library_name`` is ours
-    (it decides how the Hub loads the repo); ``base_model``/``pipeline_tag`` fill in what is missing."""
+    (it decides how the Hub loads the repo); the rest (base model, pipeline tag, licence, evaluation results) fill
+    in what is missing."""
     def as_list(value: Any) -> list[Any]:
         return [] if value is None else [value] if isinstance(value, str) else list(value)
 
@@ -325,7 +360,8 @@ def _merge_data(existing: "ModelCardData", ours: "ModelCardData") -> None:
     datasets = list(dict.fromkeys(as_list(existing.get("datasets")) + as_list(ours.datasets)))
     existing.datasets = datasets or None
     existing.library_name = ours.library_name
-    for key in ("base_model", "pipeline_tag"):
+    for key in ("base_model", "pipeline_tag", "license", "license_name", "license_link", "eval_results",
+                "model_name"):
         if existing.get(key) is None and getattr(ours, key, None) is not None:
             setattr(existing, key, getattr(ours, key))
 
@@ -342,7 +378,7 @@ def render_card(published: "PublishedReport", *, load_id: str, existing: Optiona
     """
     from huggingface_hub import ModelCard
 
-    data = card_data(published, pipeline_tag=pipeline_tag)
+    data = card_data(published, pipeline_tag=pipeline_tag, model_name=os.path.basename(os.path.normpath(load_id)))
     old = ModelCard(existing, ignore_metadata_errors=True) if existing and existing.strip() else None
     foreign_text = bool(old is not None and _BLOCK_RE.sub("", old.text).strip())
     # A card of its own gets a top-level title; inside someone else's card our part is a section.

@@ -34,6 +34,9 @@ class RepoRef:
     local: bool = False
     kind: Optional[str] = None  # adapters: "lora", "dora", "pissa (converted)", ...
     peft_type: Optional[str] = None
+    #: the licence its own model card declares (``license``, and ``license_name``/``license_link`` for "other"),
+    #: which a card derived from it repeats; None when it has no card or the card says none
+    license: Optional[dict[str, str]] = None
 
     @property
     def is_hub(self) -> bool:
@@ -133,20 +136,64 @@ def _sha_from_api(repo_id: str, revision: Optional[str], repo_type: str, token: 
 
 def resolve_repo(name: Union[str, os.PathLike, RepoRef, None], revision: Optional[str] = None, *,
                  repo_type: str = "model", token: Any = None, local_path: Optional[str] = None,
-                 online: bool = True) -> Optional[RepoRef]:
+                 online: bool = True, licence: bool = False) -> Optional[RepoRef]:
     """Describe a model/adapter/dataset: ``local`` for an existing or path-like name, else a Hub repo id whose
     commit is taken from, in order: ``revision`` if it is a full sha, ``local_path`` if it is a cache snapshot,
-    the local cache's ref for ``revision``, and (``online``) ``HfApi().repo_info(...).sha``."""
+    the local cache's ref for ``revision``, and (``online``) ``HfApi().repo_info(...).sha``. With ``licence`` (a base
+    model, whose licence a derived model's card repeats), the licence its own model card declares."""
     if name is None or isinstance(name, RepoRef):
         return name
     name = os.fspath(name)
     if is_local(name):  # a cache snapshot passed as a path still knows its commit
-        return RepoRef(id=name, revision=revision, sha=_snapshot_sha(name), local=True)
+        card = os.path.join(name, CARD_FILE) if os.path.isdir(name) else None
+        return RepoRef(id=name, revision=revision, sha=_snapshot_sha(name), local=True,
+                       license=_card_license(card) if licence else None)
     sha = revision if revision and SHA_RE.match(revision) else None
     sha = sha or _snapshot_sha(local_path) or _sha_from_cache(name, revision, repo_type)
     if sha is None and online:
         sha = _sha_from_api(name, revision, repo_type, token)
-    return RepoRef(id=name, revision=revision, sha=sha, local=False)
+    ref = RepoRef(id=name, revision=revision, sha=sha, local=False)
+    if licence:
+        ref.license = _card_license(_hub_card(name, sha or revision, token, online))
+    return ref
+
+
+#: a model repository's card, whose front matter says its licence
+CARD_FILE = "README.md"
+_LICENSE_KEYS = ("license", "license_name", "license_link")
+
+
+def _hub_card(repo_id: str, revision: Optional[str], token: Any, online: bool) -> Optional[str]:
+    """The local path of a Hub model's card: from the cache, else downloaded (``online``); None when it has none or
+    the Hub cannot be reached (the licence is then left out of what derives from it, never guessed)."""
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, CARD_FILE, revision=revision)
+    if isinstance(cached, str):
+        return cached
+    if not online or constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        return hf_hub_download(repo_id, CARD_FILE, revision=revision, token=token)
+    except Exception as err:  # provenance is best effort: a publication must not fail on it
+        logger.info("no model card read for %r (%s: %s): its licence is not repeated", repo_id, type(err).__name__,
+                    err)
+        return None
+
+
+def _card_license(path: Optional[str]) -> Optional[dict[str, str]]:
+    """The licence entries of the model card at ``path`` (its YAML front matter); None without one."""
+    if path is None or not os.path.isfile(path):
+        return None
+    from huggingface_hub import ModelCard
+
+    try:
+        data = ModelCard.load(path, ignore_metadata_errors=True).data
+    except Exception as err:  # an unreadable card names no licence
+        logger.info("could not read the model card %s (%s: %s)", path, type(err).__name__, err)
+        return None
+    found = {key: str(data.get(key)) for key in _LICENSE_KEYS if data.get(key)}
+    return found if "license" in found else None
 
 
 def _samples_fingerprint(samples: Iterable[Any]) -> Optional[str]:
@@ -200,5 +247,4 @@ def describe_model(model: Any, *, token: Any = None, online: bool = True) -> Opt
         revision = None
     if not name:  # built from a config: nothing to point at
         return None
-    return resolve_repo(name, revision, token=token, online=online)
-
+    return resolve_repo(name, revision, token=token, online=online, licence=True)

@@ -297,7 +297,7 @@ def build_report(report: RectificationReport, *, kind: str, base_model: Union[st
     if isinstance(replay_info, dict):
         replay_info = ReplayInfo.from_dict(replay_info)
     return PublishedReport(kind=kind, rectification=report,
-                           base_model=resolve_repo(base_model, token=token, online=online),
+                           base_model=resolve_repo(base_model, token=token, online=online, licence=True),
                            adapter=resolve_repo(adapter, token=token, online=online), replay=replay_info, merge=merge,
                            frontier=frontier)
 

@@ -32,7 +32,7 @@ def safetensors_metadata(published: PublishedReport) -> dict[str, str]:
         "hf_janus_version": published.hf_janus_version,
         "kind": published.kind,
         "report": REPORT_NAME,
-        "config": {k: cfg.get(k) for k in ("tau", "beta", "rank", "max_steps", "min_alpha") if k in cfg},
+        "config": {k: cfg.get(k) for k in ("tau", "beta", "compression_rank", "max_steps", "min_alpha") if k in cfg},
         "num_samples": rect.num_samples,
         "alphas": short(published.alphas),
         "mean_cosines": short(published.mean_cosines),

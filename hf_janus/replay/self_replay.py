@@ -38,7 +38,7 @@ from hf_janus.replay.generation_cache import (cache_key, default_cache_dir, mode
 from hf_janus.replay.generation_model import (check_context, check_generative, eos_ids, generative_model,
                                               require_tokenizer)
 from hf_janus.replay.prepare import IGNORE_INDEX
-from hf_janus.replay.sources import DEFAULT_NUM_SAMPLES, load_replay_dataset, parse_replay_spec
+from hf_janus.replay.sources import DEFAULT_NUM_SAMPLES, check_replay_source, load_replay_dataset, parse_replay_spec
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,8 @@ class SelfReplay:
         if self.prompts is None:
             raise JanusError("SelfReplay prompts=None: give prompts (a list, a Dataset, a file or a Hub dataset), "
                              f"or {GENERIC!r} / {BOS!r} for replay without data")
+        if isinstance(self.prompts, (str, os.PathLike)) and not (self._names(GENERIC) or self._names(BOS)):
+            check_replay_source(self.prompts, what="SelfReplay prompts")
 
     # ---- public ---------------------------------------------------------------------------------------
     def generate(self, model: nn.Module, tokenizer: Any = None) -> list[dict[str, list[int]]]:

@@ -49,8 +49,8 @@ class ReplayOptions:
                 "tokens: an input_ids column; auto: tokens if input_ids exists, else prompt-response if both "
                 "fields exist, else text", "choices": FORMATS, "cli": "--replay-format"})
     text_field: str = field(default="text", metadata={"help": "the text column"})
-    prompt_field: str = field(default="prompt", metadata={"help": "the prompt column"})
-    response_field: str = field(default="response", metadata={"help": "the response column"})
+    prompt_field: str = field(default="prompt", metadata={"main": True, "help": "the prompt column"})
+    response_field: str = field(default="response", metadata={"main": True, "help": "the response column"})
     max_length: Optional[int] = field(default=DEFAULT_MAX_LENGTH, metadata={
         "help": "cut replay sequences to this many tokens"})
     num_samples: Optional[int] = field(default=DEFAULT_NUM_SAMPLES, metadata={
@@ -103,6 +103,25 @@ def _pick_split(dataset_dict: Any, split: Optional[str], source: str) -> Any:
     raise JanusError(f"replay dataset {source!r} has splits {sorted(dataset_dict)}; choose one with {source}:SPLIT")
 
 
+def check_replay_source(source: Any, what: str = "replay") -> None:
+    """Refuse, without reading it, a named source that cannot be read: a local file or directory that does not exist
+    (a name that looks like a path, or ends like a data file), a file of an unsupported type, an empty file. A Hub
+    dataset id passes (it is checked when it is opened)."""
+    source = os.fspath(source)
+    name, _ = parse_replay_spec(source)
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in _BUILDERS:
+            raise JanusError(f"{what} file {name!r} has an unsupported extension {ext or '(none)'}; use one of "
+                             f"{', '.join(sorted(_BUILDERS))}, a datasets directory or a Hub dataset id")
+        if os.path.getsize(path) == 0:
+            raise JanusError(f"{what} file {name!r} is empty: write the samples into it (one JSON object per line "
+                             "for .jsonl, rows with a header for .csv)")
+    elif not os.path.isdir(path) and (looks_like_local_path(name) or os.path.splitext(path)[1].lower() in _BUILDERS):
+        raise JanusError(f"{what} file or directory {name!r} does not exist")
+
+
 def load_replay_dataset(source: str, split: Optional[str] = None, revision: Optional[str] = None,
                         token: Any = None) -> Any:
     """Open ``source`` as one ``datasets.Dataset`` (see the module docstring for what ``source`` may be)."""
@@ -110,16 +129,9 @@ def load_replay_dataset(source: str, split: Optional[str] = None, revision: Opti
 
     path = os.path.expanduser(os.fspath(source))
     try:
+        check_replay_source(source)
         if os.path.isfile(path):
             ext = os.path.splitext(path)[1].lower()
-            if ext not in _BUILDERS:
-                raise JanusError(
-                    f"replay file {source!r} has an unsupported extension {ext or '(none)'}; use one of "
-                    f"{', '.join(sorted(_BUILDERS))}, a datasets directory or a Hub dataset id"
-                )
-            if os.path.getsize(path) == 0:
-                raise JanusError(f"replay file {source!r} is empty: write the past-task samples into it (one JSON "
-                                 "object per line for .jsonl, rows with a header for .csv)")
             return datasets.load_dataset(_BUILDERS[ext], data_files=path, split=split or "train")
         if os.path.isdir(path):
             if _is_saved_dataset(path):
@@ -130,8 +142,6 @@ def load_replay_dataset(source: str, split: Optional[str] = None, revision: Opti
                     raise JanusError(f"replay dataset {source!r} is a single saved Dataset; drop the ':{split}' suffix")
                 return loaded
             return datasets.load_dataset(path, split=split or "train")
-        if looks_like_local_path(source) or os.path.splitext(path)[1].lower() in _BUILDERS:
-            raise JanusError(f"replay file or directory {source!r} does not exist")
         kwargs: dict[str, Any] = {"split": split or "train"}
         if revision:
             kwargs["revision"] = revision

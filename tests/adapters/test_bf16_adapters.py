@@ -22,7 +22,7 @@ from hf_janus.adapters.live.rectify import PeftOutput, rectify_live_peft
 
 bnb = pytest.importorskip("bitsandbytes")
 
-EXACT = JanusConfig(tau=0.0, rank=None, replay_batch_size=6)  # single step, no compression
+EXACT = JanusConfig(tau=0.0, compression_rank=None, replay_batch_size=6)  # single step, no compression
 RELATIVE_UPDATE = 1.5e-2  # |ΔW| / |W| per layer
 FULL_RANK = 64  # min(d_out, d_in) of every target layer: writing the adapter back truncates nothing
 #: The bound on |ΔW − ΔW_rect outside the row space|, as a share of what was removed, |ΔW − ΔW_rect|. The capture runs

@@ -171,7 +171,7 @@ def lora_delta(peft_model, name):
 
 
 def test_full_rank_adapter_reproduces_delta_and_logits(ws, lora_result, tmp_path):
-    out = lora_result.save_adapter(tmp_path / "full-rank", rank=10_000, progress=False)
+    out = lora_result.save_adapter(tmp_path / "full-rank", adapter_rank=10_000, progress=False)
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
     assert cfg["peft_type"] == "LORA" and not cfg["use_rslora"] and not cfg["use_dora"]
     assert cfg["lora_alpha"] == cfg["r"] and cfg["alpha_pattern"] == cfg["rank_pattern"]
@@ -194,7 +194,7 @@ def test_full_rank_adapter_reproduces_delta_and_logits(ws, lora_result, tmp_path
 @pytest.mark.parametrize("kind", ["dora", "embed-mts", "pissa"])
 def test_other_kinds_save_as_plain_lora(ws, kind, tmp_path):
     delta = JanusMerger(ws["base"], ws[kind], ws["replay"], fast_config(), progress=False).run()
-    out = delta.save_adapter(tmp_path / kind, rank=10_000, progress=False)
+    out = delta.save_adapter(tmp_path / kind, adapter_rank=10_000, progress=False)
     reloaded = reload_adapter(ws["base"], out)
     torch.testing.assert_close(logits(reloaded, IDS), logits(delta.model, IDS), rtol=0, atol=1e-5)
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
@@ -206,7 +206,7 @@ def test_other_kinds_save_as_plain_lora(ws, kind, tmp_path):
 
 def test_same_and_auto_rank(ws, tmp_path):
     delta = JanusMerger(ws["base"], ws["rslora-patterns"], ws["replay"], fast_config(), progress=False).run()
-    out = delta.save_adapter(tmp_path / "same", rank="same", progress=False)
+    out = delta.save_adapter(tmp_path / "same", adapter_rank="same", progress=False)
     stats = {s["name"]: s for s in delta.report.refactorization["layers"]}
     reloaded = reload_adapter(ws["base"], out)
     for name, layer in delta.layers.items():
@@ -218,7 +218,7 @@ def test_same_and_auto_rank(ws, tmp_path):
         assert stats[name]["kept_energy"] == pytest.approx(float((s[:k] ** 2).sum() / (s**2).sum()))
 
     for spec in ("auto", 0.9):
-        out = delta.save_adapter(tmp_path / f"auto-{spec}", rank=spec, energy=0.9, progress=False)
+        out = delta.save_adapter(tmp_path / f"auto-{spec}", adapter_rank=spec, adapter_energy=0.9, progress=False)
         cfg = json.load(open(os.path.join(out, "adapter_config.json")))
         for s in delta.report.refactorization["layers"]:
             sv = torch.linalg.svdvals(delta.delta(s["name"]).double())
@@ -229,7 +229,7 @@ def test_same_and_auto_rank(ws, tmp_path):
 
 
 def test_refine_gives_back_less_of_the_repair(ws, lora_result, tmp_path):
-    out = lora_result.save_adapter(tmp_path / "refined", rank=2, refine=True, progress=False)
+    out = lora_result.save_adapter(tmp_path / "refined", adapter_rank=2, refine=True, progress=False)
     reloaded = reload_adapter(ws["base"], out)
     stats = {s["name"]: s for s in lora_result.report.refactorization["layers"]}
     improved = 0
@@ -258,7 +258,7 @@ def test_lora_bias_is_saved_in_the_adapter_and_base_biases_are_refused(ws, tmp_p
     assert not torch.equal(delta.model.model.layers[0].self_attn.q_proj.bias,
                            load_base(base).model.layers[0].self_attn.q_proj.bias)  # the bias update is kept
     # lora_bias: the adapter holds s·lora_B.bias (scaling 1 after re-factorization), at full rank the same model
-    delta.save_adapter(tmp_path / "out", rank=16, progress=False)
+    delta.save_adapter(tmp_path / "out", adapter_rank=16, progress=False)
     reloaded = PeftModel.from_pretrained(load_base(base), tmp_path / "out")
     torch.testing.assert_close(logits(reloaded, IDS), logits(delta.model, IDS), rtol=0, atol=1e-5)
     delta.save_full(tmp_path / "full")  # the full weights hold everything
@@ -292,7 +292,7 @@ def test_gpt2_conv1d_layers_round_trip(tmp_path):
     delta = JanusMerger(tmp_path / "gpt2", tmp_path / "gpt2-lora", random_replay(6), fast_config(),
                         progress=False).run()
     assert list(delta.delta(name).shape) == [48, 16]  # (d_out, d_in)
-    out = delta.save_adapter(tmp_path / "out", rank=10_000, progress=False)
+    out = delta.save_adapter(tmp_path / "out", adapter_rank=10_000, progress=False)
     assert json.load(open(os.path.join(out, "adapter_config.json")))["fan_in_fan_out"] is True
     reloaded = reload_adapter(tmp_path / "gpt2", out)
     torch.testing.assert_close(logits(reloaded, IDS), logits(delta.model, IDS), rtol=0, atol=1e-5)
@@ -328,7 +328,7 @@ def test_outputs_are_atomic_and_never_overwritten_silently(lora_result, tmp_path
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary directory left behind
 
     with pytest.raises(JanusError, match="rank"):  # a failure before writing leaves nothing behind
-        lora_result.save_adapter(tmp_path / "bad", rank=0)
+        lora_result.save_adapter(tmp_path / "bad", adapter_rank=0)
     assert not (tmp_path / "bad").exists()
 
 
@@ -393,7 +393,7 @@ def test_base_and_adapter_by_repo_id_from_the_hub(ws, lora_result, tmp_path):
             api.create_repo(repo)
             api.upload_folder(repo_id=repo, folder_path=folder)
         hub_result = JanusMerger("me/tiny-base", "me/tiny-lora", ws["replay"], fast_config(), progress=False).run()
-        url = hub_result.push_to_hub("me/tiny-lora-janus", rank="same", progress=False)
+        url = hub_result.push_to_hub("me/tiny-lora-janus", adapter_rank="same", progress=False)
         pushed = set(hub.list_files("me/tiny-lora-janus"))
         card = hub.read_file("me/tiny-lora-janus", "README.md").decode()
         with pytest.raises(JanusError, match="me/missing-adapter"):

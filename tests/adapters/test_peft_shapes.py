@@ -348,7 +348,7 @@ def test_saved_shape(bases, tmp_path, shape_name, precision):
 
     # Adapter output: reloads with stock PEFT to the merger's outputs (where a LoRA can hold the result).
     out = tmp_path / "out-adapter"
-    result.save_adapter(out, rank="same" if not shape.rank_can_change else FULL_RANK, progress=False)
+    result.save_adapter(out, adapter_rank="same" if not shape.rank_can_change else FULL_RANK, progress=False)
     reloaded = PeftModel.from_pretrained(load_base(bases[shape.family], precision), out)
     if shape.rank_can_change:
         torch.testing.assert_close(logits(reloaded), rect_logits, rtol=0, atol=1e-4 if precision == "fp32" else 5e-2)

@@ -25,7 +25,8 @@ QUANTIZATIONS = {
                        bnb_4bit_compute_dtype=torch.float32),
     "int8": dict(load_in_8bit=True),
 }
-EXACT = JanusConfig(tau=0.0, rank=None, replay_batch_size=4)  # single step, no compression: J0 ΔW = 0 exactly
+# single step, no compression: J0 ΔW = 0 exactly
+EXACT = JanusConfig(tau=0.0, compression_rank=None, replay_batch_size=4)
 TARGETS = ["q_proj", "v_proj", "up_proj"]
 
 
@@ -363,7 +364,7 @@ def test_merger_rectifies_a_qlora_adapter_against_its_quantized_base(base_dir, q
     assert delta.report.base_quantization == "bitsandbytes 4-bit nf4, float32 compute"
     with pytest.raises(JanusError, match="save_full.*quantized base.*save_adapter"):
         delta.save_full(tmp_path / "full")
-    out = delta.save_adapter(tmp_path / "rectified", rank=64)
+    out = delta.save_adapter(tmp_path / "rectified", adapter_rank=64)
     assert load_report(out).merge["base_quantization"] == delta.report.base_quantization
     reloaded = PeftModel.from_pretrained(quantized_base(base_dir, "nf4"), out).eval()
     rectified = effective(reloaded)

@@ -104,7 +104,8 @@ def test_merger_output_is_an_adapter_stock_peft_loads_on_an_8bit_base(base_dir, 
     with pytest.raises(JanusError, match="save_full.*quantized base.*save_adapter"):
         int8_delta.save_full(tmp_path / "full")
     assert not (tmp_path / "full").exists()
-    out = int8_delta.save_adapter(tmp_path / "rectified", rank=64, progress=False)  # 64 = min(d_out, d_in): exact
+    # 64 = min(d_out, d_in): exact
+    out = int8_delta.save_adapter(tmp_path / "rectified", adapter_rank=64, progress=False)
 
     reloaded = effective(peft_on_int8(base_dir, out))
     assert sorted(reloaded) == sorted(int8_delta.layer_names)
@@ -115,7 +116,7 @@ def test_merger_output_is_an_adapter_stock_peft_loads_on_an_8bit_base(base_dir, 
     assert config["peft_type"] == "LORA" and config["base_model_name_or_path"] == base_dir
     record = MergeReport.load(os.path.join(out, REPORT_NAME))
     assert record.output_format == "adapter" and record.rectified_layers == int8_delta.report.rectified_layers
-    assert record.refactorization["rank"] == 64
+    assert record.refactorization["adapter_rank"] == 64
     assert [s["kept_energy"] for s in record.refactorization["layers"]] == pytest.approx([1.0] * len(reloaded))
 
 
@@ -127,7 +128,7 @@ def test_cli_merge_with_load_in_8bit(base_dir, int8_adapter, tmp_path, capsys): 
     assert main([*common, "--output", str(tmp_path / "full"), "--format", "full"]) == 2
     assert "--format adapter" in capsys.readouterr().err and not (tmp_path / "full").exists()
 
-    args = [*common, "--output", str(out), "--rank", "64"]
+    args = [*common, "--output", str(out), "--adapter-rank", "64"]
     assert main(args) == 0
     assert f"rectified adapter written to {out}" in capsys.readouterr().out
     record = MergeReport.load(out / REPORT_NAME)
@@ -135,7 +136,7 @@ def test_cli_merge_with_load_in_8bit(base_dir, int8_adapter, tmp_path, capsys): 
 
     # What the API gives with the 8-bit base (measured: 1.5e-8 apart): the flag reached the loader. Rectified against
     # the dense base instead, the update is projected with another Jacobian and differs by up to 3.8e-5.
-    api = JanusMerger(base_dir, int8_adapter, replay, JanusConfig(tau=0.0, rank=None), progress=False,
+    api = JanusMerger(base_dir, int8_adapter, replay, JanusConfig(tau=0.0, compression_rank=None), progress=False,
                       quantization_config=int8_config()).run()
     for name, weight in effective(peft_on_int8(base_dir, str(out))).items():
         torch.testing.assert_close(weight, api.model.get_submodule(name).weight.double(), rtol=0, atol=1e-6)

@@ -143,14 +143,14 @@ def test_interrupted_full_save_leaves_no_output(tmp_path):
         result.save_full(tmp_path / "dry-full")
     full_total = trace.count
     with InterruptAt({"save_full", "save_adapter"}) as trace:
-        result.save_adapter(tmp_path / "dry-adapter", rank=8)
+        result.save_adapter(tmp_path / "dry-adapter", adapter_rank=8)
     adapter_total = trace.count
     for kind, total in (("full", full_total), ("adapter", adapter_total)):
         for at in points(total, seed=7):
             out = tmp_path / f"{kind}-{at}"
             with pytest.raises(KeyboardInterrupt):
                 with InterruptAt({"save_full", "save_adapter"}, at):
-                    result.save_full(out) if kind == "full" else result.save_adapter(out, rank=8)
+                    result.save_full(out) if kind == "full" else result.save_adapter(out, adapter_rank=8)
             assert not out.exists(), f"{kind}: interrupted at line {at} of {total}"
             assert [p for p in os.listdir(tmp_path) if p.startswith(f".{out.name}")] == []
     # the rectified model in memory is untouched, and a save after the interruptions works

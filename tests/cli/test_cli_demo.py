@@ -59,7 +59,8 @@ def test_help_lists_subcommands(capsys):
         main(["demo", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--quick", "--no-lora", "--seed", "--tau", "--rank", "--step-control", "{adaptive,paper}",
+    for option in ("--quick", "--no-lora", "--seed", "--tau", "--compression-rank", "--step-control",
+                   "{adaptive,paper}",
                    "--max-evaluations", "--report", "--no-progress"):
         assert option in out, option
 

@@ -39,25 +39,57 @@ def files(tmp_path_factory):
 
 
 # ---- help -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["merge", "frontier"])
-def test_help_shows_the_engines_internals_last(command, capsys):
-    """What users set (inputs, replay, JANUS's method, the repair, the output) comes first; the engine's precision,
-    memory and compression settings in their own group after them."""
-    import dataclasses
-
-    from hf_janus import JanusConfig
-    from hf_janus.cli_options import INTERNALS_TITLE
-
+def _help_groups(command, capsys) -> dict[str, list[str]]:
+    """``hf-janus COMMAND --help`` as {group title: the options it lists}, in order."""
     with pytest.raises(SystemExit):
         main([command, "--help"])
-    text = capsys.readouterr().out
-    internals = text.index(INTERNALS_TITLE)
-    assert text.index("output:") < internals
-    for f in dataclasses.fields(JanusConfig):
-        option = f.metadata.get("cli", "--" + f.name.replace("_", "-"))
-        if "help" in f.metadata:
-            listed = text.index(f"\n  {option} ")  # its entry, not the usage line
-            assert (listed > internals) == bool(f.metadata.get("internal")), option
+    groups: dict[str, list[str]] = {}
+    title = None
+    for line in capsys.readouterr().out.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            groups[title] = []
+        elif title is not None and line.startswith("  -"):
+            groups[title].append(line.split()[0].rstrip(","))
+    return {title: options for title, options in groups.items() if options}  # not the epilog's "examples:"
+
+
+@pytest.mark.parametrize("command", ["merge", "frontier"])
+def test_help_shows_what_most_runs_set_first_and_the_engines_internals_last(command, capsys):
+    """The options users set (inputs, replay, JANUS's main settings, the repair, the output) come first; the other
+    settings in "advanced" groups after them, the engine's precision, memory and compression settings last."""
+    import dataclasses
+
+    from hf_janus import JanusConfig, ReplayOptions
+    from hf_janus.cli_options import ADVANCED, ADVANCED_JANUS_TITLE, INTERNALS_TITLE, field_tier
+
+    groups = _help_groups(command, capsys)
+    titles = list(groups)
+    assert titles[-1] == INTERNALS_TITLE and titles[-2] == ADVANCED_JANUS_TITLE
+    first_advanced = next(i for i, t in enumerate(titles) if t.startswith(ADVANCED))
+    assert all(t.startswith(ADVANCED) for t in titles[first_advanced:])  # no main group after an advanced one
+    where = {option: title for title, options in groups.items() for option in options}
+    for cls in (JanusConfig, ReplayOptions):
+        for f in dataclasses.fields(cls):
+            option = f.metadata.get("cli", "--" + f.name.replace("_", "-"))
+            tier = field_tier(f)
+            expected = {"internal": INTERNALS_TITLE, ADVANCED: ADVANCED_JANUS_TITLE}.get(tier) if cls is JanusConfig \
+                else None
+            if expected is not None:
+                assert where[option] == expected, option
+            else:
+                assert where[option].startswith(ADVANCED) == (tier != "main"), (option, where[option])
+
+
+def test_merge_help_shows_at_most_20_options_before_the_advanced_ones(capsys):
+    from hf_janus.cli_options import ADVANCED
+
+    groups = _help_groups("merge", capsys)
+    main_options = [o for title, options in groups.items() if not title.startswith(ADVANCED) for o in options]
+    assert len(main_options) <= 20, main_options
+    for option in ("--base", "--adapter", "--replay", "--replay-self", "--new-task-samples", "--distill-steps",
+                   "--keep-gain", "--output", "--format", "--adapter-rank", "--push-to-hub"):
+        assert option in main_options, option
 
 
 def test_help_lists_merge_and_documents_every_option(capsys):
@@ -71,8 +103,8 @@ def test_help_lists_merge_and_documents_every_option(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--base", "--adapter", "--replay", "DATASET[:SPLIT]", "--text-field", "--prompt-field",
-                   "--response-field", "--replay-format", "--output", "--format", "{adapter,full}", "--rank",
-                   "same|auto|INT|FLOAT", "--energy", "--refine", "--overwrite", "--push-to-hub", "--revision",
+                   "--response-field", "--replay-format", "--output", "--format", "{adapter,full}", "--adapter-rank",
+                   "same|auto|INT|FLOAT", "--adapter-energy", "--refine", "--overwrite", "--push-to-hub", "--revision",
                    "--initial-adapter", "--allow-base-mismatch", "--tau", "--compression-rank", "--compression",
                    "examples:"):
         assert option in text, option
@@ -83,7 +115,7 @@ def test_janus_options_reach_the_config(capsys):
 
     base = ["merge", "--base", "b", "--adapter", "a", "--replay", "r", "--output", "o"]
     config = merge_config(build_parser().parse_args(base + ["--compression", "randomized", "--compression-rank", "0"]))
-    assert config.compression == "randomized" and config.rank is None
+    assert config.compression == "randomized" and config.compression_rank is None
     assert merge_config(build_parser().parse_args(base)).compression == "auto"
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(base + ["--compression", "svd"])
@@ -104,8 +136,8 @@ def test_merge_adapter_then_refuse_then_overwrite_full(files, tmp_path, capsys):
 
     out = tmp_path / "rectified"
     args = ["merge", "--base", files["base"], "--adapter", files["lora"], "--replay", files["text"],
-            "--text-field", "text", "--output", os.fspath(out), "--format", "adapter", "--rank", "auto",
-            "--energy", "0.95", "--refine", *FAST]
+            "--text-field", "text", "--output", os.fspath(out), "--format", "adapter", "--adapter-rank", "auto",
+            "--adapter-energy", "0.95", "--refine", *FAST]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "rectified adapter written to" in printed and "LoRA re-factorization" in printed
@@ -138,7 +170,8 @@ def test_bad_inputs_exit_2_with_a_message(files, tmp_path, capsys):
         (["--base", files["base"], "--adapter", files["base"], "--replay", files["text"]], "no adapter_config.json"),
         (["--base", files["base"], "--adapter", files["lora"], "--replay", os.fspath(tmp_path / "none.jsonl")],
          "does not exist"),
-        (["--base", files["base"], "--adapter", files["lora"], "--replay", files["text"], "--rank", "0"], "rank"),
+        (["--base", files["base"], "--adapter", files["lora"], "--replay", files["text"], "--adapter-rank", "0"],
+         "adapter_rank"),
         (["--base", files["base"], "--adapter", files["lora"], "--replay", files["text"], "--text-field", "body"],
          "no column"),
     ]

@@ -100,5 +100,6 @@ def test_docs_document_every_config_field():
     for field in dataclasses.fields(JanusConfig):
         assert field.name in rows, f"JanusConfig.{field.name} is missing from docs/reference/configuration.md"
     defaults = JanusConfig()
-    for name in ("tau", "beta", "rank", "replay_batch_size", "max_steps", "min_alpha", "gram_rcond", "seed"):
+    for name in ("tau", "beta", "compression_rank", "replay_batch_size", "max_steps", "min_alpha", "gram_rcond",
+                 "seed"):
         assert float(rows[name]) == getattr(defaults, name), name

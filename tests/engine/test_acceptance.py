@@ -78,7 +78,7 @@ def test_every_trial_records_its_score_and_whether_it_passed(tuned_llama, accept
     """score and passed are the rule's; taken is where the step moved: a taken trial passed unless the step was
     forced, and a step takes exactly one trial."""
     model, reference = tuned_llama
-    config = JanusConfig(rank=4, tau=0.99, acceptance=acceptance, loss_tolerance=0.01, max_steps=4)
+    config = JanusConfig(compression_rank=4, tau=0.99, acceptance=acceptance, loss_tolerance=0.01, max_steps=4)
     report = rectify(copy.deepcopy(model), reference, random_replay(6, seed=9), config, progress=False)
     rule = make_acceptance(config)
     assert report.steps

@@ -27,7 +27,7 @@ def test_it_passes_exactly_below_the_reference_loss_plus_the_allowance():
 def test_a_run_keeps_the_replay_loss_within_the_bound(tuned_llama):
     model, reference = tuned_llama
     tol = 0.2
-    config = JanusConfig(rank=4, acceptance="loss-absolute", loss_tolerance=tol, max_steps=6)
+    config = JanusConfig(compression_rank=4, acceptance="loss-absolute", loss_tolerance=tol, max_steps=6)
     report = rectify(copy.deepcopy(model), reference, random_replay(6, seed=9), config, progress=False)
     loss = report.replay_loss
     rise = loss["finetuned"] - loss["reference"]

@@ -92,7 +92,8 @@ def test_token_loss_keeps_each_early_token_unchanged(tuned_llama):
     residuals = {}
     for label, fields in (("token_loss", {"constraint": "token_loss", "constraint_tokens": k}), ("paper", {})):
         rectified = copy.deepcopy(model)
-        report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=None, **fields), progress=False)
+        report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, compression_rank=None, **fields),
+                         progress=False)
         assert report.converged and report.config["constraint"] == fields.get("constraint", "loss")
         worst = 0.0
         for n in names:
@@ -111,11 +112,12 @@ def test_token_loss_through_compression_and_steps(tuned_llama):
     weights = {}
     for rank in (None, 16):
         out = copy.deepcopy(model)
-        rectify(out, reference, replay, JanusConfig(constraint="token_loss", tau=0.0, rank=rank), progress=False)
+        rectify(out, reference, replay, JanusConfig(constraint="token_loss", tau=0.0, compression_rank=rank),
+                progress=False)
         weights[rank] = {n: p.detach().double() for n, p in out.named_parameters()}
     for name, exact in weights[None].items():
         torch.testing.assert_close(weights[16][name], exact, rtol=1e-5, atol=1e-6)
-    report = rectify(model, reference, replay, JanusConfig(constraint="token_loss", rank=4, max_steps=4),
+    report = rectify(model, reference, replay, JanusConfig(constraint="token_loss", compression_rank=4, max_steps=4),
                      progress=False)
     cosines = [t.mean_cosine for step in report.steps for t in step.trials if not step.forced]
     assert cosines and all(math.isfinite(c) for c in cosines), cosines

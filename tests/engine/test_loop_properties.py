@@ -101,7 +101,7 @@ def cases(draw):
     return dict(
         table=table,
         config=JanusConfig(
-            tau=TAU, beta=beta, min_alpha=min_alpha, max_steps=max_steps, rank=2,
+            tau=TAU, beta=beta, min_alpha=min_alpha, max_steps=max_steps, compression_rank=2,
             step_control=draw(st.sampled_from(("adaptive", "paper"))),
             acceptance=draw(st.sampled_from(("cosine", "loss", "both"))),
             final_step=draw(st.sampled_from(("guarded", "paper"))),
@@ -194,10 +194,10 @@ def _check(case) -> None:
 #: The two paths the review reproduced (see the tests below), which random tables reach rarely.
 FALLBACK_THEN_BUDGET = dict(
     table=[[0.5, 0.5, 0.5, 0.5, 0.994, 0.994, 0.994, 0.994, 0.994, 0.994]] * 3,
-    config=JanusConfig(tau=TAU, beta=0.7, min_alpha=0.05, max_steps=3, rank=2, max_evaluations=4))
+    config=JanusConfig(tau=TAU, beta=0.7, min_alpha=0.05, max_steps=3, compression_rank=2, max_evaluations=4))
 FALLBACK_THEN_FINAL = dict(
     table=[[0.5, 0.5, 0.5, 0.5, 0.994, 0.994, 0.994, 0.994, 0.994, 0.994], [0.5] + [0.999] * 9, [0.5] * 10],
-    config=JanusConfig(tau=TAU, beta=0.7, min_alpha=0.05, max_steps=3, rank=2, final_step="paper"))
+    config=JanusConfig(tau=TAU, beta=0.7, min_alpha=0.05, max_steps=3, compression_rank=2, final_step="paper"))
 
 
 @settings(max_examples=2000, deadline=None, derandomize=True, database=None,

@@ -138,7 +138,7 @@ def test_bfloat16_residuals_are_measured_against_the_float32_jacobian(tuned_llam
     runs = {}
     for dtype in ("float32", "bfloat16"):
         # one step at α=1 (any c̄ passes τ=0.01): ΔW_rect is the projection at θ0, so its float32 residual is ~0
-        config = JanusConfig(factor_dtype=dtype, tau=0.01, rank=4)
+        config = JanusConfig(factor_dtype=dtype, tau=0.01, compression_rank=4)
         runs[dtype] = Rectifier(copy.deepcopy(model), reference, random_replay(12), config, progress=False,
                                 keep_reference_factors=True).run()
     exact, half = runs["float32"], runs["bfloat16"]
@@ -294,7 +294,7 @@ def test_a_cache_that_cannot_be_a_directory_is_refused_before_the_run(tmp_path, 
     cache = blocker if where == "file" else blocker / "janus"
     with pytest.raises(JanusError, match=r"cache=.*factors\.bin.*(is a file|which is a file).*point cache at a "
                                          r"directory"):
-        Rectifier(model, reference, random_replay(4), JanusConfig(rank=4, cache=str(cache)), progress=False)
+        Rectifier(model, reference, random_replay(4), JanusConfig(compression_rank=4, cache=str(cache)), progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -431,14 +431,15 @@ def test_a_run_that_cannot_fit_is_refused_before_any_work(tuned_llama):
     model, reference = tuned_llama
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(JanusError, match="would run out of memory.*lower one of.*replay_batch_size"):
-        Rectifier(model, reference, random_replay(8), JanusConfig(rank=4), progress=False,
+        Rectifier(model, reference, random_replay(8), JanusConfig(compression_rank=4), progress=False,
                   observer=SmallMachine()).run()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_the_plan_is_in_the_report(tmp_path, tuned_llama):
     model, reference = tuned_llama
-    report = rectify(model, reference, random_replay(8), JanusConfig(rank=4, replay_batch_size=4), progress=False)
+    report = rectify(model, reference, random_replay(8), JanusConfig(compression_rank=4, replay_batch_size=4),
+                     progress=False)
     plan = report.memory_plan
     assert plan["fits"] and plan["device"] == "cpu" and plan["peak_host_bytes"] > plan["in_use"]["host"]
     assert set(plan["pieces"]) >= {"theta0", "current", "proj", "factors", "activations", "ghost"}
@@ -469,7 +470,7 @@ PROBE = textwrap.dedent('''
     gen = torch.Generator().manual_seed(1)
     replay = [{"input_ids": torch.randint(0, 4000, (64,), generator=gen).tolist()} for _ in range(m)]
     # the forced schedule of benchmarks/perf/measure.py: 4 evaluations, a rejected, a forced and a final step
-    config = JanusConfig(rank=16, tau=1.0, beta=0.7, min_alpha=0.5, max_steps=2, step_control="paper")
+    config = JanusConfig(compression_rank=16, tau=1.0, beta=0.7, min_alpha=0.5, max_steps=2, step_control="paper")
     measured, report = own_peak_bytes(lambda: Rectifier(model, reference, replay, config, progress=False).run().report)
     plan = report.memory_plan
     # the plan's own bytes: its peak above what was in use when it was made (in __init__, just after the baseline)

@@ -55,7 +55,7 @@ def test_single_step_equals_explicit_projection(family, ghost_matmul):
     finetuned = copy.deepcopy(model)
     replay = random_replay(6)
     names = list(resolve_target_modules(model))
-    config = JanusConfig(tau=0.0, rank=None, replay_batch_size=4, ghost_matmul=ghost_matmul)
+    config = JanusConfig(tau=0.0, compression_rank=None, replay_batch_size=4, ghost_matmul=ghost_matmul)
     report = rectify(model, reference, replay, config, progress=False)
 
     jac = explicit_jacobians(finetuned, reference, replay, names)
@@ -79,7 +79,8 @@ def test_float32_ghost_products_take_the_float64_path_steps(tuned_llama):
     runs = {}
     for matmul in ("float32", "float64"):
         copy_ = copy.deepcopy(model)
-        report = rectify(copy_, reference, random_replay(12), JanusConfig(rank=4, replay_batch_size=4, tau=0.99,
+        report = rectify(copy_, reference, random_replay(12), JanusConfig(compression_rank=4, replay_batch_size=4,
+                                                                          tau=0.99,
                                                                          ghost_matmul=matmul), progress=False)
         runs[matmul] = (report, matrices(copy_, list(resolve_target_modules(copy_))))
     (fast, fast_w), (exact, exact_w) = runs["float32"], runs["float64"]
@@ -100,7 +101,8 @@ def build_reference(model, reference):
 def test_only_target_layers_change_and_report_is_complete(tuned_llama):
     model, reference = tuned_llama
     before = copy.deepcopy(model.state_dict())
-    report = rectify(model, reference, random_replay(8), JanusConfig(rank=4, replay_batch_size=4), progress=False)
+    report = rectify(model, reference, random_replay(8), JanusConfig(compression_rank=4, replay_batch_size=4),
+                     progress=False)
     targets = set(resolve_target_modules(model))
     for key, value in model.state_dict().items():
         if key.rsplit(".", 1)[0] in targets:
@@ -118,7 +120,7 @@ def test_only_target_layers_change_and_report_is_complete(tuned_llama):
 
 def test_report_json_round_trip(tmp_path, tuned_llama):
     model, reference = tuned_llama
-    report = rectify(model, reference, random_replay(6), JanusConfig(rank=4), progress=False)
+    report = rectify(model, reference, random_replay(6), JanusConfig(compression_rank=4), progress=False)
     path = tmp_path / "janus_rectification.json"
     report.save(path)
     loaded = RectificationReport.load(path)
@@ -129,7 +131,7 @@ def test_report_json_round_trip(tmp_path, tuned_llama):
 
 def test_rectification_reduces_replay_loss():
     model, reference, replay = forgetting_setup()
-    report = rectify(model, reference, replay, JanusConfig(rank=8), progress=False)
+    report = rectify(model, reference, replay, JanusConfig(compression_rank=8), progress=False)
     loss = report.replay_loss
     assert loss["finetuned"] > loss["reference"], "the toy fine-tune should increase the replay loss"
     assert abs(loss["rectified"] - loss["reference"]) < abs(loss["finetuned"] - loss["reference"])
@@ -168,7 +170,7 @@ def test_replay_input_forms_agree(tuned_llama):
 
     model, reference = tuned_llama
     replay = random_replay(6)
-    cfg = JanusConfig(tau=0.0, rank=None, replay_batch_size=3)
+    cfg = JanusConfig(tau=0.0, compression_rank=None, replay_batch_size=3)
     results = []
     loader = DataLoader(prepare_replay(replay, 3), batch_size=None)
     for form in (replay, datasets.Dataset.from_list(replay), loader):
@@ -184,7 +186,7 @@ def test_padding_invariance(tuned_llama):
     """Batches with right padding, left padding or none at all give the same rectified weights."""
     model, reference = tuned_llama
     replay = random_replay(6)
-    cfg = JanusConfig(tau=0.0, rank=None)
+    cfg = JanusConfig(tau=0.0, compression_rank=None)
     outs = []
     for batches in (one_per_batch(replay), padded(replay, "right"), padded(replay, "left")):
         m = copy.deepcopy(model)
@@ -221,8 +223,8 @@ def test_left_padding_positions_are_consistent():
     reference = fine_tune(model)
     replay = random_replay(4)
     a, b = copy.deepcopy(model), copy.deepcopy(model)
-    ra = rectify(a, reference, one_per_batch(replay), JanusConfig(tau=0.0, rank=None), progress=False)
-    rb = rectify(b, reference, padded(replay, "left"), JanusConfig(tau=0.0, rank=None), progress=False)
+    ra = rectify(a, reference, one_per_batch(replay), JanusConfig(tau=0.0, compression_rank=None), progress=False)
+    rb = rectify(b, reference, padded(replay, "left"), JanusConfig(tau=0.0, compression_rank=None), progress=False)
     assert ra.num_tokens == rb.num_tokens
     assert ra.replay_loss["reference"] == pytest.approx(rb.replay_loss["reference"], rel=1e-5)
 
@@ -234,7 +236,7 @@ def test_labels_select_counted_tokens(tuned_llama):
     with_labels = [{**s, "labels": list(s["input_ids"])} for s in replay]
     half = [{**s, "labels": [-100] * (len(s["input_ids"]) // 2) + s["input_ids"][len(s["input_ids"]) // 2:]}
             for s in replay]
-    cfg = JanusConfig(tau=0.0, rank=None)
+    cfg = JanusConfig(tau=0.0, compression_rank=None)
     reports = []
     for data in (replay, with_labels, half):
         reports.append(rectify(copy.deepcopy(model), reference, data, cfg, progress=False))
@@ -246,8 +248,9 @@ def test_disk_cache_matches_memory(tmp_path, tuned_llama):
     model, reference = tuned_llama
     replay = random_replay(6)
     a, b = copy.deepcopy(model), copy.deepcopy(model)
-    ra = rectify(a, reference, replay, JanusConfig(rank=4, replay_batch_size=2), progress=False)
-    rb = rectify(b, reference, replay, JanusConfig(rank=4, replay_batch_size=2, cache=str(tmp_path / "cache")),
+    ra = rectify(a, reference, replay, JanusConfig(compression_rank=4, replay_batch_size=2), progress=False)
+    rb = rectify(b, reference, replay, JanusConfig(compression_rank=4, replay_batch_size=2,
+                                                   cache=str(tmp_path / "cache")),
                  progress=False)
     assert ra.alphas == rb.alphas
     for key, value in a.state_dict().items():
@@ -260,7 +263,7 @@ def test_bf16_model():
     reference = fine_tune(model)
     model = model.to(torch.bfloat16)
     finetuned = copy.deepcopy(model.state_dict())
-    report = rectify(model, reference, random_replay(6), JanusConfig(rank=4), progress=False)
+    report = rectify(model, reference, random_replay(6), JanusConfig(compression_rank=4), progress=False)
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert all(math.isfinite(v) for v in report.replay_loss.values())
     changed = [k for k in finetuned if not torch.equal(finetuned[k], model.state_dict()[k])]
@@ -273,9 +276,10 @@ def test_randomized_compression_matches_exact_when_samples_fit(tuned_llama):
     model, reference = tuned_llama
     replay = random_replay(8)
     exact, randomized = copy.deepcopy(model), copy.deepcopy(model)
-    re = rectify(exact, reference, replay, JanusConfig(rank=3, compression="exact", replay_batch_size=4),
+    re = rectify(exact, reference, replay, JanusConfig(compression_rank=3, compression="exact", replay_batch_size=4),
                  progress=False)
-    rr = rectify(randomized, reference, replay, JanusConfig(rank=3, compression="randomized", replay_batch_size=4),
+    rr = rectify(randomized, reference, replay, JanusConfig(compression_rank=3, compression="randomized",
+                                                            replay_batch_size=4),
                  progress=False)
     assert re.alphas == rr.alphas
     for key, value in exact.state_dict().items():
@@ -296,7 +300,8 @@ def test_rounding_of_low_precision_weights_is_reported(caplog, dtype):
             w = model.get_submodule(name).weight
             w.add_((0.05 * w.float().std() * torch.randn(w.shape, generator=gen)).to(dtype))
     with caplog.at_level("WARNING", logger="hf_janus.engine.rectifier"):
-        report = rectify(model, reference, random_replay(8), JanusConfig(tau=0.0, rank=None), progress=False)
+        report = rectify(model, reference, random_replay(8), JanusConfig(tau=0.0, compression_rank=None),
+                         progress=False)
     warned = [r.getMessage() for r in caplog.records if "rounding of the written weights" in r.getMessage()]
     worst = max(layer.residual for layer in report.layers if layer.residual is not None)
     if dtype == torch.bfloat16:
@@ -360,7 +365,7 @@ def test_loop_shrinks_until_accepted_then_takes_full_step(tuned_llama):
     script = Scripted([0.5, 0.9, 0.96, 0.99])
     queue = script.queue
     report = scripted_rectify(script, model, reference, random_replay(4),
-                              JanusConfig(tau=0.95, beta=0.5, rank=4, step_control="paper"))
+                              JanusConfig(tau=0.95, beta=0.5, compression_rank=4, step_control="paper"))
     assert report.alphas == [0.25, 1.0]
     assert [t.accepted for t in report.steps[0].trials] == [False, False, True]
     assert [t.alpha for t in report.steps[0].trials] == [1.0, 0.5, 0.25]
@@ -371,14 +376,15 @@ def test_loop_geometry_matches_accepted_steps(tuned_llama):
     """After steps α1, α2=1 the weights are θ0 + α1 P1 + P2: the final full step ends at the projection."""
     model, reference = tuned_llama
     scripted_rectify(Scripted([0.0, 1.0, 1.0]), model, reference, random_replay(4),
-                     JanusConfig(tau=0.5, beta=0.7, rank=4, step_control="paper"))
+                     JanusConfig(tau=0.5, beta=0.7, compression_rank=4, step_control="paper"))
     ref = reference["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, ref)
 
 
 def test_tau_zero_is_single_step(tuned_llama):
     model, reference = tuned_llama
-    report = scripted_rectify(Scripted([0.0]), model, reference, random_replay(4), JanusConfig(tau=0.0, rank=4))
+    report = scripted_rectify(Scripted([0.0]), model, reference, random_replay(4), JanusConfig(tau=0.0,
+                                                                                               compression_rank=4))
     assert report.alphas == [1.0] and report.num_jacobian_evals == 2 and report.converged
 
 
@@ -400,7 +406,7 @@ def test_current_jacobian_kept_across_trials_changes_nothing(tuned_llama):
 
         def make_workspace(self):
             return CountingWorkspace()
-    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4, step_control="paper",
+    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, compression_rank=4, step_control="paper",
                       final_step="paper")  # every trial stays in report.steps
     runs = []
     for keep in (True, False):
@@ -424,7 +430,7 @@ def test_current_jacobian_kept_across_trials_changes_nothing(tuned_llama):
 def test_min_alpha_forces_step_and_says_so(tuned_llama):
     model, reference = tuned_llama
     report = scripted_rectify(Scripted([0.1, 0.1, 0.99]), model, reference, random_replay(4),
-                              JanusConfig(tau=0.95, beta=0.5, min_alpha=0.3, rank=4, step_control="paper"))
+                              JanusConfig(tau=0.95, beta=0.5, min_alpha=0.3, compression_rank=4, step_control="paper"))
     # 1 -> 0.5 tried; 0.25 would be below min_alpha, so α=0.5 is taken although c̄ < τ.
     assert report.alphas == [0.5, 1.0]
     assert report.steps[0].forced and not report.steps[1].forced and report.converged
@@ -433,7 +439,7 @@ def test_min_alpha_forces_step_and_says_so(tuned_llama):
 def test_max_steps_takes_final_unchecked_step(tuned_llama):
     model, reference = tuned_llama
     report = scripted_rectify(Scripted([0.1, 0.99, 0.1]), model, reference, random_replay(4),
-                              JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4, step_control="paper",
+                              JanusConfig(tau=0.95, beta=0.5, max_steps=2, compression_rank=4, step_control="paper",
                                           final_step="paper"))
     assert report.alphas == [0.5, 1.0]
     assert report.steps[-1].forced and not report.converged and "max_steps" in report.stop_reason
@@ -446,7 +452,7 @@ def test_guarded_final_step_never_undoes_the_work(tuned_llama, worse):
     not rise above the last accepted point's; otherwise that point is returned and the report says so."""
     model, reference = tuned_llama
     finetuned = copy.deepcopy(model.state_dict())
-    cfg = JanusConfig(tau=0.95, beta=0.5, max_steps=2, rank=4, step_control="paper")
+    cfg = JanusConfig(tau=0.95, beta=0.5, max_steps=2, compression_rank=4, step_control="paper")
     losses = {"s0t1": 0.5, "s1t0": 0.7 if worse else 0.4}
     report = scripted_rectify(Scripted([0.1, 0.99, 0.1], losses), model, reference, random_replay(4), cfg)
     if not worse:
@@ -547,7 +553,8 @@ def test_constraint_keeps_its_jacobian(tuned_llama, constraints, fields):
     residuals = {}
     for label, config in (("chosen", fields), ("paper", {})):
         rectified = copy.deepcopy(model)
-        report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, rank=None, **config), progress=False)
+        report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, compression_rank=None, **config),
+                         progress=False)
         assert report.converged
         worst = 0.0
         for n in names:
@@ -570,7 +577,8 @@ def test_damped_projection_of_the_loss_jacobian(tuned_llama):
     rectified = {}
     for damping in (0.0, 0.05):
         out = copy.deepcopy(model)
-        report = rectify(out, reference, replay, JanusConfig(tau=0.0, rank=None, damping=damping), progress=False)
+        report = rectify(out, reference, replay, JanusConfig(tau=0.0, compression_rank=None, damping=damping),
+                         progress=False)
         assert report.converged and report.config["damping"] == damping
         rectified[damping] = {n: out.get_submodule(n).weight.detach().double() - theta0[n] for n in names}
     for n in names:
@@ -606,12 +614,14 @@ def test_weights_that_require_grad_build_no_graph(tuned_llama):
     model, reference = tuned_llama
     finetuned = {k: v.detach().clone() for k, v in model.state_dict().items()}
     plain = copy.deepcopy(model)
-    rectify(plain, reference, random_replay(4), JanusConfig(rank=4, max_steps=3), progress=False, finetuned=finetuned)
+    rectify(plain, reference, random_replay(4), JanusConfig(compression_rank=4, max_steps=3), progress=False,
+            finetuned=finetuned)
     tracked_reference = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in reference.items()}
     tracked_finetuned = {k: v.clone().requires_grad_(True) for k, v in finetuned.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        rectify(model, tracked_reference, random_replay(4), JanusConfig(rank=4, max_steps=3), progress=False,
+        rectify(model, tracked_reference, random_replay(4), JanusConfig(compression_rank=4, max_steps=3),
+                progress=False,
                 finetuned=tracked_finetuned)
     for name, value in model.state_dict().items():
         assert not value.requires_grad and torch.equal(value, plain.state_dict()[name]), name

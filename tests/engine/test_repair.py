@@ -16,11 +16,11 @@ from hf_janus import JanusConfig, JanusError, RectificationReport, rectify
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.layers import resolve_target_modules
 from hf_janus.engine.memory_plan import REPAIR_REFERENCE_CACHE_BYTES
-from hf_janus.engine.repair import (MOVES, VALIDATION_EVERY, Repair, WeightSpace,
-                                    counted_logits, keeps_positions, split_validation)
+from hf_janus.engine.repair import MOVES, VALIDATION_EVERY, Repair, counted_logits, keeps_positions, split_validation
+from hf_janus.engine.repair_space import WeightSpace
 from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay
 
-FAST = {k: v for k, v in REPAIR_CONFIG.items() if k in ("rank", "replay_batch_size", "tau")}
+FAST = {k: v for k, v in REPAIR_CONFIG.items() if k in ("compression_rank", "replay_batch_size", "tau")}
 REPAIR = {k: v for k, v in REPAIR_CONFIG.items() if k not in FAST}
 
 

@@ -15,7 +15,8 @@ from hf_janus.errors import JanusError
 def test_result_holds_theta0_finetuned_and_rectified_per_layer(tuned_llama):
     model, reference = tuned_llama
     finetuned = {k: v.clone() for k, v in model.state_dict().items()}
-    rectifier = Rectifier(model, reference, random_replay(6), JanusConfig(rank=4, replay_batch_size=3, max_steps=3),
+    rectifier = Rectifier(model, reference, random_replay(6), JanusConfig(compression_rank=4, replay_batch_size=3,
+                                                                          max_steps=3),
                           progress=False, keep_reference_factors=True)
     report = rectifier.run().report
     result = rectifier.result
@@ -38,7 +39,7 @@ def test_result_holds_theta0_finetuned_and_rectified_per_layer(tuned_llama):
 
 def test_result_without_kept_factors_has_no_jacobian(tuned_llama):
     model, reference = tuned_llama
-    rectifier = Rectifier(model, reference, random_replay(4), JanusConfig(rank=4, tau=0.0), progress=False)
+    rectifier = Rectifier(model, reference, random_replay(4), JanusConfig(compression_rank=4, tau=0.0), progress=False)
     assert rectifier.result is None  # only a finished run has one
     rectifier.run()
     layer = next(iter(rectifier.result.layers.values()))

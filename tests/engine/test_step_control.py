@@ -132,7 +132,7 @@ class DistanceCosines(RunObserver):
 
 def run(model, reference, replay, observer=None, **overrides):
     m = copy.deepcopy(model)
-    config = JanusConfig(**{"tau": TAU, "rank": 4, **overrides})
+    config = JanusConfig(**{"tau": TAU, "compression_rank": 4, **overrides})
     rectifier = Rectifier(m, reference, replay, config, progress=False, observer=observer)
     report = rectifier.run().report
     return m, report, rectifier
@@ -227,13 +227,13 @@ def test_time_budget_before_any_step_leaves_theta0_and_says_so(tuned_llama, capl
 
 def test_report_and_log_show_the_controller(tuned_llama):
     model, reference = tuned_llama
-    report = rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(rank=4), progress=False)
+    report = rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(compression_rank=4), progress=False)
     assert report.config["step_control"] == "adaptive" and report.config["max_evaluations"] is None
 
 
 def test_progress_bar_shows_what_the_wait_depends_on(tuned_llama, capsys):
     model, reference = tuned_llama
-    rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(rank=4, tau=0.99, max_steps=4),
+    rectify(copy.deepcopy(model), reference, random_replay(4), JanusConfig(compression_rank=4, tau=0.99, max_steps=4),
             progress=True)
     err = capsys.readouterr().err
     for field in ("JANUS rectification", "eval", "step=", "trial=", "alpha=", "cos=", "τ=0.99", "loss="):

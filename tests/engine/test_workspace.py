@@ -146,7 +146,7 @@ def test_rectification_is_identical_with_and_without_buffer_reuse(tuned_llama):
         def make_workspace(self):
             return CountingWorkspace(self.cap)
 
-    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, rank=4, final_step="paper")
+    cfg = JanusConfig(tau=0.9999, beta=0.5, min_alpha=0.1, max_steps=2, compression_rank=4, final_step="paper")
     runs = []
     for cap in (256 << 20, 0):
         allocated.clear()

@@ -409,6 +409,21 @@ def test_replay_fine_tuning_is_refused_where_its_optimizer_state_does_not_fit():
     assert all(torch.equal(p.detach(), builder.finetuned[k]) for k, p in model.named_parameters())
 
 
+def test_the_frontier_leaves_out_a_default_peer_that_cannot_run_and_refuses_one_named(caplog):
+    """A default peer whose optimizer state does not fit is left out with a warning, so that the defaults never stop
+    a frontier; the same candidate named by the user is refused with its reason."""
+    from hf_janus.evaluation.frontier_search import keep_defined
+
+    model, theta0 = tiny_pair(seed=3)
+    builder = builder_for(model, theta0, replay=EQUAL, free_memory=lambda device: 1)
+    sft, wise = ReplaySft(passes=1), Wise(0.5)
+    with caplog.at_level("WARNING", logger="hf_janus.evaluation.frontier_search"):
+        assert keep_defined([wise, sft], builder, optional={sft}) == [wise]
+    assert any(f"{sft.label} is left out: replay-sft needs" in r.getMessage() for r in caplog.records)
+    with pytest.raises(JanusError, match="replay-sft needs .* GiB on cpu"):
+        keep_defined([wise, sft], builder)
+
+
 # ---- LiNeS, each block's scale written out -----------------------------------------------------------------------
 @pytest.mark.parametrize("alpha,beta", [(0.0, 1.0), (0.3, 0.5)])
 def test_lines_scales_each_block_by_depth(alpha, beta):

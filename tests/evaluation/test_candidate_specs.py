@@ -1,6 +1,5 @@
-"""Candidates as objects: the spec syntax and the registry, the keyword grids and the spec giving the same
-frontier, a frontier of the post-hoc peers on a tiny model (with an injected scorer instead of lm-eval), and
-``hf-janus frontier --candidates``."""
+"""Candidates as objects: the spec syntax and the registry, the frontier's default candidates, a frontier of the
+post-hoc peers on a tiny model (with an injected scorer instead of lm-eval), and ``hf-janus frontier --candidates``."""
 
 from __future__ import annotations
 
@@ -13,10 +12,11 @@ import torch
 from eval_fixtures import NEW, PAST, nll_scorer, tiny_frontier_setting, write_jsonl
 from hf_janus import JanusConfig, load_report
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.candidates import (DEFAULT_PEERS, NEW_TASK_PEERS, DampedJanus, DgHard, Janus,
-                                            JanusRepair, JanusToReference, Lines, ReplaySft, SpecContext, Wise,
-                                            WiseThenJanus, candidates, default_peers, kinds, parse_candidates)
-from hf_janus.evaluation.frontier_search import frontier, wise_margin
+from hf_janus.evaluation.candidates import (DEFAULT_GRID, DEFAULT_PEERS, NEW_TASK_PEERS, DampedJanus, DgHard,
+                                            Janus, JanusRepair, JanusToReference, Lines, ReplaySft, SpecContext, Wise,
+                                            WiseThenJanus, default_candidates, default_peers, kinds, parse_candidates)
+from hf_janus.evaluation.frontier_result import wise_margin
+from hf_janus.evaluation.frontier_search import frontier
 
 
 
@@ -52,7 +52,7 @@ def test_spec_grammar_builds_the_kinds():
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("wsie:0.5", "unknown candidate kind 'wsie'; the kinds are wise, "),
+    ("wsie:0.5", "no candidate kind is named 'wsie': a candidate spec must be one of 'wise', "),
     ("wise:a=0.5:a=0.7", "given twice"),
     ("wise:b=0.5", "wise has no option 'b' \\(its options: a\\)"),
     ("wise:x", "wise: a='x' is not a valid value"),
@@ -86,17 +86,34 @@ def test_bad_specs_say_what_is_wrong(spec, message):
         parse_candidates(spec)
 
 
-def test_keyword_grids_keep_their_order_labels_and_messages():
-    cands = candidates((0.5,), (0.9,), hybrid_tau=0.95, hybrid_grid=(0.5,), pre_janus_grid=(0.7,), dampings=(0.1,),
-                       damped_tau=0.95, intruder_lambdas=(0.5,), pre_janus_intruder_lambdas=(0.25,))
+def test_the_kinds_keep_their_order_labels_and_run_keys():
+    cands = parse_candidates("wise:0.5 intruder:0.5 janus:tau=0.9 damped-janus:damping=0.1 janus-to-reference:b=0.5 "
+                             "janus-to-finetuned:b=0.5 wise-then-janus:a=0.7 intruder-then-janus:0.25",
+                             SpecContext(tau=0.95))
     assert [c.label for c in cands] == [
-        "θ0 (reference)", "θ̂ (fine-tuned)", "WiSE-FT a=0.5", "intruder reduction λ=0.5", "JANUS τ=0.9",
-        "JANUS τ=0.95, damping 0.1", "JANUS τ=0.95 → θ0 b=0.5", "JANUS τ=0.95 → θ̂ b=0.5",
-        "WiSE-FT a=0.7 → JANUS τ=0.95", "intruder reduction λ=0.25 → JANUS τ=0.95"]
-    assert [c.run_key() for c in cands] == [None, None, None, None, "tau=0.9", "tau=0.95,damping=0.1", "tau=0.95",
-                                            "tau=0.95", "tau=0.95,a=0.7", "tau=0.95,intruder=0.25"]
-    with pytest.raises(JanusError, match="hybrid_grid values must lie strictly between 0 and 1"):
-        candidates((0.5,), (0.9,), hybrid_grid=(1.0,))
+        "WiSE-FT a=0.5", "intruder reduction λ=0.5", "JANUS τ=0.9", "JANUS τ=0.95, damping 0.1",
+        "JANUS τ=0.95 → θ0 b=0.5", "JANUS τ=0.95 → θ̂ b=0.5", "WiSE-FT a=0.7 → JANUS τ=0.95",
+        "intruder reduction λ=0.25 → JANUS τ=0.95"]
+    assert [c.run_key() for c in cands] == [None, None, "tau=0.9", "tau=0.95,damping=0.1", "tau=0.95", "tau=0.95",
+                                            "tau=0.95,a=0.7", "tau=0.95,intruder=0.25"]
+    with pytest.raises(JanusError, match="janus-to-reference: b must be strictly between 0 and 1"):
+        parse_candidates("janus-to-reference:b=1")
+
+
+def test_the_default_candidates_are_every_kinds_own_grid_then_the_peers():
+    """The default grid is each kind at the default its option declares (JANUS at three τ), in the legend's order;
+    the peers follow, and JANUS with the repair after it only when the new task's samples are given."""
+    from hf_janus.evaluation.candidates.janus import DEFAULT_TAUS
+
+    grid = parse_candidates(DEFAULT_GRID, SpecContext(tau=0.9))
+    expected = []
+    for name in ("wise", "intruder", "janus", "damped-janus", "janus-to-reference", "janus-to-finetuned",
+                 "wise-then-janus", "intruder-then-janus"):
+        expected += parse_candidates(name if name != "janus" else "janus:tau=" + ",".join(map(str, DEFAULT_TAUS)),
+                                     SpecContext(tau=0.9))
+    assert grid == expected and len(grid) == 9 + 4 + 3 + 2 + 3 + 3 + 2 + 1
+    assert default_candidates(False) == DEFAULT_GRID + " " + DEFAULT_PEERS == DEFAULT_GRID + " " + default_peers(False)
+    assert default_candidates(True) == DEFAULT_GRID + " " + DEFAULT_PEERS + " " + NEW_TASK_PEERS
 
 
 # ---- frontiers on a tiny model, scored by an injected scorer ------------------------------------------------------
@@ -116,46 +133,28 @@ def comparable(point) -> dict:
     return {k: v for k, v in point.to_dict().items() if k not in ("seconds", "build_seconds", "peak_memory_bytes")}
 
 
-def test_keywords_and_spec_give_the_same_frontier(setting):
-    by_keywords = run(setting, wise_grid=(0.3, 0.6), taus=(0.9,), dampings=(0.1,), hybrid_grid=(0.5,),
-                      pre_janus_grid=(0.5,), peers="")
-    by_spec = run(setting, candidates="wise:0.3,0.6 janus:tau=0.9 damped-janus:damping=0.1 "
-                                      "janus-to-reference:b=0.5 janus-to-finetuned:b=0.5 wise-then-janus:a=0.5")
-    assert len(by_keywords.points) == len(by_spec.points) == 9
-    for old, new in zip(by_keywords.points, by_spec.points):
-        assert comparable(old) == comparable(new)
-        assert all(torch.equal(w, by_spec._builder.weights(new)[k]) for k, w in by_keywords._builder.weights(
-            old).items())
-    assert by_keywords.best.label == by_spec.best.label
-    assert by_keywords.reports.keys() == by_spec.reports.keys() == {"tau=0.9", "tau=0.9,damping=0.1",
-                                                                    "tau=0.9,a=0.5"}
-
-
-def test_the_keyword_grids_end_with_the_default_peers(setting):
-    """The frontier scores the peers that beat JANUS on a benchmark run by default, so that it can choose them: the
-    same points as naming them in a spec after the grids."""
-    by_default = run(setting, wise_grid=(0.5,), taus=(0.9,), dampings=(), hybrids=False)
-    by_spec = run(setting, candidates="wise:0.5 janus:tau=0.9 " + DEFAULT_PEERS)
+def test_the_default_frontier_is_the_default_spec_with_its_peers_left_out_where_they_cannot_run(setting):
+    """With no candidates the frontier scores the default grid (intruder reduction left out: not an adapter) and the
+    peers that beat JANUS on a benchmark run, so that it can choose them; a named spec is scored as given."""
+    by_default = run(setting)
+    expected = [c for c in parse_candidates(default_candidates(False), SpecContext(tau=0.9)) if not c.lora_only]
+    assert [p.candidate for p in by_default.points][2:] == expected
     assert [p.kind for p in by_default.points][-4:] == ["replay_sft", "fisher", "input_null", "input_null"]
-    assert [comparable(p) for p in by_default.points] == [comparable(p) for p in by_spec.points]
     sft = by_default.points[-4]
     assert sft.cost.backward_passes == 4 * by_default.reports["tau=0.9"]["num_jacobian_evals"]
-    assert [p.kind for p in run(setting, wise_grid=(0.5,), taus=(), dampings=(), hybrids=False,
-                                peers="").points] == ["anchor", "anchor", "wise"]
+    assert by_default.best is not None and by_default.criterion == "max AP"
+    assert [p.kind for p in run(setting, candidates="wise:0.5").points] == ["anchor", "anchor", "wise"]
 
 
 def test_with_new_task_samples_the_default_peers_add_the_repair_after_janus(setting):
     """Given the new task's samples, the default peers also hold JANUS with the repair after it: the engine's own
-    stage (one rectification with distill_steps, which chooses its point), the same point as naming it after the
-    others in a spec. A peers spec the user gives is taken as given, and without the samples the default is the peers
-    alone."""
+    stage (one rectification with distill_steps, which chooses its point); without the samples the default is the
+    peers alone."""
     tok, base, tuned, _ = setting
     replay = [{"input_ids": tok(t)["input_ids"]} for t in PAST]  # the repair holds one sample in eight out
     new_task = [{"input_ids": tok(t)["input_ids"]} for t in NEW]
-    grids = dict(wise_grid=(0.5,), taus=(0.9,), dampings=(), hybrids=False)
     mine = (tok, base, tuned, replay)
-    by_default = run(mine, new_task_samples=new_task, **grids)
-    by_spec = run(mine, candidates="wise:0.5 janus:tau=0.9 " + default_peers(True), new_task_samples=new_task)
+    by_default = run(mine, candidates="wise:0.5 janus:tau=0.9 " + default_peers(True), new_task_samples=new_task)
     assert default_peers(True) == DEFAULT_PEERS + " " + NEW_TASK_PEERS and default_peers(False) == DEFAULT_PEERS
     assert [p.kind for p in by_default.points][-5:] == ["replay_sft", "fisher", "input_null", "input_null",
                                                         "janus_repair"]
@@ -169,9 +168,6 @@ def test_with_new_task_samples_the_default_peers_add_the_repair_after_janus(sett
     assert "repair" not in by_default.reports["tau=0.9"] or by_default.reports["tau=0.9"]["repair"] is None
     # the 12 replay samples are two batches of JanusConfig's 8: 256 steps are 256 x 8 / 12 replay passes
     assert repaired.cost.backward_passes == pytest.approx(256 * 8 / 12)
-    assert [comparable(p) for p in by_default.points] == [comparable(p) for p in by_spec.points]
-    assert "janus_repair" not in {p.kind for p in run(mine, peers="fisher", new_task_samples=new_task,
-                                                        **grids).points}
     with pytest.raises(JanusError, match="janus-repair fits the new task's samples .* none were given"):
         run(mine, candidates="janus-repair")
     with pytest.raises(JanusError, match="holds out one replay sample in 8 .* give at least 8 replay samples"):
@@ -182,7 +178,7 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     tok, base, tuned, replay = setting
     spec = ("wise:0.5 janus:0.9 replay-sft:passes=2:lr=1e-3 input-null:0.9,0.99 regmean:0.01 fisher:1 lines "
             "dg-hard")
-    result = run(setting, candidates=spec, min_ap2=0.0)
+    result = run(setting, candidates=spec)
     kinds_seen = [p.kind for p in result.points]
     assert kinds_seen == ["anchor", "anchor", "wise", "janus", "replay_sft", "input_null", "input_null", "regmean",
                           "fisher", "lines", "dg_hard"]

@@ -14,8 +14,10 @@ from testing_utils import build_tiny
 from eval_fixtures import char_tokenizer, train_on_texts, write_jsonl
 from hf_janus import JanusConfig, load_report, rectify
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.candidates import FINETUNED, REFERENCE, Cost, Janus, Wise, candidates
-from hf_janus.evaluation.frontier_search import FrontierPoint, FrontierResult, frontier, wise_margin
+from hf_janus.evaluation.candidates import (DEFAULT_PEERS, FINETUNED, REFERENCE, Cost, Janus, SpecContext, Wise,
+                                            parse_candidates)
+from hf_janus.evaluation.frontier_result import FrontierPoint, FrontierResult, wise_margin
+from hf_janus.evaluation.frontier_search import frontier
 from hf_janus.evaluation.harness import Scorer, resolve_tasks
 
 pytest.importorskip("lm_eval")
@@ -29,22 +31,20 @@ def point(candidate, ap1, ap2, evals=0):
 
 
 def test_candidates_order_and_validation():
-    cands = candidates((0.5,), (0.9, 0.95), hybrid_tau=0.95, hybrid_grid=(0.5,), pre_janus_grid=(0.7,))
-    assert [c.kind for c in cands] == ["anchor", "anchor", "wise", "janus", "janus", "janus_to_reference",
-                                       "janus_to_finetuned", "wise_then_janus"]
-    assert (cands[0].a, cands[1].a) == (0.0, 1.0) and cands[-1].a == 0.7 and cands[-1].tau == 0.95
-    assert [c.kind for c in candidates((0.5,), (0.9,))] == ["anchor", "anchor", "wise", "janus"]
-    with pytest.raises(JanusError, match="strictly between 0 and 1"):
-        candidates((0.0, 0.5), (0.9,))
-    with pytest.raises(JanusError, match="taus"):
-        candidates((0.5,), (1.0,))
-    damped = candidates((0.5,), (0.9,), dampings=(0.01, 0.1), damped_tau=0.95)
-    assert [(c.kind, c.tau, c.record().get("damping")) for c in damped[3:]] == [("janus", 0.9, None),
-                                                                                ("damped_janus", 0.95, 0.01),
-                                                                                ("damped_janus", 0.95, 0.1)]
-    for bad in ((0.0,), (-0.1,), (float("inf"),)):
-        with pytest.raises(JanusError, match="dampings"):
-            candidates((0.5,), (0.9,), dampings=bad)
+    cands = parse_candidates("wise:0.5 janus:tau=0.9,0.95 janus-to-reference:b=0.5 janus-to-finetuned:b=0.5 "
+                             "wise-then-janus:a=0.7", SpecContext(tau=0.95))
+    assert [c.kind for c in cands] == ["wise", "janus", "janus", "janus_to_reference", "janus_to_finetuned",
+                                       "wise_then_janus"]
+    assert (REFERENCE.a, FINETUNED.a) == (0.0, 1.0) and cands[-1].a == 0.7 and cands[-1].tau == 0.95
+    for spec, message in (("wise:0,0.5", "strictly between 0 and 1"), ("janus:tau=1", "tau must be in"),
+                          ("damped-janus:damping=0", "damping must be finite and > 0"),
+                          ("damped-janus:damping=-0.1", "damping must be"), ("damped-janus:damping=inf", "damping")):
+        with pytest.raises(JanusError, match=message):
+            parse_candidates(spec)
+    damped = parse_candidates("janus:tau=0.9 damped-janus:damping=0.01,0.1", SpecContext(tau=0.95))
+    assert [(c.kind, c.tau, c.record().get("damping")) for c in damped] == [("janus", 0.9, None),
+                                                                            ("damped_janus", 0.95, 0.01),
+                                                                            ("damped_janus", 0.95, 0.1)]
 
 
 def test_wise_margin_and_selection():
@@ -84,9 +84,10 @@ def test_frontier_end_to_end(setting, tmp_path):
     model = copy.deepcopy(tuned)
     theta_hat = {k: v.clone() for k, v in model.state_dict().items()}
     config = JanusConfig(tau=0.9, max_steps=4)
-    result = frontier(base, model, replay, past_tasks=[past], new_tasks=[new], config=config, wise_grid=(0.5,),
-                      taus=(0.9,), hybrid_grid=(0.5,), pre_janus_grid=(0.5,), dampings=(0.1,), tokenizer=tok,
-                      batch_size=2, progress=False, min_ap2=0.0)
+    result = frontier(base, model, replay, past_tasks=[past], new_tasks=[new], config=config, tokenizer=tok,
+                      candidates="wise:0.5 janus:tau=0.9 damped-janus:damping=0.1 janus-to-reference:b=0.5 "
+                                 "janus-to-finetuned:b=0.5 wise-then-janus:a=0.5 " + DEFAULT_PEERS,
+                      batch_size=2, progress=False)
     assert all(torch.equal(v, theta_hat[k]) for k, v in model.state_dict().items())  # θ̂ again
     labels = [p.label for p in result.points]
     assert labels[:5] == ["θ0 (reference)", "θ̂ (fine-tuned)", "WiSE-FT a=0.5", "JANUS τ=0.9",
@@ -111,8 +112,7 @@ def test_frontier_end_to_end(setting, tmp_path):
     assert result.reports["tau=0.9,damping=0.1"]["config"]["damping"] == 0.1
     # hybrid weights are the stated interpolations of θ0, θ_J and θ̂
     builder = result._builder
-    cands = {c.label: c for c in candidates((0.5,), (0.9,), hybrid_tau=0.9, hybrid_grid=(0.5,),
-                                            pre_janus_grid=(0.5,))}
+    cands = {p.label: p.candidate for p in result.points}
     janus_w = builder.weights(cands["JANUS τ=0.9"])
     to0 = builder.weights(cands["JANUS τ=0.9 → θ0 b=0.5"])
     for k, w0 in builder.theta0.items():
@@ -161,8 +161,8 @@ def test_frontier_failure_leaves_the_model_as_it_was(setting):
         raise RuntimeError("out of memory (simulated)")
 
     with pytest.raises(RuntimeError, match="simulated"):
-        frontier(base, model, replay, past_tasks=[past], new_tasks=[new], wise_grid=(0.5,), taus=(0.9,),
-                 hybrids=False, tokenizer=tok, batch_size=2, progress=False, rectify_fn=failing)
+        frontier(base, model, replay, past_tasks=[past], new_tasks=[new], candidates="wise:0.5 janus:tau=0.9",
+                 tokenizer=tok, batch_size=2, progress=False, rectify_fn=failing)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(JanusError, match="identical"):
         frontier(base, copy.deepcopy(base), replay, past_tasks=[past], new_tasks=[new], tokenizer=tok,
@@ -181,8 +181,8 @@ def test_cli_frontier_writes_table_plot_and_chosen_model(setting, tmp_path, caps
     replay = write_jsonl(str(tmp_path / "data" / "replay.jsonl"), [{"text": t} for t in PAST[6:]])
     out, chosen = str(tmp_path / "frontier"), str(tmp_path / "chosen")
     argv = ["frontier", "--reference", dirs["base"], "--finetuned", dirs["tuned"], "--replay", replay,
-            "--text-field", "text", "--past-task", past, "--new-task", new, "--wise-grid", "0.5", "--taus", "0.9",
-            "--no-hybrids", "--dampings", "", "--peers", "fisher:strength=1",
+            "--text-field", "text", "--past-task", past, "--new-task", new,
+            "--candidates", "wise:0.5 janus:tau=0.9 fisher:strength=1",
             "--max-steps", "3", "--batch-size", "2", "--min-ap1", "10", "--output", out,
             "--save", chosen, "--no-progress"]
     assert main(argv) == 0

@@ -39,7 +39,7 @@ def test_chosen_point_becomes_an_adapter_beside_the_trained_one(scored, tmp_path
     result.chosen = next(i for i, p in enumerate(result.points) if p.label == label)
     model = load(base_dir, adapter_dir)
     trained = {k: v.clone() for k, v in effective_weights(adapted_linear_layers(model)).items()}
-    written = result.add_adapter(model, "frontier", rank=FULL_RANK)
+    written = result.add_adapter(model, "frontier", adapter_rank=FULL_RANK)
     assert model.active_adapters == ["frontier"] and written["trained_adapter"] == "default"
     want = result._builder.weights(result.best)
     got = effective_weights(adapted_linear_layers(model))

@@ -17,7 +17,8 @@ from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates import FINETUNED, REFERENCE, Wise
 from hf_janus.evaluation.candidates import replay_sft
 from hf_janus.evaluation.candidates.replay_sft import non_finite
-from hf_janus.evaluation.frontier_search import DIVERGED, SCORED, FrontierPoint, FrontierResult, frontier
+from hf_janus.evaluation.frontier_result import DIVERGED, SCORED, FrontierPoint, FrontierResult
+from hf_janus.evaluation.frontier_search import frontier
 from hf_janus.evaluation.harness import EvaluationResult
 from hf_janus.evaluation.strict_json import finite_or_none
 

@@ -13,8 +13,9 @@ import torch
 from eval_fixtures import saved_lora_setting
 from hf_janus import JanusConfig, rectify
 from hf_janus.errors import JanusError
-from hf_janus.evaluation.candidates import candidates
-from hf_janus.evaluation.frontier_search import INTRUDER_CURVE, frontier, wise_margin
+from hf_janus.evaluation.candidates import Intruder, parse_candidates
+from hf_janus.evaluation.frontier_result import INTRUDER_CURVE, wise_margin
+from hf_janus.evaluation.frontier_search import frontier
 from hf_janus.evaluation.intruder_reduction import IntruderReduction, find_intruders, reduced_delta
 from testing_utils import build_tiny
 
@@ -122,7 +123,7 @@ def test_reduction_edge_cases():
     with pytest.raises(JanusError, match="rank"):
         find_intruders(w, d, rank=0)
     with pytest.raises(JanusError, match=r"\[0, 1\)"):
-        candidates((0.5,), (0.9,), intruder_lambdas=(1.0,))
+        parse_candidates("intruder:1")
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +140,8 @@ def test_frontier_offers_intruder_reduction_on_a_bf16_lora(lora_setting):
     tok, base_dir, adapter_dir, past, new, replay, exact = lora_setting
     config = JanusConfig(tau=0.9, max_steps=3)
     result = frontier(base_dir, adapter_dir, replay, past_tasks=[past], new_tasks=[new], config=config,
-                      wise_grid=(0.5,), taus=(0.9,), dampings=(), hybrid_grid=(0.5,), pre_janus_grid=(),
-                      intruder_lambdas=(0.5, 0.0), pre_janus_intruder_lambdas=(0.5,), tokenizer=tok,
+                      candidates="wise:0.5 intruder:0.5,0 janus:tau=0.9 janus-to-reference:b=0.5 "
+                                 "janus-to-finetuned:b=0.5 intruder-then-janus:0.5", tokenizer=tok,
                       batch_size=2, progress=False, torch_dtype=torch.bfloat16)
     kinds = [p.kind for p in result.points]
     assert kinds.count("intruder") == 2 and kinds.count("intruder_then_janus") == 1
@@ -178,7 +179,7 @@ def test_frontier_offers_intruder_reduction_on_a_bf16_lora(lora_setting):
     janus = builder.janus["tau=0.9"]
     assert all(torch.equal(model.get_parameter(k).detach().cpu(), janus[k]) for k in janus)
     # intruder reduction → JANUS starts from the λ=0.5 point
-    started = builder.weights(candidates((0.5,), (), intruder_lambdas=(0.5,))[-1])
+    started = builder.weights(Intruder(0.5))
     assert result.reports["tau=0.9,intruder=0.5"]["num_jacobian_evals"] > 0
     assert any(not torch.equal(started[k], builder.finetuned[k]) for k in builder.intruders.layers)
 
@@ -188,23 +189,20 @@ def test_no_intruder_points_for_full_weights(lora_setting, tmp_path):
     from hf_janus.evaluation.harness import load_model
 
     merged = load_model(adapter_dir)  # full weights: intruder reduction is defined for LoRA adapters only
-    result = frontier(base_dir, merged, replay, past_tasks=[past], new_tasks=[new], wise_grid=(0.5,), taus=(),
-                      dampings=(), hybrids=False, peers="", tokenizer=tok, batch_size=2, progress=False)
+    common = dict(past_tasks=[past], new_tasks=[new], tokenizer=tok, batch_size=2, progress=False)
+    result = frontier(base_dir, merged, replay, candidates="wise:0.5", **common)
     assert [p.kind for p in result.points] == ["anchor", "anchor", "wise"]
     assert "AP1 vs intruder" not in result.to_markdown() and result.intruder_layers is None
+    with pytest.raises(JanusError, match="intruder needs a saved LoRA adapter"):  # named: refused before scoring
+        frontier(base_dir, merged, replay, candidates="wise:0.5 intruder:0.5",
+                 scorer=lambda model: pytest.fail("scored a model before refusing"), **common)
 
 
-def test_frontier_leaves_out_a_peer_not_defined_here_and_refuses_it_when_named(lora_setting, caplog):
-    """The keyword grids' peers are optional: DG-Hard, defined for full fine-tuning only, is left out of an
-    adapter's frontier with a warning; named among the candidates, it is refused before any model is scored."""
+def test_frontier_refuses_a_kind_not_defined_here_before_scoring(lora_setting):
+    """DG-Hard is defined for full fine-tuning only: named among an adapter's candidates, it is refused before any
+    model is scored (a default peer that cannot run is left out instead: test_candidate_peers.py)."""
     tok, base_dir, adapter_dir, past, new, replay, _ = lora_setting
     common = dict(tokenizer=tok, batch_size=2, progress=False)
-    with caplog.at_level("WARNING", logger="hf_janus.evaluation.frontier_search"):
-        result = frontier(base_dir, adapter_dir, replay, past_tasks=[past], new_tasks=[new], wise_grid=(0.5,),
-                          taus=(), dampings=(), hybrids=False, intruder_lambdas=(), pre_janus_intruder_lambdas=(),
-                          peers="dg-hard lines", **common)
-    assert [p.kind for p in result.points] == ["anchor", "anchor", "wise", "lines"]
-    assert any("DG-Hard is left out: DG-Hard is for full fine-tuning" in r.getMessage() for r in caplog.records)
     with pytest.raises(JanusError, match="DG-Hard is for full fine-tuning"):
         frontier(base_dir, adapter_dir, replay, past_tasks=[past], new_tasks=[new], candidates="wise:0.5 dg-hard",
                  scorer=lambda model: pytest.fail("scored a model before refusing"), **common)

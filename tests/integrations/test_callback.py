@@ -51,8 +51,10 @@ def test_logs_report_and_save_model(tmp_path):
         assert torch.equal(reloaded.state_dict()[key], value)
 
 
-def test_trainer_log_reaches_integrations(tmp_path):
-    """With the trainer bound, janus figures go through Trainer.log (what wandb/tensorboard listen to)."""
+@pytest.mark.parametrize("bound", [False, True])
+def test_trainer_log_reaches_integrations(tmp_path, bound):
+    """The janus figures go through Trainer.log (what wandb/tensorboard listen to), whether the trainer was given to
+    the callback or found running it, as in the README's snippet."""
     seen = []
 
     class Listener(TrainerCallback):
@@ -60,9 +62,10 @@ def test_trainer_log_reaches_integrations(tmp_path):
             seen.append(dict(logs))
 
     model = build_tiny("llama", vocab=VOCAB)
-    janus = JanusCallback(replay_data(), JanusConfig(rank=8, tau=0.0))
+    janus = JanusCallback(replay_data(), JanusConfig(compression_rank=8, tau=0.0))
     trainer = make_trainer(tmp_path, model, [Listener(), janus])
-    janus.trainer = trainer
+    if bound:
+        janus.trainer = trainer
     trainer.train()
     assert any("janus/replay_loss_rectified" in logs for logs in seen)
 
@@ -290,7 +293,7 @@ def test_adapter_write_back_residuals_are_measured_against_the_float32_jacobian(
     written = {}
     for dtype in ("float32", "bfloat16"):
         model = get_peft_model(build_tiny("llama", vocab=VOCAB), lora_config())
-        config = JanusConfig(rank=8, replay_batch_size=8, tau=0.0, factor_dtype=dtype)
+        config = JanusConfig(compression_rank=8, replay_batch_size=8, tau=0.0, factor_dtype=dtype)
         janus = JanusCallback(replay_data(), config, adapter_rank=64)  # rank 64: the update is written exactly
         make_trainer(tmp_path / dtype, model, [janus]).train()
         assert janus.report.alphas == [1.0]
@@ -300,3 +303,4 @@ def test_adapter_write_back_residuals_are_measured_against_the_float32_jacobian(
             assert residual == pytest.approx(stats[name], rel=1e-2, abs=1e-6), name
     noise = max(written["float32"].values())
     assert min(written["bfloat16"].values()) > 100 * noise, (written, noise)
+

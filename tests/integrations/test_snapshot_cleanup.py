@@ -23,7 +23,7 @@ from hf_janus.integrations.snapshot import SNAPSHOT_NAME
 from hf_janus.integrations.trainer import JanusCallback
 from hf_janus.replay.prepare import prepare_replay
 
-FAST = JanusConfig(rank=8, replay_batch_size=8, tau=0.0)
+FAST = JanusConfig(compression_rank=8, replay_batch_size=8, tau=0.0)
 
 
 class StepFailure(RuntimeError):

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.distributed  # several processes; see pyproject.toml's 
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
 
-CONFIG = dict(rank=4, replay_batch_size=2, tau=0.8)  # 10-13 captures: a pass costs more under ZeRO-3's hooks
+# 10-13 captures: a pass costs more under ZeRO-3's hooks
+CONFIG = dict(compression_rank=4, replay_batch_size=2, tau=0.8)
 SAMPLE_COUNTS = (5, 2)  # 3 batches: rank 1 repeats one to match rank 0's passes; 1 batch: rank 1's share is empty
 
 

@@ -17,7 +17,7 @@ from hf_janus.parallel.distributed import World
 
 pytestmark = pytest.mark.distributed  # several processes; see pyproject.toml's markers
 
-CONFIG = dict(rank=4, replay_batch_size=2, tau=0.95)
+CONFIG = dict(compression_rank=4, replay_batch_size=2, tau=0.95)
 
 
 def _setup():

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.distributed  # several processes; see pyproject.toml's 
 
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
 
-CONFIG = dict(rank=4, replay_batch_size=2, tau=0.95)
+CONFIG = dict(compression_rank=4, replay_batch_size=2, tau=0.95)
 SAMPLE_COUNTS = (5, 2)  # 3 batches: rank 1 repeats one to match rank 0's passes; 1 batch: rank 1's share is empty
 
 

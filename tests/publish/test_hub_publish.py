@@ -76,8 +76,8 @@ def test_push_adapter_loads_back_identically_with_its_record(hub, delta, tmp_pat
     from huggingface_hub import HfApi, hf_hub_download
     from peft import PeftModel
 
-    local = delta.save_adapter(tmp_path / "local", rank=10_000, progress=False)
-    commit = delta.push_to_hub("me/janus-adapter", format="adapter", rank=10_000, progress=False)
+    local = delta.save_adapter(tmp_path / "local", adapter_rank=10_000, progress=False)
+    commit = delta.push_to_hub("me/janus-adapter", format="adapter", adapter_rank=10_000, progress=False)
     assert commit.oid == head(hub, "me/janus-adapter") and "me/janus-adapter" in commit
 
     from_hub = PeftModel.from_pretrained(hub_base(), "me/janus-adapter").eval()
@@ -108,7 +108,7 @@ def test_push_adapter_loads_back_identically_with_its_record(hub, delta, tmp_pat
     assert report.alphas == rect.alphas and report.replay_loss == rect.replay_loss
     assert [layer.name for layer in report.rectification.layers] == [layer.name for layer in rect.layers]
     assert report.config == rect.config and set(report.rectification.timings) == set(rect.timings)
-    assert report.merge["refactorization"]["rank"] == 10_000
+    assert report.merge["refactorization"]["adapter_rank"] == 10_000
     merge_report = MergeReport.load(hf_hub_download("me/janus-adapter", REPORT_NAME))
     assert (merge_report.adapter, merge_report.output_format) == ("me/tiny-lora", "adapter")
     assert merge_report.rectified_layers == delta.report.rectified_layers

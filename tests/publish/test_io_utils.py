@@ -71,8 +71,12 @@ def test_known_fields_drops_or_refuses_unknown_keys():
         y: int = 0
 
     assert known_fields(Point, {"x": 1, "z": 2}) == {"x": 1}
-    with pytest.raises(ValueError, match=r"unknown Point field\(s\) \['z'\]; valid fields are \['x', 'y'\]"):
+    with pytest.raises(JanusError, match=r"Point has no field 'z': The fields are x, y"):
         known_fields(Point, {"x": 1, "z": 2}, strict=True)
+    with pytest.raises(ValueError, match=r"Point has no field 'xx': did you mean 'x'\?"):  # a JanusError is one
+        known_fields(Point, {"xx": 1}, strict=True)
+    with pytest.raises(JanusError, match=r"Point has no field 'w': w is spelt W here"):
+        known_fields(Point, {"w": 1}, strict=True, hints={"w": "w is spelt W here"})
 
 
 def test_safetensors_metadata_round_trip_and_bad_files(tmp_path):

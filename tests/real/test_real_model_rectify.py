@@ -53,7 +53,7 @@ MAX_LEN = 64  # most tokens of a sequence, replay and training
 #: Blocks of the LoRA adapters and of the float32 targets: low, middle and high, so that the layers' Jacobians
 #: go through different depths of the network.
 BLOCKS = (3, 15, 27)
-EXACT = JanusConfig(tau=0.0, rank=None, replay_batch_size=M)  # single step, no compression
+EXACT = JanusConfig(tau=0.0, compression_rank=None, replay_batch_size=M)  # single step, no compression
 
 #: Float32 (tests 2 and 3). The claim is exactness up to float32: the engine projects ΔW off the row space of the
 #: float32 rows it captured, in float64 arithmetic (Grams and products, hf_janus/engine/ghost.py), and stores
@@ -486,7 +486,7 @@ def test_merger_and_cli_agree_and_their_outputs_load_with_stock_libraries(folder
     # the command line on the same inputs: an adapter at full rank (the re-factorization truncates nothing)
     code = cli_main(["merge", "--base", os.fspath(folder), "--adapter", os.fspath(tmp_path / "adapter"),
                      "--replay", os.fspath(past), "--output", os.fspath(tmp_path / "cli"), "--format", "adapter",
-                     "--rank", "576", "--tau", "0", "--compression-rank", "0", "--replay-batch-size", str(M),
+                     "--adapter-rank", "576", "--tau", "0", "--compression-rank", "0", "--replay-batch-size", str(M),
                      "--no-progress"])
     assert code == 0
     cli_report = MergeReport.load(tmp_path / "cli" / REPORT_NAME)

@@ -103,10 +103,12 @@ def test_variant_levers():
     with pytest.raises(SystemExit, match="now the product's repair after JANUS: use repair<N>"):
         levers("r8+kl16")
     repair = variant_config(levers("r8+repair64+keep9+kllr2e-5+anchor4"))
-    assert (repair.rank, repair.distill_steps, repair.keep_gain, repair.distill_lr, repair.new_task_batch_size) == (
+    assert (repair.compression_rank, repair.distill_steps, repair.keep_gain, repair.distill_lr,
+            repair.new_task_batch_size) == (
         8, 64, pytest.approx(0.9), pytest.approx(2e-5), 4)
     config = variant_config(levers("tokenloss2+r16+steps20"))
-    assert (config.constraint, config.constraint_tokens, config.rank, config.max_steps) == ("token_loss", 2, 16, 20)
+    assert (config.constraint, config.constraint_tokens, config.compression_rank, config.max_steps) == ("token_loss",
+                                                                                                        2, 16, 20)
     with pytest.raises(SystemExit, match="unknown lever 'x1'"):
         levers("base+x1")
     assert levers("tokenloss2+r8+ref75+ref8+hat1") == {"m": 64, "tokenloss": 2, "r": 8, "ref": [0.75, 0.8],

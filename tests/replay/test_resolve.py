@@ -76,19 +76,44 @@ def test_new_task_samples_are_never_a_self_replay():
         resolve_new_task(SelfReplay(prompts=["hi"]))
 
 
-def test_rectify_reads_rows_of_text_as_the_samples_they_tokenize_to():
-    tok = char_tokenizer()
+def rectified_both_ways(given, samples, **kwargs):
+    """θ̂ rectified from ``given`` (read by rectify) and from ``samples`` (tokenized here): both models, the report."""
     theta0 = build_tiny("llama")
     finetuned = copy.deepcopy(theta0)
     with torch.no_grad():
         for p in finetuned.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    config = JanusConfig(rank=4, max_steps=2)
-    from_rows, from_samples = copy.deepcopy(finetuned), copy.deepcopy(finetuned)
-    rectify(from_rows, theta0, ROWS, config, progress=False, tokenizer=tok)
-    rectify(from_samples, theta0, tokenize_replay(ROWS, tok, ReplayOptions(num_samples=None)), config,
-            progress=False)
+    config = JanusConfig(compression_rank=4, max_steps=2)
+    read, tokenized = copy.deepcopy(finetuned), copy.deepcopy(finetuned)
+    report = rectify(read, theta0, given, config, progress=False, **kwargs)
+    rectify(tokenized, theta0, samples, config, progress=False)
+    return read, tokenized, report
+
+
+def test_rectify_reads_rows_of_text_as_the_samples_they_tokenize_to():
+    tok = char_tokenizer()
+    from_rows, from_samples, _ = rectified_both_ways(ROWS, tokenize_replay(ROWS, tok, ReplayOptions(num_samples=None)),
+                                                     tokenizer=tok)
     for a, b in zip(from_rows.parameters(), from_samples.parameters()):
+        assert torch.equal(a, b)
+
+
+def renamed_rows_file(tmp_path):
+    """ROWS with their prompt and response under other names, and the .jsonl file that holds them."""
+    rows = [{"q": row["prompt"], "a": row["response"]} for row in ROWS]
+    path = tmp_path / "past.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return rows, path
+
+
+def test_rectify_reads_a_file_with_the_options_given(tmp_path):
+    rows, path = renamed_rows_file(tmp_path)
+    options = ReplayOptions(prompt_field="q", response_field="a", num_samples=6)
+    tok = char_tokenizer()
+    from_file, from_samples, report = rectified_both_ways(str(path), tokenize_replay(rows, tok, options),
+                                                          tokenizer=tok, replay_options=options)
+    assert report.num_samples == 6
+    for a, b in zip(from_file.parameters(), from_samples.parameters()):
         assert torch.equal(a, b)
 
 
@@ -113,16 +138,43 @@ def test_the_callback_reads_a_replay_file_with_the_trainers_tokenizer(tmp_path):
     assert record["source"] == str(path) and record["size"] == len(ROWS) and record["local"]
 
 
-def test_the_callback_refuses_a_missing_replay_file_before_training(tmp_path):
+def test_replay_that_cannot_be_read_is_refused_when_the_callback_is_built(tmp_path):
+    """A replay file or SelfReplay prompts file that is not there, or one that cannot hold samples, is refused at
+    construction (not at train begin, after the snapshot); a Hub dataset id is opened at train begin."""
+    from hf_janus import JanusCallback
+
+    with pytest.raises(JanusError, match="replay file or directory 'missing.jsonl' does not exist"):
+        JanusCallback("missing.jsonl")
+    with pytest.raises(JanusError, match="does not exist"):
+        JanusCallback(str(tmp_path / "no" / "such" / "folder") + ":train")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(JanusError, match="is empty"):
+        JanusCallback(str(empty))
+    odd = tmp_path / "replay.docx"
+    odd.write_text("x")
+    with pytest.raises(JanusError, match="unsupported extension .docx"):
+        JanusCallback(str(odd))
+    with pytest.raises(JanusError, match="SelfReplay prompts file or directory 'questions.jsonl' does not exist"):
+        JanusCallback(SelfReplay(prompts="questions.jsonl"))
+    with pytest.raises(JanusError, match="replay_options must be a hf_janus.ReplayOptions"):
+        JanusCallback([{"input_ids": [1, 2]}], replay_options={"format": "text"})
+    assert JanusCallback("me/past-task:train").replay == "me/past-task:train"  # a Hub id: read at train begin
+
+
+def test_the_callback_reads_named_fields_with_the_options_the_merger_takes(tmp_path):
     from trainer_fixtures import FAST, make_trainer
 
     from hf_janus import JanusCallback
     from hf_janus.demo import VOCAB
 
-    model = build_tiny("llama", vocab=VOCAB)
-    before = copy.deepcopy(model.state_dict())
-    trainer = make_trainer(tmp_path, model, [JanusCallback(str(tmp_path / "missing.jsonl"), FAST)])
-    trainer.processing_class = trainer.callback_handler.processing_class = char_tokenizer()
-    with pytest.raises(JanusError, match="missing.jsonl"):
-        trainer.train()
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # refused before any step
+    rows, path = renamed_rows_file(tmp_path)
+    options = ReplayOptions(prompt_field="q", response_field="a", num_samples=8)
+    tok = char_tokenizer()
+    janus = JanusCallback(str(path), FAST, replay_options=options)
+    trainer = make_trainer(tmp_path, build_tiny("llama", vocab=VOCAB), [janus])
+    trainer.processing_class = trainer.callback_handler.processing_class = tok
+    trainer.train()
+
+    assert janus.replay_samples == tokenize_replay(rows, tok, options)
+    assert len(janus.replay_samples) == 8 and janus.replay_samples[0]["labels"][0] == -100  # the prompt masked

@@ -300,7 +300,7 @@ def test_rectify_generates_the_replay_from_the_reference_model(model, tok):
     fine_tune(finetuned, steps=20, lr=2e-2)
     from_reference = options(prompts=PROMPTS).generate(model, tok)
     assert from_reference != options(prompts=PROMPTS).generate(finetuned, tok)  # the two models answer apart
-    config = JanusConfig(tau=0.0, rank=None, replay_batch_size=4)
+    config = JanusConfig(tau=0.0, compression_rank=None, replay_batch_size=4)
     expected = rectify(copy.deepcopy(finetuned), model, from_reference, config, progress=False)
     got = rectify(finetuned, model, options(prompts=PROMPTS, tokenizer=tok), config, progress=False)
     assert got.num_tokens == expected.num_tokens and got.replay_loss == expected.replay_loss

@@ -19,6 +19,7 @@ from transformers import Trainer, TrainingArguments
 from hf_janus import JanusCallback, JanusError, JanusMerger, SelfReplay
 from hf_janus.cli import main
 from hf_janus.demo import VOCAB, math_samples
+from hf_janus.evaluation.candidates import DEFAULT_PEERS
 from hf_janus.publish.provenance import describe_replay
 from hf_janus.publish.record_file import REPORT_NAME
 from hf_janus.replay.generation_cache import CACHE_ENV
@@ -216,8 +217,9 @@ def test_frontier_generates_from_the_reference_not_the_finetuned_model(tmp_path)
         return rectify(model, reference, replay, *args, **kwargs)
 
     replay = options(prompts=["the cat", "the cat sat on", "1 plus 1"], tokenizer=tok)
-    frontier(base, copy.deepcopy(tuned), replay, past_tasks=[past], new_tasks=[new], wise_grid=(0.5,), taus=(0.9,),
-             hybrids=False, dampings=(), tokenizer=tok, batch_size=2, progress=False, rectify_fn=recording)
+    frontier(base, copy.deepcopy(tuned), replay, past_tasks=[past], new_tasks=[new],
+             candidates="wise:0.5 janus:tau=0.9 " + DEFAULT_PEERS, tokenizer=tok, batch_size=2, progress=False,
+             rectify_fn=recording)
     from_base, from_tuned = replay.generate(base, tok), replay.generate(tuned, tok)
     assert from_base != from_tuned  # else this test could not tell which model answered
     assert replayed and all(r == from_base for r in replayed)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from hf_janus.adapters.live.lora_write import lora_kind
 from hf_janus.adapters.peft_layers import active_adapter
-from hf_janus.engine.repair import RepairSpace
+from hf_janus.engine.repair_space import RepairSpace
 
 
 def adapter_repair_blocker(layers: Mapping[str, nn.Module], output: Any,

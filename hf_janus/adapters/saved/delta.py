@@ -106,14 +106,14 @@ class RectifiedDelta:
         return layer.matrix.T.clone() if layer.layer_type == "embedding" else layer.matrix.clone()
 
     # ---- re-factorization ------------------------------------------------------------------------------
-    def factorize(self, rank: RankSpec = "same", energy: float = 0.99, refine: bool = False,
+    def factorize(self, adapter_rank: RankSpec = "same", adapter_energy: float = 0.99, refine: bool = False,
                   refine_iterations: int = DEFAULT_REFINE_ITERATIONS, progress: bool = True,
                   ) -> tuple[dict[str, tuple[Tensor, Tensor]], list[RefactorStats]]:
         """LoRA factors ``{layer: (A, B)}`` (float64, CPU, ``B @ A ≈ ΔW_rect``) and per-layer statistics.
 
         Layers whose ``ΔW_rect`` is exactly zero get rank 0 under an energy rule and are left out.
         """
-        validate_rank_spec(rank, energy)
+        validate_rank_spec(adapter_rank, adapter_energy)
         factors: dict[str, tuple[Tensor, Tensor]] = {}
         stats: list[RefactorStats] = []
         for name, layer in tqdm(self.layers.items(), desc="Re-factorizing into LoRA", disable=not progress,
@@ -121,7 +121,7 @@ class RectifiedDelta:
             jac = layer.jacobian
             eig = eig_psd(jac.gram(), self.config.gram_rcond) if (jac is not None and refine) else None
             a, b, st = refactor_delta(
-                layer.matrix, rank, energy=energy, same_rank=layer.own_rank, jacobian=jac, eig=eig,
+                layer.matrix, adapter_rank, energy=adapter_energy, same_rank=layer.own_rank, jacobian=jac, eig=eig,
                 jvp0_norm=layer.jvp0_norm, refine=refine and jac is not None,
                 refine_iterations=refine_iterations, rcond=self.config.gram_rcond, name=name,
             )
@@ -182,9 +182,10 @@ class RectifiedDelta:
                 state[f"{PEFT_PREFIX}{module_name}.{pname}"] = param.detach().cpu().contiguous()
         return state
 
-    def save_adapter(self, path: Union[str, os.PathLike], rank: RankSpec = "same", energy: float = 0.99,
-                     refine: bool = False, *, refine_iterations: int = DEFAULT_REFINE_ITERATIONS,
-                     overwrite: bool = False, dtype: torch.dtype = torch.float32, progress: bool = True) -> str:
+    def save_adapter(self, path: Union[str, os.PathLike], adapter_rank: RankSpec = "same",
+                     adapter_energy: float = 0.99, refine: bool = False, *,
+                     refine_iterations: int = DEFAULT_REFINE_ITERATIONS, overwrite: bool = False,
+                     dtype: torch.dtype = torch.float32, progress: bool = True) -> str:
         """Save ``ΔW_rect`` as a standard LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
 
         Per layer, ``ΔW_rect ≈ B @ A`` by truncated SVD with ``lora_alpha = r`` (scaling 1), as
@@ -193,11 +194,11 @@ class RectifiedDelta:
 
         Args:
             path: output directory (written atomically; an existing non-empty one needs ``overwrite``).
-            rank: ``"same"`` (each layer's rank in the original adapter: ``2r`` for a converted PiSSA
-                adapter), an int (the same for every layer, clipped to ``min(d_out, d_in)``), ``"auto"``
-                (smallest rank keeping ``energy`` of each layer's ``||ΔW_rect||²``) or a float in (0, 1]
+            adapter_rank: the LoRA rank: ``"same"`` (each layer's rank in the original adapter: ``2r`` for a
+                converted PiSSA adapter), an int (the same for every layer, clipped to ``min(d_out, d_in)``), ``"auto"``
+                (smallest rank keeping ``adapter_energy`` of each layer's ``||ΔW_rect||²``) or a float in (0, 1]
                 (an energy threshold, as ``convert_to_lora``).
-            energy: the threshold for ``rank="auto"``.
+            adapter_energy: the threshold for ``adapter_rank="auto"``.
             refine: alternate between the rank-k set and the null space of the past task's Jacobian
                 (:func:`hf_janus.adapters.low_rank.refine_low_rank`) so that truncation gives back less of the repair.
             refine_iterations: iterations of that loop.
@@ -209,10 +210,10 @@ class RectifiedDelta:
         """
         from safetensors.torch import save_file
 
-        validate_rank_spec(rank, energy)
+        validate_rank_spec(adapter_rank, adapter_energy)
         self._check_adapter_representable()
         check_output_dir(path, overwrite, self.inputs)
-        factors, stats = self.factorize(rank, energy, refine, refine_iterations, progress)
+        factors, stats = self.factorize(adapter_rank, adapter_energy, refine, refine_iterations, progress)
         for bias_key in self._effective.lora_biases:  # a layer whose update vanished still holds its LoRA bias
             name = bias_key.removesuffix(".bias")
             if name not in factors and name in self.layers:
@@ -223,7 +224,7 @@ class RectifiedDelta:
         config = self._lora_config({n: int(a.shape[0]) for n, (a, _) in factors.items()})
         state = self._adapter_state_dict(factors, dtype)
         self._report.refactorization = {
-            "rank": rank, "energy": energy, "refine": refine,
+            "adapter_rank": adapter_rank, "adapter_energy": adapter_energy, "refine": refine,
             "refine_iterations": refine_iterations if refine else 0,
             "layers": [s.to_dict() for s in stats],
         }
@@ -276,7 +277,8 @@ class RectifiedDelta:
         """Upload the rectified result to the Hub repo ``repo_id`` (created if needed) in one commit.
 
         The output is first written as by :meth:`save_adapter` (``format="adapter"``, with ``save_kwargs`` such
-        as ``rank``/``energy``/``refine``) or :meth:`save_full` (``format="full"``) into a temporary directory,
+        as ``adapter_rank``/``adapter_energy``/``refine``) or :meth:`save_full` (``format="full"``) into a temporary
+        directory,
         with ``janus_rectification.json``, the model card and the safetensors metadata, then uploaded with
         :func:`hf_janus.publish.hub.push_folder`. ``revision`` is a branch (created from ``main`` if missing).
 

@@ -40,7 +40,8 @@ class MergeReport:
     # the base's quantization when the adapter was rectified against a quantized base (QLoRA), in words
     base_quantization: Optional[str] = None
     output_format: Optional[str] = None  # "adapter" or "full" once saved
-    refactorization: Optional[dict[str, Any]] = None  # {"rank", "energy", "refine", "layers": [RefactorStats]}
+    # {"adapter_rank", "adapter_energy", "refine", "layers": [RefactorStats]}
+    refactorization: Optional[dict[str, Any]] = None
     schema_version: int = MERGE_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,7 +104,8 @@ class MergeReport:
             ranks = [s["rank"] for s in layers]
             kept = [s["kept_energy"] for s in layers]
             lines.append(
-                f"LoRA re-factorization (rank={self.refactorization['rank']!r}): ranks {min(ranks)}..{max(ranks)}, "
+                f"LoRA re-factorization (adapter_rank={self.refactorization['adapter_rank']!r}): ranks "
+                f"{min(ranks)}..{max(ranks)}, "
                 f"kept energy min {min(kept):.4f}"
             )
             for key, label in (("residual", "residual ||J0 ΔW_k||/||J0 ΔW||"),

@@ -2,7 +2,7 @@
 
     merger = JanusMerger("org/base", "org/adapter", replay="org/past-task:train")
     delta = merger.run()                      # ΔW_rect per adapted layer, the rectified model, the report
-    delta.save_adapter("out-adapter", rank="same", refine=True)
+    delta.save_adapter("out-adapter", adapter_rank="same", refine=True)
     delta.save_full("out-full")
 
 :class:`JanusMerger` builds the effective model with :mod:`hf_janus.adapters.saved.effective` (base loaded once, the
@@ -239,7 +239,7 @@ class JanusMerger:
         if unrectified:
             logger.info("adapted layer(s) kept at their fine-tuned value: %s", ", ".join(unrectified))
         shard = _base_max_shard_size(self.base_model, self.base_revision, effective.model)
-        base_ref = resolve_repo(self.base_model, self.base_revision, token=self.token)
+        base_ref = resolve_repo(self.base_model, self.base_revision, token=self.token, licence=True)
         adapter_ref = resolve_repo(self.adapter, self.revision, token=self.token, local_path=effective.adapter.path)
         adapter_ref.kind, adapter_ref.peft_type = effective.adapter.kind, effective.adapter.peft_type
         return RectifiedDelta(effective.model, effective, layers, report, config, tokenizer, shard,

@@ -6,8 +6,8 @@ times the fine-tune's rise per step), ``both`` (the two together) and ``loss-abs
 within ``loss_tolerance`` times the fine-tune's rise of θ0's over the whole run).
 
 A new rule is one module: a subclass of :class:`AcceptanceRule` with its name, summary, options, score and
-descriptions, registered with :func:`register` (here for the built-ins, or by the user's own code before the
-config that names it is built).
+descriptions, decorated with :func:`register` (the user's own rule: registered before the config that names it is
+built; see docs/guides/add-a-kind.md).
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from hf_janus.engine.acceptance.base import SCORE_THRESHOLD, AcceptanceRule, TrialMeasurement
-from hf_janus.engine.acceptance.both import BothAcceptance
-from hf_janus.engine.acceptance.cosine import CosineAcceptance
-from hf_janus.engine.acceptance.loss import LossAcceptance
-from hf_janus.engine.acceptance.loss_absolute import LossAbsoluteAcceptance
 from hf_janus.engine.acceptance.registry import make_acceptance, register, rule_named, rule_names
 
-# the order of the configuration's choices and of the docs
-for _rule in (CosineAcceptance, LossAcceptance, BothAcceptance, LossAbsoluteAcceptance):
-    register(_rule)
-del _rule
+# Each rule registers itself when its module is imported: in the order of the configuration's choices and the docs.
+from hf_janus.engine.acceptance.cosine import CosineAcceptance
+from hf_janus.engine.acceptance.loss import LossAcceptance
+from hf_janus.engine.acceptance.both import BothAcceptance
+from hf_janus.engine.acceptance.loss_absolute import LossAbsoluteAcceptance
 
 
 def acceptance_score(config: Any, cbar: float, alpha: float, trial_loss: float, current_loss: float,

@@ -6,8 +6,10 @@ import math
 
 from hf_janus.engine.acceptance.base import (SCORE_THRESHOLD, AcceptanceRule, TrialMeasurement, loss_ratio,
                                              loss_score, ratio_of)
+from hf_janus.engine.acceptance.registry import register
 
 
+@register
 class BothAcceptance(AcceptanceRule):
     """A trial passes when it passes :class:`~hf_janus.engine.acceptance.loss.LossAcceptance` and c̄ ≥ τ. The
     score is that of the larger of the loss ratio and the cosine's ``(1 − c̄)/(1 − τ)``; an undefined loss or c̄

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from hf_janus.engine.acceptance.base import AcceptanceRule, TrialMeasurement
+from hf_janus.engine.acceptance.registry import register
 
 
+@register
 class CosineAcceptance(AcceptanceRule):
     """A trial passes when c̄ ≥ τ: the Jacobian row space barely turned, so the first-order constraint of the next
     step still describes the loss contour (Algorithm 1). The score is c̄ itself."""

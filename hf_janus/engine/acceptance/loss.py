@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from hf_janus.engine.acceptance.base import (SCORE_THRESHOLD, AcceptanceRule, TrialMeasurement, loss_ratio,
                                              loss_score, ratio_of)
+from hf_janus.engine.acceptance.registry import register
 
 
+@register
 class LossAcceptance(AcceptanceRule):
     """A trial passes when its replay loss rose from the current point θ_t by at most ``loss_tolerance · α ·
     rise`` (``rise``: the fine-tune's replay-loss rise; α: the share of the remaining update the step moves).

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from hf_janus.engine.acceptance.base import TrialMeasurement, loss_ratio, loss_score
+from hf_janus.engine.acceptance.registry import register
 from hf_janus.engine.acceptance.loss import LossAcceptance
 
 
+@register
 class LossAbsoluteAcceptance(LossAcceptance):
     """A trial passes when its replay loss is at most θ0's plus ``loss_tolerance · rise`` (``rise``: the
     fine-tune's replay-loss rise): the rectified model forgets at most that share of what the fine-tune made it

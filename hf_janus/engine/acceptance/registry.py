@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_janus.engine.acceptance.base import AcceptanceRule
-from hf_janus.engine.kinds import KindRegistry
+from hf_janus.kinds import KindRegistry
 
 _RULES: KindRegistry[type[AcceptanceRule]] = KindRegistry(
     "acceptance rule", AcceptanceRule, "JanusConfig.acceptance", "hf_janus.engine.acceptance")

@@ -7,22 +7,20 @@ projections of the logits per sample) and ``token_loss`` (the loss of each of a 
 ``constraint_tokens`` tokens alone, and the rest of its loss).
 
 A new constraint is one module: a subclass of :class:`Constraint` with its name, summary, options, rows per sample
-and functions, registered with :func:`register`.
+and functions, decorated with :func:`register` (see docs/guides/add-a-kind.md).
 """
 
 from __future__ import annotations
 
 from hf_janus.engine.constraints.base import IGNORE_INDEX, Constraint, ReplayLogits, per_token_cross_entropy
-from hf_janus.engine.constraints.logit_projections import LogitProjectionsConstraint, logit_projections
-from hf_janus.engine.constraints.loss import LossConstraint
 from hf_janus.engine.constraints.registry import constraint_named, constraint_names, make_constraint, register
-from hf_janus.engine.constraints.target_logit import TargetLogitConstraint
-from hf_janus.engine.constraints.token_loss import TokenLossConstraint
 
-# the order of the configuration's choices and of the docs
-for _constraint in (LossConstraint, TargetLogitConstraint, LogitProjectionsConstraint, TokenLossConstraint):
-    register(_constraint)
-del _constraint
+# Each constraint registers itself when its module is imported: in the order of the configuration's choices and the
+# docs.
+from hf_janus.engine.constraints.loss import LossConstraint
+from hf_janus.engine.constraints.target_logit import TargetLogitConstraint
+from hf_janus.engine.constraints.logit_projections import LogitProjectionsConstraint, logit_projections
+from hf_janus.engine.constraints.token_loss import TokenLossConstraint
 
 __all__ = ["IGNORE_INDEX", "Constraint", "LogitProjectionsConstraint", "LossConstraint", "ReplayLogits",
            "TargetLogitConstraint", "TokenLossConstraint", "constraint_named", "constraint_names", "logit_projections",

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from hf_janus.engine.constraints.base import Constraint, ReplayLogits
+from hf_janus.engine.constraints.registry import register
 
 
 def logit_projections(vocab: int, count: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -17,6 +18,7 @@ def logit_projections(vocab: int, count: int, seed: int, device: torch.device, d
     return (torch.randn(vocab, count, generator=gen, dtype=torch.float64) / vocab ** 0.5).to(device, dtype)
 
 
+@register
 class LogitProjectionsConstraint(Constraint):
     """k functions per sample: more of the output distribution than the loss's one direction keeps."""
 

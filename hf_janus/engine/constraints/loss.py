@@ -5,8 +5,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from hf_janus.engine.constraints.base import Constraint, ReplayLogits
+from hf_janus.engine.constraints.registry import register
 
 
+@register
 class LossConstraint(Constraint):
     """The summed next-token loss at softmax temperature T (1 = the paper's); T > 1 softens confident predictions
     so that they keep a gradient where the past task is well fit."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_janus.engine.constraints.base import Constraint
-from hf_janus.engine.kinds import KindRegistry
+from hf_janus.kinds import KindRegistry
 
 _CONSTRAINTS: KindRegistry[type[Constraint]] = KindRegistry(
     "replay constraint", Constraint, "JanusConfig.constraint", "hf_janus.engine.constraints")

@@ -5,8 +5,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from hf_janus.engine.constraints.base import Constraint, ReplayLogits
+from hf_janus.engine.constraints.registry import register
 
 
+@register
 class TargetLogitConstraint(Constraint):
     """Unlike the loss, its gradient does not vanish where the target is already predicted with confidence."""
 

@@ -12,8 +12,10 @@ import torch
 from torch import Tensor
 
 from hf_janus.engine.constraints.base import Constraint, ReplayLogits
+from hf_janus.engine.constraints.registry import register
 
 
+@register
 class TokenLossConstraint(Constraint):
     """k + 1 functions per sample: the losses of its first k counted tokens, each alone, and the sum of the rest
     (a sample with fewer tokens gives zero rows, which the projection ignores)."""

@@ -148,7 +148,7 @@ class Candidate(abc.ABC):
     options: ClassVar[tuple[Option, ...]] = ()
     style: ClassVar[PlotStyle]
     curve: ClassVar[Optional[Curve]] = None
-    #: defined for a LoRA adapter only (PEFT's intruder reduction): the keyword grids drop it for other models
+    #: defined for a LoRA adapter only (PEFT's intruder reduction): the default candidates leave it out elsewhere
     lora_only: ClassVar[bool] = False
     #: works on the linear layers JANUS rectifies (``JanusConfig.target_modules``), so that the comparison with
     #: JANUS is layer for layer; the frontier tells the builder which (``WeightBuilder.target_layers``)

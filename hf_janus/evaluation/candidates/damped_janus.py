@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 from hf_janus.evaluation.candidates.base import Option, PlotStyle, finite_positive, parse_float, require
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 
 # Dampings relative to each layer's largest Gram eigenvalue, chosen to span the range where damping changes the
@@ -14,6 +15,7 @@ from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_opti
 DEFAULT_DAMPINGS = (0.01, 0.1)
 
 
+@register
 @dataclass(frozen=True)
 class DampedJanus(JanusBased):
     """JANUS at ``tau`` with ``JanusConfig.damping = damping`` (> 0; 0 is plain JANUS)."""

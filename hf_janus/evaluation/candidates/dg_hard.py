@@ -21,6 +21,7 @@ from torch import Tensor
 
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import Candidate, PlotStyle
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.replay_statistics import delta_matrix, linear_weights, with_deltas
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ def hard_threshold(delta: Tensor, what: str = "ΔW") -> Tensor:
     return (u[:, keep] * s[keep]) @ vh[keep]
 
 
+@register
 @dataclass(frozen=True)
 class DgHard(Candidate):
     """Each changed linear layer's ``ΔW`` hard-thresholded at the Donoho-Gavish ``τ*``."""

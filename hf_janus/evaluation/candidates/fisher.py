@@ -20,6 +20,7 @@ from torch import Tensor
 from hf_janus.engine.public import model_device, token_summed_loss
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle,
                                                  finite_positive, measured, parse_float, require)
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.replay_statistics import holding, on_device, replay_batches
 from hf_janus.model_modes import evaluation_mode
 
@@ -60,6 +61,7 @@ def fisher_diagonal(builder: "WeightBuilder", batch_size: int) -> dict[str, Tens
     return totals
 
 
+@register
 @dataclass(frozen=True)
 class Fisher(Candidate):
     """``θ̂ − (s F̃ / (s F̃ + 1)) ΔW`` with the layer-normalized diagonal Fisher ``F̃`` of the replay at θ0."""

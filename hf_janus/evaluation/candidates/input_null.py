@@ -26,6 +26,7 @@ from torch import Tensor
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle, in_open_unit,
                                                  measured, parse_float, parse_str, require)
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.replay_statistics import (TOKEN_CHOICES, delta_matrix, input_spectra,
                                                               linear_weights, spectra_key, with_deltas)
 
@@ -68,6 +69,7 @@ def energy_rank(values: Tensor, energy: float) -> int:
     return int(torch.searchsorted(kept, torch.tensor(energy, dtype=kept.dtype)).item()) + 1
 
 
+@register
 @dataclass(frozen=True)
 class InputNull(Candidate):
     """``ΔW(I − U_k U_kᵀ)`` per changed linear layer, ``k`` holding ``energy`` of the replay input energy."""

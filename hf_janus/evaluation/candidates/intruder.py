@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 from torch import Tensor
 
 from hf_janus.evaluation.candidates.base import Candidate, Curve, Option, PlotStyle, parse_float, require
+from hf_janus.evaluation.candidates.registry import register
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -25,6 +26,7 @@ def check_lambda(kind: str, value: float) -> None:
     require(0.0 <= float(value) < 1.0, kind, "mitigation_lambda", value, "in [0, 1) (1 keeps θ̂)")
 
 
+@register
 @dataclass(frozen=True)
 class Intruder(Candidate):
     """θ̂ with each adapted layer's intruder components scaled by ``mitigation_lambda`` (PEFT's ``top_k=10``,

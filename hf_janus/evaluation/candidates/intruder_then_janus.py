@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 from hf_janus.evaluation.candidates.base import Candidate, Option, PlotStyle, parse_float
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.intruder import Intruder, check_lambda
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 
@@ -13,6 +14,7 @@ from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_opti
 DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS = (0.5,)
 
 
+@register
 @dataclass(frozen=True)
 class IntruderThenJanus(JanusBased):
     """JANUS at ``tau`` applied to the intruder-reduced point ``mitigation_lambda`` (its own JANUS run)."""

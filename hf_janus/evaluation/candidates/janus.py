@@ -10,6 +10,7 @@ from torch import Tensor
 from hf_janus.evaluation.candidates.anchor import FINETUNED
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Option, PlotStyle, SpecContext,
                                                  measured, parse_float, require)
+from hf_janus.evaluation.candidates.registry import register
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -67,6 +68,7 @@ class JanusBased(Candidate):
         return " The JANUS run below is the rectification this point was built from."
 
 
+@register
 @dataclass(frozen=True)
 class Janus(JanusBased):
     """JANUS at ``tau``: θ̂'s update projected onto the null space of the replay's per-sample Jacobians."""

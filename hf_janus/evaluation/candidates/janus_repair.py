@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, finite_positive,
                                                  parse_float, parse_int, require)
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.engine.config import JanusConfig
 from hf_janus.engine.repair import check_samples
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
@@ -26,6 +27,7 @@ _DEFAULTS = JanusConfig()
 DEFAULT_REPAIR_STEPS = 256
 
 
+@register
 @dataclass(frozen=True)
 class JanusRepair(JanusBased):
     """JANUS at ``tau``, then ``steps`` distillation steps and the repair's own choice of point (``keep_gain``)."""

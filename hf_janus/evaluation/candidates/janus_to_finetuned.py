@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 from torch import Tensor
 
 from hf_janus.evaluation.candidates.base import Option, PlotStyle, in_open_unit, interpolate, require
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 from hf_janus.evaluation.candidates.janus_to_reference import b_option
 
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
 
 
+@register
 @dataclass(frozen=True)
 class JanusToFinetuned(JanusBased):
     """The JANUS result at ``tau`` moved toward θ̂ by ``b``."""

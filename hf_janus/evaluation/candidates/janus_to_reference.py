@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 from torch import Tensor
 
 from hf_janus.evaluation.candidates.base import Option, PlotStyle, in_open_unit, interpolate, parse_float, require
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ def b_option() -> Option:
     return Option("b", parse_float, DEFAULT_HYBRID_GRID, "interpolation after JANUS, strictly between 0 and 1")
 
 
+@register
 @dataclass(frozen=True)
 class JanusToReference(JanusBased):
     """The JANUS result at ``tau`` moved toward θ0 by ``1 − b``."""

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import Candidate, Curve, Option, PlotStyle, parse_float, require
+from hf_janus.evaluation.candidates.registry import register
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -46,6 +47,7 @@ def block_depths(names: list[str]) -> tuple[dict[str, float], int]:
     return depths, blocks
 
 
+@register
 @dataclass(frozen=True)
 class Lines(Candidate):
     """``θ0 + (α + β ℓ/(L − 1)) ΔW`` per parameter."""

@@ -6,8 +6,8 @@ An option left out takes its default grid. For example::
 
     "wise:0.25,0.5,0.7 janus:tau=0.95 damped-janus:damping=0.01,0.1 replay-sft:passes=4,8:loss=kl"
 
-Adding a kind is one module with one :class:`~hf_janus.evaluation.candidates.base.Candidate` subclass and one
-:func:`register` call (in :mod:`hf_janus.evaluation.candidates`).
+Adding a kind is one module with one :class:`~hf_janus.evaluation.candidates.base.Candidate` subclass decorated with
+:func:`register` (see docs/guides/add-a-kind.md).
 """
 
 from __future__ import annotations
@@ -16,36 +16,26 @@ from typing import Any, Sequence, Union
 
 from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import Candidate, SpecContext
+from hf_janus.kinds import KindRegistry
 
-#: name → kind, in the order the plot's legend and the docs list them
-REGISTRY: dict[str, type[Candidate]] = {}
+#: the kinds by spec name (and JSON ``kind``), in the order the plot's legend and the docs list them
+_KINDS: KindRegistry[type[Candidate]] = KindRegistry(
+    "candidate kind", Candidate, "a candidate spec", "hf_janus.evaluation.candidates.registry",
+    aliases=lambda kind: (kind.kind,))
 
 SpecLike = Union[str, Candidate]
 
-
-def register(kind: type[Candidate]) -> type[Candidate]:
-    """Make ``kind`` available to specs under ``kind.name`` (its JSON ``kind`` is accepted too)."""
-    for name in {kind.name, kind.kind}:
-        other = REGISTRY.get(name)
-        if other is not None and other is not kind:
-            raise JanusError(f"candidate kind name {name!r} is taken by {other.__name__}")
-    REGISTRY[kind.name] = kind
-    return kind
-
-
-def kinds() -> list[type[Candidate]]:
-    """The registered kinds, in registration order."""
-    return list(REGISTRY.values())
+#: Make a kind available to specs under its ``name`` (its JSON ``kind`` is accepted too); usable as a decorator.
+register = _KINDS.register
+#: The registered kinds, in registration order.
+kinds = _KINDS.kinds
 
 
 def kind_named(name: str) -> type[Candidate]:
     """The kind a spec names (``damped-janus`` or its JSON kind ``damped_janus``)."""
-    for kind in REGISTRY.values():
-        if name in (kind.name, kind.kind):
-            return kind
     if name == "anchor":
         raise JanusError("θ0 and θ̂ are always scored first; leave 'anchor' out of the candidates")
-    raise JanusError(f"unknown candidate kind {name!r}; the kinds are {', '.join(REGISTRY)}")
+    return _KINDS.named(name)
 
 
 def _values(kind: type[Candidate], key: str, text: str) -> list[Any]:

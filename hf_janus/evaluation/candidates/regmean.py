@@ -19,6 +19,7 @@ from torch import Tensor
 
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, Cost, Curve, Option, PlotStyle,
                                                  finite_positive, parse_float, require)
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.input_null import check_tokens, filtered_by_spectra, spectra_cost, tokens_option
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ DEFAULT_REGMEAN_LAMS = (0.1, 0.01, 0.001)
 REGMEAN_CURVE = Curve("regmean", "RegMean", PlotStyle(">", "C8", "one-sided RegMean", line=":"))
 
 
+@register
 @dataclass(frozen=True)
 class RegMean(Candidate):
     """``ΔW · λ(G + λI)⁻¹`` per changed linear layer, ``λ = lam · λ_max(G)``."""

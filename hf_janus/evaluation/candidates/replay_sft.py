@@ -33,6 +33,7 @@ from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import (BuildContext, Candidate, CandidateDiverged, Cost, Curve, Option,
                                                  PlotStyle, SpecContext, finite_positive, grid_product, measured,
                                                  parse_float, parse_int, parse_str, require)
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.janus import Janus
 from hf_janus.evaluation.candidates.replay_statistics import (holding, logits_of, new_task_batches, on_device,
                                                                replay_batches)
@@ -242,7 +243,7 @@ class ReplayTraining:
             raise JanusError(
                 f"{self.name} needs {need / GIB:.1f} GiB on {device} for its {self.optimizer} state over the "
                 f"{sum(p.numel() for p in builder.finetuned.values()):,} changed parameters but {free / GIB:.1f} GiB "
-                "are free there; drop it from the candidates (or --peers), use optimizer=sgd (half the state), or "
+                "are free there; drop it from the candidates, use optimizer=sgd (half the state), or "
                 "run the frontier where more memory is free")
 
     def prepare(self, builder: "WeightBuilder", context: BuildContext) -> Cost:
@@ -266,6 +267,7 @@ class ReplayTraining:
         return {**{k: v.float() for k, v in builder.finetuned.items()}, **builder.artifacts[self.artifact_key()]}
 
 
+@register
 @dataclass(frozen=True)
 class ReplaySft(ReplayTraining, Candidate):
     """θ̂ trained further on the replay for ``passes`` passes (or ``budget`` × JANUS's Jacobian evaluations, or

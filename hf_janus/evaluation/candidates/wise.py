@@ -9,6 +9,7 @@ from torch import Tensor
 
 from hf_janus.evaluation.candidates.base import (WISE_CURVE_SPEC, Candidate, Curve, Option, PlotStyle, in_open_unit,
                                                  interpolate, parse_float, require)
+from hf_janus.evaluation.candidates.registry import register
 
 if TYPE_CHECKING:
     from hf_janus.evaluation.candidate_weights import WeightBuilder
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 DEFAULT_WISE_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
+@register
 @dataclass(frozen=True)
 class Wise(Candidate):
     """Weight interpolation between θ0 and θ̂ at coefficient ``a`` in (0, 1) (the ends are the anchors)."""

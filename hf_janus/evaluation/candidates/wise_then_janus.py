@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 from hf_janus.evaluation.candidates.base import Candidate, Option, PlotStyle, in_open_unit, parse_float, require
+from hf_janus.evaluation.candidates.registry import register
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 from hf_janus.evaluation.candidates.wise import Wise
 
 DEFAULT_PRE_JANUS_GRID = (0.5, 0.75)
 
 
+@register
 @dataclass(frozen=True)
 class WiseThenJanus(JanusBased):
     """JANUS at ``tau`` applied to the WiSE-FT point ``a`` (its own JANUS run)."""

@@ -1,0 +1,248 @@
+"""The repair where users run it (issue 62's measurement): a ``transformers.Trainer`` fine-tunes SmolLM2-135M-Instruct
+on GSM8K with ``JanusCallback(replay, JanusConfig(distill_steps=N))``, and the callback repairs the model at train end,
+choosing its own point; nothing else is called. The past behaviour is scored on questions never replayed nor used to
+choose (the callback chooses on slices of its own replay and of the Trainer's ``eval_dataset``).
+
+    python -m benchmarks.forgetting.trainer_repair --run full --threads 2
+    python -m benchmarks.forgetting.trainer_repair --run lora --threads 2
+    python -m benchmarks.forgetting.trainer_repair --run full --replay self --tag data_free --threads 2
+    python -m benchmarks.forgetting.trainer_repair --summarize
+
+The data and the scoring are ``real_study.py``'s (θ0's answers, cached in ``cache/real_study/full``, generated when
+missing): 64 of θ0's answers to NQ-open questions are the replay (``--replay self``: ``SelfReplay()``, no data), the
+fine-tuning is ``real_model.py``'s (GSM8K worked answers, 40 steps of 8, its learning rates and LoRA) on the Trainer
+(linear schedule, 3 warm-up steps, float32 on the CPU), and the Trainer's ``eval_dataset`` is 16 GSM8K problems the
+fine-tune never sees. θ̂ is scored by a callback that runs just before ``JanusCallback`` at train end. Figures, as in
+``real_study``: *EM back* is the share of θ0's answers lost by θ̂ (greedy, token for token) that the repaired model
+gives back; *AP2* the share of θ̂'s drop of the GSM8K test NLL it keeps. Results:
+``results/trainer_repair_<run>[_<tag>].{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from benchmarks import smollm2  # noqa: E402
+from benchmarks.forgetting import real_model as bench  # noqa: E402
+from benchmarks.forgetting import real_study as study  # noqa: E402
+
+from hf_janus import JanusCallback, JanusConfig, SelfReplay  # noqa: E402
+from hf_janus.io_utils import atomic_write_text  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+SCORED = ("nq", "webq", "nq_held_out", "webq_held_out")  # none replayed, none seen by the callback's choice
+log = bench.log
+
+
+def theta0_data(s: bench.Settings, tok, theta0, work: str) -> dict:
+    """θ0's answers (the replay pool, the scored and held-out questions), as ``real_study`` caches them."""
+    path = os.path.join(work, "data.json")
+    data = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    else:
+        os.makedirs(work, exist_ok=True)
+        data = study.own_behaviour(s, tok, theta0)
+
+    def save() -> None:
+        atomic_write_text(path, json.dumps(data))
+
+    study.held_out_sets(s, tok, theta0, data, save)
+    save()
+    return data
+
+
+class ScoreAtTrainEnd(TrainerCallback):
+    """Placed before ``JanusCallback``: scores θ̂ at train end, before JANUS changes it; ``ended`` is when it was
+    done (the rectification runs from then until ``train()`` returns)."""
+
+    def __init__(self, score):
+        self.score = score
+        self.figures: dict = {}
+        self.seconds = 0.0
+        self.ended = 0.0
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        start, training = time.perf_counter(), model.training
+        self.figures = self.score(model)
+        model.train(training)
+        self.ended = time.perf_counter()
+        self.seconds = self.ended - start
+        log(f"[finetuned] {self.figures['past_summary']} gsm {self.figures['gsm_nll']:.4f} ({self.seconds:.0f}s)")
+
+
+def fine_tune_arguments(s: bench.Settings, run: str, output_dir: str):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=s.ft_steps, per_device_train_batch_size=s.ft_batch,
+        per_device_eval_batch_size=8, learning_rate=s.lr[run], lr_scheduler_type="linear", warmup_steps=3,
+        weight_decay=0.0, max_grad_norm=1.0, logging_steps=10, save_strategy="no", report_to=[], use_cpu=True,
+        seed=s.seed, data_seed=s.seed, disable_tqdm=True, remove_unused_columns=False)
+
+
+def trainer_model(run: str, s: bench.Settings):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(smollm2.smollm2_dir()), dtype=torch.float32)
+    if run == "lora":
+        from peft import get_peft_model
+
+        model = get_peft_model(model, bench.lora_config(s))
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", choices=("full", "lora"), default="full")
+    ap.add_argument("--replay", choices=("answers", "self"), default="answers",
+                    help="the callback's replay: 64 of θ0's answers to NQ-open questions, or SelfReplay() (no data)")
+    ap.add_argument("--distill-steps", type=int, default=128)
+    ap.add_argument("--distill-lr", type=float, default=None,
+                    help="default: a tenth of the fine-tune's learning rate (1e-5 full, 1e-4 LoRA)")
+    ap.add_argument("--compression-rank", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--summarize", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 2 fine-tuning steps of 2, 2 distillation steps, 8 questions a set (no record)")
+    ap.add_argument("--work-dir", default=os.path.join(HERE, "cache", "real_study", "full"))
+    args = ap.parse_args()
+    if args.summarize:
+        print(write_markdown())
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer
+
+    s = bench.Settings()
+    if args.quick:
+        s.ft_steps, s.ft_batch, args.distill_steps = 2, 2, 2
+    torch.manual_seed(s.seed)
+    tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir())
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    theta0 = AutoModelForCausalLM.from_pretrained(os.fspath(smollm2.smollm2_dir()), dtype=torch.float32).eval()
+    data = theta0_data(s, tok, theta0, args.work_dir)
+    sets = {"nq": data["eval_nq"], "webq": data["eval_wq"], "nq_held_out": data["held_out_nq"],
+            "webq_held_out": data["held_out_wq"]}
+    gsm = data["gsm"]
+    if args.quick:
+        sets, gsm = {name: rows[:8] for name, rows in sets.items()}, gsm[:8]
+
+    def score(model) -> dict:
+        return study.evaluate(model, tok, sets, gsm, pad)
+
+    t = time.perf_counter()
+    scored = {"theta0": score(theta0)}
+    log(f"[theta0] {scored['theta0']['past_summary']} gsm {scored['theta0']['gsm_nll']:.4f} "
+        f"({time.perf_counter() - t:.0f}s)")
+    del theta0
+
+    distill_lr = args.distill_lr or s.lr[args.run] / 10
+    config = JanusConfig(rank=args.compression_rank, distill_steps=args.distill_steps, distill_lr=distill_lr)
+    replay: Any = SelfReplay() if args.replay == "self" else study.replay_samples(data["pool"][:64])
+    finetuned = ScoreAtTrainEnd(score)
+    janus = JanusCallback(replay, config)
+    model = trainer_model(args.run, s)
+    collator_tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir(), padding_side="right")
+    if collator_tok.pad_token is None:
+        collator_tok.pad_token = collator_tok.eos_token
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(
+            model=model, args=fine_tune_arguments(s, args.run, out),
+            train_dataset=Dataset.from_list(study.new_task_samples(tok)),
+            eval_dataset=Dataset.from_list(study.new_task_validation_samples(tok)),
+            data_collator=DataCollatorForSeq2Seq(collator_tok, padding=True, label_pad_token_id=-100),
+            processing_class=tok, callbacks=[finetuned, janus])
+        t = time.perf_counter()
+        trainer.train()
+        total, rectification = time.perf_counter() - t, time.perf_counter() - finetuned.ended
+        history = [row for row in trainer.state.log_history if "loss" in row]
+    report = janus.report
+    scored["finetuned"] = finetuned.figures
+    scored["repaired"] = score(janus.model)
+    repair = report.repair
+    janus_seconds = rectification - (repair.seconds if repair else 0.0)
+    record = {
+        "run": args.run, "replay": args.replay, "settings": {**vars(args), "distill_lr": distill_lr},
+        "config": config.to_dict(), "train_loss": history,
+        "seconds": {"train_call": total, "finetuned_scoring": finetuned.seconds, "rectification": rectification,
+                    "janus": janus_seconds, "repair": repair.seconds if repair else None,
+                    "fine_tuning": total - finetuned.seconds - rectification},
+        "repair_over_janus_time": rectification / janus_seconds if janus_seconds else None,
+        "jacobian_evaluations": report.num_jacobian_evals, "stop_reason": report.stop_reason,
+        "repair": None if repair is None else repair.to_dict(),
+        "points": {name: {"past_summary": p["past_summary"], "gsm_nll": p["gsm_nll"]} for name, p in scored.items()},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "platform": platform.platform(), "torch": torch.__version__},
+    }
+    record["points"]["repaired"].update(
+        repair=study.repair_figures(scored["repaired"], scored["theta0"], scored["finetuned"]),
+        flips=study.flips(scored["theta0"], scored["finetuned"], scored["repaired"]))
+    log(f"[repaired] {record['points']['repaired']['repair']}")
+    log(report.summary())
+    if args.quick:
+        print(json.dumps(record["seconds"]), record["repair_over_janus_time"])
+        return
+    atomic_write_text(result_path(args.run, args.tag) + ".json", json.dumps(record, indent=1))
+    print(write_markdown())
+
+
+def result_path(run: str, tag: str = "") -> str:
+    return os.path.join(RESULTS, f"trainer_repair_{run}{'_' + tag if tag else ''}")
+
+
+def write_markdown() -> str:
+    """One table over every ``trainer_repair_*.json``: the point the callback chose and what it gives back."""
+    rows = []
+    for name in sorted(os.listdir(RESULTS)):
+        if not (name.startswith("trainer_repair_") and name.endswith(".json")):
+            continue
+        with open(os.path.join(RESULTS, name), encoding="utf-8") as fh:
+            rec = json.load(fh)
+        fig = rec["points"]["repaired"]["repair"]
+        sec = rec["seconds"]
+        repair = rec.get("repair") or {}
+        gain = (repair.get("validation") or {})
+        rows.append(
+            f"| {rec['run']} | {'θ0 answers' if rec['replay'] == 'answers' else 'SelfReplay()'} | "
+            f"{rec['config']['distill_steps']} | {rec['settings']['distill_lr']:g} | {repair.get('chosen')} | "
+            f"{fig['ap2']:.1f} | {fig['nq_held_out']['em_back']:.1f} | {fig['webq_held_out']['em_back']:.1f} | "
+            f"{fig['nq']['em_back']:.1f} | {fig['webq']['em_back']:.1f} | {sec['fine_tuning']:.0f} | "
+            f"{sec['janus']:.0f} | {sec['repair'] or 0:.0f} | {rec['repair_over_janus_time']:.2f} |"
+            + ("" if gain else ""))
+    text = "\n".join([
+        "# The repair through `JanusCallback` in a `Trainer` (SmolLM2-135M-Instruct, GSM8K fine-tune)",
+        "",
+        "Written by `python -m benchmarks.forgetting.trainer_repair --summarize`; see the script's docstring for the "
+        "setting. EM back: the share of θ0's answers θ̂ lost (greedy, token for token) that the repaired model gives "
+        "back, on NQ-open and WebQuestions questions never replayed nor used by the callback to choose its point "
+        "(held out: the sets `real_study --held-out` reports; scored: its validation sets, which this run never "
+        "chose on). AP2: the share of θ̂'s GSM8K test-NLL drop kept. Seconds on the machine in each JSON; "
+        "×JANUS: the whole rectification (JANUS + distillation + choice) over JANUS alone.",
+        "",
+        "| run | replay | distill steps | lr | chosen | AP2 | NQ held-out EM back | WebQ held-out EM back "
+        "| NQ EM back | WebQ EM back | fine-tune s | JANUS s | repair s | ×JANUS |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows, ""])
+    path = os.path.join(RESULTS, "trainer_repair.md")
+    atomic_write_text(path, text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
