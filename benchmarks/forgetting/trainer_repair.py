@@ -153,7 +153,8 @@ def main() -> None:
     del theta0
 
     distill_lr = args.distill_lr or s.lr[args.run] / 10
-    config = JanusConfig(rank=args.compression_rank, distill_steps=args.distill_steps, distill_lr=distill_lr)
+    config = JanusConfig(compression_rank=args.compression_rank, distill_steps=args.distill_steps,
+                         distill_lr=distill_lr)
     replay: Any = SelfReplay() if args.replay == "self" else study.replay_samples(data["pool"][:64])
     finetuned = ScoreAtTrainEnd(score)
     janus = JanusCallback(replay, config)
