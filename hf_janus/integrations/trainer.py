@@ -107,8 +107,8 @@ class JanusCallback(TrainerCallback):
             adapter whose init rewrites the base (PiSSA, OLoRA, CorDA, ...), and for a name the model already has.
         replay_options: how replay given by name or as rows of text is read (:class:`~hf_janus.ReplayOptions`: the
             format, the text or prompt/response fields, how many rows, the length), as ``JanusMerger`` and
-            ``hf-janus merge --replay`` read it; default: every row of text, prompt/response rows with the prompt
-            masked.
+            ``hf-janus merge --replay`` read it; default: ``ReplayOptions()`` for a file or dataset id (its first 256
+            rows, as ``merge``), every row of rows given in memory; prompt/response rows with the prompt masked.
 
     After training, ``callback.report`` is the :class:`RectificationReport`; its publication record
     (:class:`~hf_janus.publish.record_file.PublishedReport`, the document every ``janus_rectification.json`` holds)

@@ -310,7 +310,12 @@ def card_data(published: "PublishedReport", *, pipeline_tag: Optional[str] = Non
         return ref.id
 
     base, replay = hub_id(published.base_model), hub_id(published.replay)
-    licence = (published.base_model.license if published.base_model is not None else None) or {}
+    from hf_janus.publish.provenance import LICENCE_KEYS
+
+    declared = published.base_model.license if published.base_model is not None else None
+    # a record is read from a file: only the licence entries, as strings, reach the front matter
+    licence = ({k: v for k, v in declared.items() if k in LICENCE_KEYS and isinstance(v, str)}
+               if isinstance(declared, Mapping) else {})
     results = eval_results(published.frontier)
     return ModelCardData(
         base_model=base,

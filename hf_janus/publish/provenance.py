@@ -160,7 +160,8 @@ def resolve_repo(name: Union[str, os.PathLike, RepoRef, None], revision: Optiona
 
 #: a model repository's card, whose front matter says its licence
 CARD_FILE = "README.md"
-_LICENSE_KEYS = ("license", "license_name", "license_link")
+#: the front-matter entries of a licence, repeated from a base model's card into the cards derived from it
+LICENCE_KEYS = ("license", "license_name", "license_link")
 
 
 def _hub_card(repo_id: str, revision: Optional[str], token: Any, online: bool) -> Optional[str]:
@@ -192,7 +193,7 @@ def _card_license(path: Optional[str]) -> Optional[dict[str, str]]:
     except Exception as err:  # an unreadable card names no licence
         logger.info("could not read the model card %s (%s: %s)", path, type(err).__name__, err)
         return None
-    found = {key: str(data.get(key)) for key in _LICENSE_KEYS if data.get(key)}
+    found = {key: str(data.get(key)) for key in LICENCE_KEYS if data.get(key)}
     return found if "license" in found else None
 
 

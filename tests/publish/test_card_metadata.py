@@ -96,3 +96,10 @@ def test_an_unreadable_or_licence_free_card_names_no_licence(tmp_path, card):
     folder.mkdir()
     (folder / "README.md").write_text(card)
     assert resolve_repo(str(folder), licence=True).license is None
+
+
+def test_a_records_odd_licence_entries_stay_out_of_the_front_matter(tmp_path):
+    ref = RepoRef(id="me/base", license={"license": "mit", "tags": "spam", "license_name": ["x"]})
+    data = parsed(render_card(record(tmp_path, ref), load_id="me/m"))
+    assert data.license == "mit" and data.license_name is None and "spam" not in (data.tags or [])
+
