@@ -396,9 +396,9 @@ class JanusCallback(TrainerCallback):
                               options=self.replay_options, progress=progress)
 
     def _new_task_samples(self) -> Optional[list[dict[str, Any]]]:
-        """What the Trainer trained on, for the repair after JANUS (``config.distill_steps``): the first batches of
-        the Trainer's own train dataloader (its dataset through its collator), every rank's, the same list on every
-        rank. None without a repair, or when the callback does not know its Trainer (logged)."""
+        """What the Trainer trained on, for the repair after JANUS (``config.distill_steps``): the samples of the
+        first batches of the Trainer's own train dataloader (its dataset through its collator), every rank's, the
+        same list on every rank. None without a repair, or when the callback does not know its Trainer (logged)."""
         if not self.config.distill_steps:
             return None
         trainer = self.link.trainer
@@ -410,9 +410,10 @@ class JanusCallback(TrainerCallback):
         return _first_samples(trainer.get_train_dataloader(), NEW_TASK_SAMPLES)
 
     def _new_task_validation(self) -> Optional[list[dict[str, Any]]]:
-        """The Trainer's ``eval_dataset`` through its eval dataloader (the first of several): whole batches, until
-        they hold :data:`~hf_janus.engine.repair.NEW_TASK_VALIDATION_MAX` samples a rank, for the repair's gain; None
-        without a repair or an eval dataset (the repair then holds out every eighth train sample)."""
+        """The Trainer's ``eval_dataset`` through its eval dataloader (the first of several): the samples of its
+        first batches, until they hold :data:`~hf_janus.engine.repair.NEW_TASK_VALIDATION_MAX` samples a rank, for
+        the repair's gain; None without a repair or an eval dataset (the repair then holds out every eighth train
+        sample)."""
         trainer = self.link.trainer
         evaluation = getattr(trainer, "eval_dataset", None)
         if not self.config.distill_steps or evaluation is None:
@@ -454,16 +455,21 @@ class JanusCallback(TrainerCallback):
 
 
 def _first_samples(dataloader: Any, most: int) -> list[dict[str, Any]]:
-    """The first batches of ``dataloader`` holding ``most`` samples (or all), on the host, every rank's in rank
-    order, the same list on every rank."""
-    batches: list[dict[str, Any]] = []
+    """The samples of the first batches of ``dataloader`` holding ``most`` samples (or all), one dict each with its
+    padding removed (the attention mask's zeros), on the host, every rank's in rank order, the same list on every
+    rank: the repair batches them itself (``JanusConfig.new_task_batch_size``), so a step's cost is the one its
+    configuration says, not the Trainer's batch size."""
+    samples: list[dict[str, Any]] = []
     for batch in dataloader:
-        batches.append({k: batch[k].detach().cpu() for k in ("input_ids", "attention_mask", "labels")
-                        if k in batch and batch[k] is not None})
-        if sum(len(b["input_ids"]) for b in batches) >= most:
+        rows = {k: batch[k].detach().cpu() for k in ("input_ids", "attention_mask", "labels")
+                if k in batch and batch[k] is not None}
+        for i in range(len(rows["input_ids"])):
+            kept = rows["attention_mask"][i].bool() if "attention_mask" in rows else slice(None)
+            samples.append({k: v[i][kept] for k, v in rows.items()})
+        if len(samples) >= most:
             break
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, batches)
-        batches = [b for rank in gathered for b in rank]
-    return batches
+        torch.distributed.all_gather_object(gathered, samples)
+        samples = [sample for rank in gathered for sample in rank]
+    return samples

@@ -30,6 +30,12 @@ def test_the_callback_repairs_with_the_trainers_own_samples(tmp_path):
     repair = janus.report.repair
     assert repair is not None and repair.steps == 6
     assert repair.validation_samples["new_task"] == 32 // 8  # every eighth of the Trainer's 32 GSM8K samples
+    # the Trainer's batches of 4, taken apart: the repair fits new_task_batch_size samples a step, unpadded
+    fitted = janus.rectifier.new_task_batches
+    assert [len(b["input_ids"]) for b in fitted] == [REPAIR.new_task_batch_size] * (32 // REPAIR.new_task_batch_size)
+    lengths = sorted(len(sample["input_ids"]) for sample in math_samples(0, 32, max_len=64))
+    assert sorted(int(n) for b in fitted for n in b["attention_mask"].sum(dim=1)) == lengths
+    assert all(b["input_ids"].shape[1] == int(b["attention_mask"].sum(dim=1).max()) for b in fitted)
     assert repair.chosen is not None and "repair after JANUS" in janus.report.summary()
     # a full fine-tune: the snapshot held θ0 of the embeddings and norms too, which the repair moved back
     assert {"model.embed_tokens.weight", "model.norm.weight"} <= set(repair.outside_parameters)
