@@ -42,7 +42,7 @@ def add_dataclass_options(group: argparse._ArgumentGroup, cls: type, prefix: str
         meta = f.metadata
         if "help" not in meta or tier is not None and field_tier(f) != tier:
             continue
-        default = f.default
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         shown = str(default).replace("torch.", "") if default is not None else "none"
         # argparse %-formats every help string, so a literal % in a field's help (kept plain for the docs) must be
         # doubled here or --help fails
@@ -52,8 +52,10 @@ def add_dataclass_options(group: argparse._ArgumentGroup, cls: type, prefix: str
             kwargs["choices"] = list(meta["choices"])
         elif "nargs" in meta:
             kwargs.update(nargs=meta["nargs"], metavar="NAME")
-        elif "type" in meta:  # a field whose default (None) does not say its type
+        elif "type" in meta:  # a field whose default (None, a dict) does not say its type
             kwargs["type"] = meta["type"]
+            if "metavar" in meta:
+                kwargs["metavar"] = meta["metavar"]
         elif isinstance(default, (int, float)) and not isinstance(default, bool):
             kwargs["type"] = type(default)
         group.add_argument(meta.get("cli", "--" + f.name.replace("_", "-")), **kwargs)

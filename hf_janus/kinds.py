@@ -1,11 +1,15 @@
 """A registry of the kinds of one varying behaviour (acceptance rules, replay constraints, frontier candidates): each
 kind a class registered under its ``name`` (and the aliases it declares), looked up by the field or spec that names
-it. Imports nothing of hf_janus but its errors, so that the engine's configuration and the evaluation's candidates
-share it."""
+it, and the options a kind declares beside itself. Imports nothing of hf_janus but its errors, so that the engine's
+configuration and the evaluation's candidates share it."""
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterable, TypeVar
+import difflib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Iterable, Mapping, Optional, TypeVar
 
 from hf_janus.errors import JanusError
 
@@ -65,3 +69,69 @@ class KindRegistry(Generic[K]):
 
     def _article(self) -> str:
         return "an" if self.noun[0] in "aeiou" else "a"
+
+
+@dataclass(frozen=True)
+class KindOption:
+    """One option a kind declares beside itself (as a PEFT config's field does): its name, its default, what it does
+    and which values it takes (``valid``, described by ``expected``); the kind's ``__init__`` takes it by name."""
+
+    name: str
+    default: Any
+    help: str
+    valid: Callable[[Any], bool] = lambda value: True
+    expected: str = "any value"
+
+
+def kind_options(kind: type, noun: str, field: str, given: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The keyword arguments of ``kind`` (one with ``options``, a tuple of :class:`KindOption`): ``given`` (what the
+    user set in ``field``, e.g. ``JanusConfig.constraint_options``) over each option's default. An option the kind
+    does not declare raises a :class:`JanusError` naming the ones it does; a value it does not take, a
+    ``ValueError`` naming the field, the option and what it takes."""
+    given = dict(given or {})
+    declared = {option.name: option for option in getattr(kind, "options", ())}
+    for key in given:
+        if key not in declared:
+            close = difflib.get_close_matches(str(key), list(declared), n=1, cutoff=0.6)
+            known = (f"its options are {', '.join(map(repr, declared))}" if declared else "it takes no options")
+            raise JanusError(f"the {noun} {kind.name!r} has no option {key!r} ({field}): "
+                             + (f"did you mean {close[0]!r}? " if close else "") + known)
+    values = {}
+    for name, option in declared.items():
+        value = given.get(name, option.default)
+        if not option.valid(value):
+            raise ValueError(f"{field}[{name!r}]={value!r} is invalid for the {noun} {kind.name!r}: expected "
+                             f"{option.expected}")
+        values[name] = value
+    return values
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """``"name=value,name=value"`` (the command line's form of a kind's options) as a dict, each value read as JSON
+    (``3``, ``0.5``, ``true``) and kept as text otherwise; ``""`` is no options."""
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"{item!r} is not name=value")
+        try:
+            options[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[name.strip()] = value.strip()
+    return options
+
+
+def describe_options(kinds: Iterable[type]) -> str:
+    """One line per kind with options, for a field's help: ``kind: name (help; default D), ...``."""
+    return "; ".join(f"{kind.name}: " + ", ".join(f"{o.name} ({o.help}; default {o.default})" for o in kind.options)
+                     for kind in kinds if getattr(kind, "options", ()))
+
+
+def is_int(value: Any) -> bool:
+    """An int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A finite int or float (not a bool, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -78,14 +78,18 @@ VARIANTS = {
     "single-step target_logit": dict(tau=0.0, constraint="target_logit"),
     "multi-step loss": dict(max_evaluations=60),
     "multi-step target_logit": dict(constraint="target_logit", max_evaluations=60),
-    "single-step logit_projections k=8": dict(tau=0.0, constraint="logit_projections", constraint_projections=8),
-    "multi-step logit_projections k=8": dict(constraint="logit_projections", constraint_projections=8,
+    "single-step logit_projections k=8": dict(tau=0.0, constraint="logit_projections",
+                                              constraint_options={"projections": 8}),
+    "multi-step logit_projections k=8": dict(constraint="logit_projections", constraint_options={"projections": 8},
                                              max_evaluations=60),
     "multi-step loss, loss acceptance": dict(acceptance="loss", max_evaluations=60),
     "multi-step loss, both tests": dict(acceptance="both", max_evaluations=60),
-    "single-step logit_projections k=2": dict(tau=0.0, constraint="logit_projections", constraint_projections=2),
-    "single-step logit_projections k=32": dict(tau=0.0, constraint="logit_projections", constraint_projections=32),
-    "multi-step logit_projections k=8, loss acceptance": dict(constraint="logit_projections", constraint_projections=8,
+    "single-step logit_projections k=2": dict(tau=0.0, constraint="logit_projections",
+                                              constraint_options={"projections": 2}),
+    "single-step logit_projections k=32": dict(tau=0.0, constraint="logit_projections",
+                                               constraint_options={"projections": 32}),
+    "multi-step logit_projections k=8, loss acceptance": dict(constraint="logit_projections",
+                                                              constraint_options={"projections": 8},
                                                               acceptance="loss", max_evaluations=60),
 }
 
@@ -188,8 +192,9 @@ def run_case(label, theta0, tuned, replay, held_out, args, rank=None) -> dict:
     for temperature in args.temperatures:
         rectified = copy.deepcopy(tuned)
         start = time.perf_counter()
-        rectify(rectified, reference, replay, JanusConfig(tau=0.0, compression_rank=rank, replay_batch_size=16,
-                                                          constraint_temperature=temperature), progress=False)
+        config = JanusConfig(tau=0.0, compression_rank=rank, replay_batch_size=16,
+                             constraint_options={"temperature": temperature})
+        rectify(rectified, reference, replay, config, progress=False)
         r = replay_loss(rectified, replay)
         by_temperature[str(temperature)] = {"replay_loss": r,
                                             "undone_share": (r1 - r) / (r1 - r0) if r1 != r0 else None,

@@ -73,19 +73,19 @@ VARIANTS = (
     ("constraint=target_logit", MAIN_REPLAY, {"constraint": "target_logit", "max_evaluations": 60}),
     ("acceptance=loss", MAIN_REPLAY, {"acceptance": "loss", "max_evaluations": 60}),
     # issue 43's lever on the real model (the first k labelled tokens of each sample, each its own row)
-    ("constraint=token_loss k=2", MAIN_REPLAY, {"constraint": "token_loss", "constraint_tokens": 2}),
+    ("constraint=token_loss k=2", MAIN_REPLAY, {"constraint": "token_loss", "constraint_options": {"tokens": 2}}),
     # issue 43's compression lever: the real model's replay is short, where r=8 matched r=32 in less time
     ("rank 8", MAIN_REPLAY, {"compression_rank": 8}),
-    ("constraint=token_loss k=2, rank 8", MAIN_REPLAY, {"constraint": "token_loss", "constraint_tokens": 2,
+    ("constraint=token_loss k=2, rank 8", MAIN_REPLAY, {"constraint": "token_loss", "constraint_options": {"tokens": 2},
                                                         "compression_rank": 8}),
     # single-step (τ=0) constraints of the well-fit study (issue 22; diagnose_first_order.py): the paper's loss,
     # the target logit, and k random logit projections (k Jacobian rows per sample, k backward passes per batch)
     ("single-step", MAIN_REPLAY, {"tau": 0.0}),
     ("single-step, constraint=target_logit", MAIN_REPLAY, {"tau": 0.0, "constraint": "target_logit"}),
     ("single-step, constraint=logit_projections k=2", MAIN_REPLAY,
-     {"tau": 0.0, "constraint": "logit_projections", "constraint_projections": 2}),
+     {"tau": 0.0, "constraint": "logit_projections", "constraint_options": {"projections": 2}}),
     ("single-step, constraint=logit_projections k=8", MAIN_REPLAY,
-     {"tau": 0.0, "constraint": "logit_projections", "constraint_projections": 8}),
+     {"tau": 0.0, "constraint": "logit_projections", "constraint_options": {"projections": 8}}),
 )
 
 

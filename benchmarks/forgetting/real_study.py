@@ -605,7 +605,7 @@ def variant_config(lever: dict) -> JanusConfig:
     options = {}
     if "tokenloss" in lever:
         # k + 1 rows per sample: the factors may not fit the host memory, and spill to disk beyond half of it
-        options.update(constraint="token_loss", constraint_tokens=lever["tokenloss"], cache=FACTOR_CACHE)
+        options.update(constraint="token_loss", constraint_options={"tokens": lever["tokenloss"]}, cache=FACTOR_CACHE)
     if lever.get("logitproj"):
         options["constraint"] = "logit_projections"
     if lever.get("targetlogit"):

@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
 from hf_janus.engine.acceptance import rule_named, rule_names
-from hf_janus.engine.constraints import constraint_named, constraint_names
+from hf_janus.engine.constraints import constraint_named, constraint_names, make_constraint
+from hf_janus.kinds import describe_options, is_int, is_real, parse_options
 from hf_janus.serialization import known_fields
 
 #: ``JanusConfig.step_control``: how each trial's step size is chosen (:mod:`hf_janus.engine.step_control`).
@@ -186,16 +186,10 @@ class JanusConfig:
         "help": "the per-sample functions of the replay whose Jacobian JANUS keeps unchanged: "
                 + "; ".join(f"{name}: {constraint_named(name).summary}" for name in CONSTRAINTS),
         "choices": CONSTRAINTS})
-    constraint_projections: int = field(default=4, metadata={"method": True,
-        "help": "with constraint logit_projections: the number k of random logit directions per replay sample "
-                "(k Jacobian rows per sample, k backward passes per replay batch)"})
-    constraint_tokens: int = field(default=3, metadata={"method": True,
-        "help": "with constraint token_loss: the number k of a replayed answer's first tokens that are each their "
-                "own Jacobian row (k + 1 rows per sample, k + 1 backward passes per replay batch)"})
-    constraint_temperature: float = field(default=1.0, metadata={"method": True,
-        "help": "with constraint loss: the softmax temperature T of the per-sample replay loss whose Jacobian is "
-                "kept (1 = the paper's; T > 1 softens confident predictions so that they keep a gradient where the "
-                "past task is well fit; the replay loss reported and compared stays at T = 1)"})
+    constraint_options: dict[str, Any] = field(default_factory=dict, metadata={"method": True,
+        "cli": "--constraint-options", "type": parse_options, "metavar": "NAME=VALUE[,...]",
+        "help": "the options of the constraint, by name, as its kind declares them (unset: their defaults); "
+                + describe_options(constraint_named(name) for name in CONSTRAINTS)})
     distill_steps: int = field(default=0, metadata={"main": True,
         "help": "the repair after JANUS: optimizer steps on the replay's KL divergence to θ0 that also fit the new "
                 "task's samples (new_task_weight), from the JANUS point, after which the farthest point on the line "
@@ -221,13 +215,13 @@ class JanusConfig:
             self.gram_dtype = _DTYPES[name]
         if isinstance(self.target_modules, tuple):
             self.target_modules = list(self.target_modules)
+        if isinstance(self.constraint_options, Mapping):  # its own copy: a dict given (or PAPER's) is not shared
+            self.constraint_options = dict(self.constraint_options)
         self.validate()
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field outside its valid range."""
         _check(isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0, "tau", self.tau, "a float in [0, 1]")
-        _check(_is_real(self.constraint_temperature) and self.constraint_temperature > 0, "constraint_temperature",
-               self.constraint_temperature, "a float > 0")
         _check(self.captures in CAPTURE_SCHEDULES, "captures", self.captures,
                " or ".join(repr(c) for c in CAPTURE_SCHEDULES))
         _check(self.factor_dtype in FACTOR_DTYPES, "factor_dtype", self.factor_dtype,
@@ -235,21 +229,17 @@ class JanusConfig:
         _check(isinstance(self.acceptance, str) and self.acceptance in rule_names(), "acceptance", self.acceptance,
                " or ".join(repr(c) for c in rule_names()) + " (or a rule registered with "
                "hf_janus.engine.acceptance.register)")
-        _check(_is_real(self.loss_tolerance) and self.loss_tolerance > 0, "loss_tolerance", self.loss_tolerance,
+        _check(is_real(self.loss_tolerance) and self.loss_tolerance > 0, "loss_tolerance", self.loss_tolerance,
                "a float > 0")
         _check(isinstance(self.constraint, str) and self.constraint in constraint_names(), "constraint",
                self.constraint, " or ".join(repr(c) for c in constraint_names()) + " (or a constraint registered "
                "with hf_janus.engine.constraints.register)")
-        _check(_is_int(self.constraint_projections) and self.constraint_projections >= 1, "constraint_projections",
-               self.constraint_projections, "an int >= 1")
-        _check(_is_int(self.constraint_tokens) and self.constraint_tokens >= 1, "constraint_tokens",
-               self.constraint_tokens, "an int >= 1")
-        _check("constraint_temperature" in constraint_named(self.constraint).options
-               or self.constraint_temperature == 1.0, "constraint_temperature", self.constraint_temperature,
-               "1 unless constraint='loss' (a temperature scales only the loss)")
+        _check(isinstance(self.constraint_options, dict) and all(isinstance(k, str) for k in self.constraint_options),
+               "constraint_options", self.constraint_options, "a dict of the constraint's options by name")
+        make_constraint(self)  # the constraint's own options, checked by its kind
         _check(isinstance(self.beta, (int, float)) and 0.0 < self.beta < 1.0, "beta", self.beta, "a float in (0, 1)")
         _check(
-            self.compression_rank is None or (_is_int(self.compression_rank) and self.compression_rank >= 1),
+            self.compression_rank is None or (is_int(self.compression_rank) and self.compression_rank >= 1),
             "compression_rank", self.compression_rank, "None or an int >= 1",
         )
         _check(self.compression in COMPRESSION_CHOICES, "compression", self.compression,
@@ -264,17 +254,17 @@ class JanusConfig:
             self.exclude_modules is None or isinstance(self.exclude_modules, (str, list, tuple)),
             "exclude_modules", self.exclude_modules, "None, a regex string or a list of names",
         )
-        _check(_is_int(self.replay_batch_size) and self.replay_batch_size >= 1,
+        _check(is_int(self.replay_batch_size) and self.replay_batch_size >= 1,
                "replay_batch_size", self.replay_batch_size, "an int >= 1")
-        _check(_is_int(self.max_steps) and self.max_steps >= 1, "max_steps", self.max_steps, "an int >= 1")
+        _check(is_int(self.max_steps) and self.max_steps >= 1, "max_steps", self.max_steps, "an int >= 1")
         _check(isinstance(self.min_alpha, (int, float)) and 0.0 < self.min_alpha <= 1.0,
                "min_alpha", self.min_alpha, "a float in (0, 1]")
         _check(self.step_control in STEP_CONTROLS, "step_control", self.step_control,
                " or ".join(repr(c) for c in STEP_CONTROLS))
         _check(self.final_step in FINAL_STEPS, "final_step", self.final_step, " or ".join(repr(c) for c in FINAL_STEPS))
-        _check(self.max_evaluations is None or (_is_int(self.max_evaluations) and self.max_evaluations >= 2),
+        _check(self.max_evaluations is None or (is_int(self.max_evaluations) and self.max_evaluations >= 2),
                "max_evaluations", self.max_evaluations, "None or an int >= 2 (θ0's capture and one trial)")
-        _check(self.max_seconds is None or (_is_real(self.max_seconds) and self.max_seconds > 0),
+        _check(self.max_seconds is None or (is_real(self.max_seconds) and self.max_seconds > 0),
                "max_seconds", self.max_seconds, "None or a number of seconds > 0")
         _check(self.gram_dtype in (torch.float64, torch.float32), "gram_dtype", self.gram_dtype,
                "torch.float64 or torch.float32")
@@ -282,20 +272,20 @@ class JanusConfig:
                " or ".join(repr(c) for c in GHOST_MATMULS))
         _check(isinstance(self.gram_rcond, (int, float)) and 0.0 <= self.gram_rcond < 1.0,
                "gram_rcond", self.gram_rcond, "a float in [0, 1)")
-        _check(_is_real(self.damping) and self.damping >= 0.0, "damping", self.damping, "a float >= 0")
-        _check(_is_int(self.materialize_max_bytes) and self.materialize_max_bytes >= 0,
+        _check(is_real(self.damping) and self.damping >= 0.0, "damping", self.damping, "a float >= 0")
+        _check(is_int(self.materialize_max_bytes) and self.materialize_max_bytes >= 0,
                "materialize_max_bytes", self.materialize_max_bytes, "an int >= 0")
         _check(isinstance(self.cache, (str, os.PathLike)) and str(self.cache) != "",
                "cache", self.cache, "'memory' or a directory path")
-        _check(_is_int(self.seed), "seed", self.seed, "an int")
-        _check(_is_int(self.distill_steps) and self.distill_steps >= 0, "distill_steps", self.distill_steps,
+        _check(is_int(self.seed), "seed", self.seed, "an int")
+        _check(is_int(self.distill_steps) and self.distill_steps >= 0, "distill_steps", self.distill_steps,
                "an int >= 0 (0 = no repair after JANUS)")
-        _check(_is_real(self.keep_gain) and 0.0 < self.keep_gain <= 1.0, "keep_gain", self.keep_gain,
+        _check(is_real(self.keep_gain) and 0.0 < self.keep_gain <= 1.0, "keep_gain", self.keep_gain,
                "a float in (0, 1]")
-        _check(_is_real(self.distill_lr) and self.distill_lr > 0, "distill_lr", self.distill_lr, "a float > 0")
-        _check(_is_real(self.new_task_weight) and self.new_task_weight >= 0, "new_task_weight",
+        _check(is_real(self.distill_lr) and self.distill_lr > 0, "distill_lr", self.distill_lr, "a float > 0")
+        _check(is_real(self.new_task_weight) and self.new_task_weight >= 0, "new_task_weight",
                self.new_task_weight, "a float >= 0")
-        _check(_is_int(self.new_task_batch_size) and self.new_task_batch_size >= 1, "new_task_batch_size",
+        _check(is_int(self.new_task_batch_size) and self.new_task_batch_size >= 1, "new_task_batch_size",
                self.new_task_batch_size, "an int >= 1")
 
     @classmethod
@@ -351,15 +341,6 @@ class JanusConfig:
         return cls.from_dict(data)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    """A finite int or float (not a bool, NaN or infinity)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check(ok: bool, name: str, value: Any, valid: str) -> None:
     if not ok:
         raise ValueError(f"JanusConfig.{name}={value!r} is invalid: expected {valid}")
@@ -385,5 +366,5 @@ JanusConfig.__doc__ = (JanusConfig.__doc__ or "").rstrip() + "\n" + _fields_docs
 #: :meth:`JanusConfig.paper`: the paper's Algorithm 1 and its settings (τ=0.95, β=0.7, r=32, m=256 replay samples
 #: are the caller's), every other field at its default
 PAPER: dict[str, Any] = dict(tau=0.95, beta=0.7, compression_rank=32, compression="exact", step_control="paper",
-                             final_step="paper", acceptance="cosine", constraint="loss", constraint_temperature=1.0,
+                             final_step="paper", acceptance="cosine", constraint="loss", constraint_options={},
                              damping=0.0, distill_steps=0)

@@ -102,7 +102,7 @@ class Workload:
     matmul_itemsize: int = 4
     materialize_max_bytes: int = 1 << 30
     captures_alive: int = 4
-    tempered: bool = False  # constraint_temperature != 1: one more logits-sized tensor
+    logits_copies: int = 0  # float32 logits-sized tensors the constraint adds (a tempered loss: one)
     randomized: bool = False  # randomized compression: sketches wait for their batched Ritz step (capture's budget)
     rows_per_sample: int = 1  # Jacobian rows per replay sample: the constraint's (engine/constraints), one per function
     # θ0 given as a state dict: the rectifier keeps the caller's tensors (already in memory) where they lie
@@ -166,8 +166,8 @@ class Workload:
         # tensors autograd saves per block with frozen weights: the norms' inputs (2h), the rotated q and k (2h),
         # attention's q, k, v and output (4h), the MLP's activation input and the two factors of its product (3i)
         saved = self.blocks * tokens * (8 * self.hidden + 3 * self.intermediate) * act
-        # logits, their float32 copy and the log-softmax gradient (and the tempered copy)
-        logits = tokens * self.vocab * (act + 4 + 4 + (4 if self.tempered else 0))
+        # logits, their float32 copy and the log-softmax gradient, and the constraint's own copies
+        logits = tokens * self.vocab * (act + 4 + 4 + 4 * self.logits_copies)
         # the gradient flowing back and one layer's compression workspace in float32 (masked copies, QR reflectors)
         widest = max([self.hidden, self.intermediate] + [max(lay.d_in, lay.d_out) for lay in self.layers])
         transient = 6 * tokens * widest * 4

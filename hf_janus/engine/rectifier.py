@@ -207,15 +207,16 @@ class Rectifier:
             # a quantized layer is refused by _build_layers; its shape still counts here
             shapes.append(LayerShape(*rule.matrix_shape(module), 2 if rule.quantized else module.weight.element_size()))
         floats = [p for p in self.model.parameters() if p.is_floating_point()]
+        constraint = make_constraint(cfg)
         work = Workload(
             layers=shapes, num_samples=sum(int(b["input_ids"].shape[0]) for b in self.batches),
-            rows_per_sample=make_constraint(cfg).rows_per_sample,
+            rows_per_sample=constraint.rows_per_sample,
             batch_size=max(int(b["input_ids"].shape[0]) for b in self.batches),
             seq_len=max(int(b["input_ids"].shape[1]) for b in self.batches), rank=cfg.compression_rank,
             activation_itemsize=floats[0].element_size() if floats else 4,
             matmul_itemsize=torch.empty((), dtype=getattr(torch, cfg.ghost_matmul)).element_size(),
             materialize_max_bytes=cfg.materialize_max_bytes, captures_alive=CAPTURES_ALIVE[cfg.step_control],
-            tempered=cfg.constraint_temperature != 1.0,
+            logits_copies=constraint.logits_copies,
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
             reference_borrowed=reference_borrowed, backup_kept=backup_kept, reference_held=reference_held,
             heap_retention=heap_retention(),

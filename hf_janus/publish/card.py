@@ -100,21 +100,22 @@ def _acceptance_rule(cfg: dict[str, Any]) -> Optional["AcceptanceRule"]:
 def _settings_line(cfg: dict[str, Any]) -> Optional[str]:
     from hf_janus.engine.acceptance import rule_named, rule_names
     from hf_janus.engine.config import JanusConfig
-    from hf_janus.engine.constraints import constraint_named, constraint_names
 
     defaults = JanusConfig()
-    # a knob of a constraint or test that the run did not use changed nothing: it is not named
+    # a knob of a test that the run did not use changed nothing: it is not named (a constraint's options are its own)
     rule = _acceptance_rule(cfg)
     used = set(rule.options) if rule is not None else set()
-    if cfg.get("constraint", "loss") in constraint_names():
-        used |= set(constraint_named(cfg.get("constraint", "loss")).options)
-    unused = {}
-    for option in ({o for name in rule_names() for o in rule_named(name).options}
-                   | {o for name in constraint_names() for o in constraint_named(name).options}) - {"tau"}:
-        unused[option] = option not in used
-    changed = [f"{name}={cfg[name]}" for name in JanusConfig.method_fields()
-               if name in cfg and cfg[name] != getattr(defaults, name) and not unused.get(name, False)]
+    unused = {o for name in rule_names() for o in rule_named(name).options} - used - {"tau"}
+    changed = [f"{name}={_setting(cfg[name])}" for name in JanusConfig.method_fields()
+               if name in cfg and cfg[name] != getattr(defaults, name) and name not in unused]
     return _plain(", ".join(changed)) if changed else None
+
+
+def _setting(value: Any) -> str:
+    """A setting as the card's settings line writes it: a kind's options as ``(name=value, ...)``."""
+    if isinstance(value, dict):
+        return "(" + ", ".join(f"{k}={v}" for k, v in value.items()) + ")"
+    return str(value)
 
 
 def _code(text: Any) -> str:

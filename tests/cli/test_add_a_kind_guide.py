@@ -36,14 +36,21 @@ for name, w in weights.items():
     assert torch.equal(w, w0 + 0.5 * (w1 - w0) if ".self_attn." in name else w1), name
 assert any(".self_attn." in name for name in weights)
 
-for fields in (dict(acceptance="cosine-or-lower", tau=0.95), dict(constraint="first_token_loss")):
+for fields, shown in ((dict(acceptance="cosine-or-lower", tau=0.95), "acceptance=cosine-or-lower"),
+                      (dict(constraint="first_tokens_loss", constraint_options={"count": 2}),
+                       "constraint=first\\\\_tokens\\\\_loss, constraint\\\\_options=\\\\(count=2\\\\)")):
     model = copy.deepcopy(tuned)
     report = rectify(model, theta0, random_replay(8), JanusConfig(compression_rank=4, max_steps=3, **fields),
                      progress=False)
     assert report.steps and any(not torch.equal(a, b) for a, b in zip(model.parameters(), tuned.parameters()))
     card = str(render_card(PublishedReport(kind="full", rectification=report), load_id="me/m"))
     other = next(line for line in card.splitlines() if line.startswith("| other settings |"))
-    assert next(iter(fields.values())).replace("_", "\\\\_") in other, other
+    assert shown in other, other
+try:
+    JanusConfig(constraint="first_tokens_loss", constraint_options={"count": 0})
+    raise AssertionError("count=0 accepted")
+except ValueError as refused:
+    assert "count" in str(refused)
 print("guide kinds work")
 '''
 

@@ -117,6 +117,12 @@ def test_janus_options_reach_the_config(capsys):
     config = merge_config(build_parser().parse_args(base + ["--compression", "randomized", "--compression-rank", "0"]))
     assert config.compression == "randomized" and config.compression_rank is None
     assert merge_config(build_parser().parse_args(base)).compression == "auto"
+    tokens = merge_config(build_parser().parse_args(base + ["--constraint", "token_loss",
+                                                            "--constraint-options", "tokens=2"]))
+    assert (tokens.constraint, tokens.constraint_options) == ("token_loss", {"tokens": 2})
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(base + ["--constraint-options", "tokens"])
+    assert exit_info.value.code == 2 and "--constraint-options" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(base + ["--compression", "svd"])
     assert exit_info.value.code == 2 and "invalid choice: 'svd'" in capsys.readouterr().err
@@ -283,10 +289,10 @@ def test_every_config_field_is_an_option():
              "--gram-rcond": ("1e-8", 1e-8), "--materialize-max-bytes": ("1024", 1024), "--cache": ("d", "d"),
              "--seed": ("5", 5), "--step-control": ("paper", "paper"), "--max-evaluations": ("40", 40),
              "--max-seconds": ("90.5", 90.5), "--final-step": ("paper", "paper"),
-             "--constraint-temperature": ("2.5", 2.5), "--ghost-matmul": ("float64", "float64"),
+             "--constraint-options": ("temperature=2.5", {"temperature": 2.5}),
+             "--ghost-matmul": ("float64", "float64"),
              "--constraint": ("loss", "loss"),  # target_logit takes no temperature
-             "--acceptance": ("both", "both"), "--loss-tolerance": ("0.3", 0.3),
-             "--constraint-projections": ("6", 6), "--constraint-tokens": ("4", 4), "--damping": ("0.02", 0.02),
+             "--acceptance": ("both", "both"), "--loss-tolerance": ("0.3", 0.3), "--damping": ("0.02", 0.02),
              "--captures": ("two", "two"), "--factor-dtype": ("bfloat16", "bfloat16"), "--distill-steps": ("11", 11),
              "--keep-gain": ("0.9", 0.9), "--distill-lr": ("2e-5", 2e-5), "--new-task-weight": ("0.5", 0.5),
              "--new-task-batch-size": ("3", 3)}

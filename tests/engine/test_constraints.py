@@ -90,7 +90,8 @@ def test_token_loss_keeps_each_early_token_unchanged(tuned_llama):
     jac = {n: torch.stack([row[n].reshape(-1) for row in rows]) for n in names}
     assert all(float(jac[n][4:6].norm()) == 0 for n in names)  # the 1-token answer's rows past its token
     residuals = {}
-    for label, fields in (("token_loss", {"constraint": "token_loss", "constraint_tokens": k}), ("paper", {})):
+    token_loss = {"constraint": "token_loss", "constraint_options": {"tokens": k}}
+    for label, fields in (("token_loss", token_loss), ("paper", {})):
         rectified = copy.deepcopy(model)
         report = rectify(rectified, reference, replay, JanusConfig(tau=0.0, compression_rank=None, **fields),
                          progress=False)
@@ -125,15 +126,30 @@ def test_token_loss_through_compression_and_steps(tuned_llama):
 
 def test_constraint_registry_and_validation():
     assert constraint_names()[:4] == ("loss", "target_logit", "logit_projections", "token_loss")
-    assert make_constraint(JanusConfig(constraint="token_loss", constraint_tokens=5)).rows_per_sample == 6
-    assert make_constraint({"constraint": "logit_projections", "constraint_projections": 3,
-                            "seed": 1}).rows_per_sample == 3
+    assert make_constraint(JanusConfig(constraint="token_loss", constraint_options={"tokens": 5})).rows_per_sample == 6
+    projections = make_constraint({"constraint": "logit_projections", "constraint_options": {"projections": 3},
+                                   "seed": 1})
+    assert (projections.rows_per_sample, projections.seed) == (3, 1)
     assert make_constraint(JanusConfig()).rows_per_sample == 1
+    assert make_constraint(JanusConfig(constraint="token_loss")).rows_per_sample == 4  # the option's default
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="constraint_tokens"):
-            JanusConfig(constraint="token_loss", constraint_tokens=bad)
-    with pytest.raises(ValueError, match="constraint_temperature"):
-        JanusConfig(constraint="token_loss", constraint_temperature=2.0)
+        with pytest.raises(ValueError, match=r"constraint_options\['tokens'\].*token_loss.*an int >= 1"):
+            JanusConfig(constraint="token_loss", constraint_options={"tokens": bad})
+    # an option of another kind, or none: the error names the kind's own options
+    with pytest.raises(JanusError, match="'token_loss' has no option 'temperature'.*its options are 'tokens'"):
+        JanusConfig(constraint="token_loss", constraint_options={"temperature": 2.0})
+    with pytest.raises(JanusError, match="did you mean 'tokens'"):
+        JanusConfig(constraint="token_loss", constraint_options={"token": 2})
+    with pytest.raises(JanusError, match="takes no options"):
+        JanusConfig(constraint="target_logit", constraint_options={"temperature": 2.0})
+    with pytest.raises(JanusError, match="did you mean 'constraint_options'"):
+        JanusConfig(constraint_tokens=2)
+    # a config's options are its own: changing the dict given afterwards changes nothing
+    given = {"tokens": 2}
+    config = JanusConfig(constraint="token_loss", constraint_options=given)
+    given["tokens"] = 0
+    assert config.constraint_options == {"tokens": 2}
+    assert JanusConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="token_loss"):
         JanusConfig(constraint="tokens")
     with pytest.raises(JanusError, match="already registered"):
@@ -148,25 +164,41 @@ def test_constraint_registry_and_validation():
         register(object)
 
 
-def test_a_registered_constraint_is_one_module_and_its_test():
-    """A user's constraint, registered before the config that names it: validation accepts it, the capture asks it
-    for its functions and rows, and a single step keeps them (here: each sample's loss of its last token alone)."""
+def test_a_registered_constraint_with_an_option_is_one_module_and_its_test():
+    """A user's constraint with one option, declared beside it and registered before the config that names it:
+    validation checks the option, the configuration's help lists it, the capture asks the kind for its functions and
+    rows, a single step keeps them (here: the loss of each sample's last ``count`` counted tokens), and the card
+    names the kind and its option."""
+    from hf_janus.kinds import KindOption, is_int
+    from hf_janus.publish.card import render_card
+    from hf_janus.publish.record_file import PublishedReport
 
-    class LastToken(Constraint):
-        name, summary = "test-last-token", "the loss of each sample's last counted token"
+    @register  # the registry outlives the test: the name is one no other test uses
+    class LastTokens(Constraint):
+        name, summary = "test-last-tokens", "the loss of each sample's last count counted tokens"
+        options = (KindOption("count", 1, "how many of the last tokens", lambda n: is_int(n) and n >= 1,
+                              "an int >= 1"),)
+
+        def __init__(self, count: int = 1):
+            self.count = count
 
         def functions(self, batch):
             order = batch.counted.long().cumsum(dim=1)
-            last = batch.counted & (order == order[:, -1:])
+            last = batch.counted & (order > order[:, -1:] - self.count)
             return torch.where(last, batch.per_token, torch.zeros(())).sum(dim=1)
 
-    register(LastToken)  # the registry outlives the test: the name is one no other test uses
-    assert "test-last-token" in constraint_names()
+    assert "test-last-tokens" in constraint_names()
+    assert make_constraint(JanusConfig(constraint="test-last-tokens")).count == 1
+    with pytest.raises(ValueError, match=r"constraint_options\['count'\]=0 .*test-last-tokens.*an int >= 1"):
+        JanusConfig(constraint="test-last-tokens", constraint_options={"count": 0})
     tiny = build_tiny("llama")
     reference = fine_tune(tiny)
-    report = rectify(tiny, reference, random_replay(4), JanusConfig(constraint="test-last-token", tau=0.0),
-                     progress=False)
-    assert report.converged and report.config["constraint"] == "test-last-token"
+    config = JanusConfig(constraint="test-last-tokens", constraint_options={"count": 2}, tau=0.0)
+    report = rectify(tiny, reference, random_replay(4), config, progress=False)
+    assert report.converged and report.config["constraint_options"] == {"count": 2}
+    card = str(render_card(PublishedReport(kind="full", rectification=report), load_id="me/m"))
+    assert ("| other settings | constraint=test-last-tokens, constraint\\_options=\\(count=2\\) |"
+            in card.splitlines())
 
 
 def test_card_names_the_options_of_the_constraint_used():
@@ -179,7 +211,6 @@ def test_card_names_the_options_of_the_constraint_used():
         card = str(render_card(PublishedReport(kind="full", rectification=rect), load_id="me/m"))
         return [line for line in card.splitlines() if line.startswith("| other settings |")]
 
-    assert settings(constraint="token_loss", constraint_tokens=5) == [
-        "| other settings | constraint=token\\_loss, constraint\\_tokens=5 |"]
-    # a knob of a constraint the run did not use changed nothing: it is not named
-    assert settings(constraint_tokens=5) == [] and settings(constraint_projections=7) == []
+    assert settings(constraint="token_loss", constraint_options={"tokens": 5}) == [
+        "| other settings | constraint=token\\_loss, constraint\\_options=\\(tokens=5\\) |"]
+    assert settings(constraint="token_loss") == ["| other settings | constraint=token\\_loss |"]

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from testing_utils import VOCAB, build_tiny, fine_tune, random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
+from hf_janus.errors import JanusError
 from hf_janus.engine.capture import ReplayLosses
 from hf_janus.engine.layers import resolve_target_modules, rule_for
 from hf_janus.engine.rectifier import Rectifier
@@ -535,12 +536,12 @@ def projected_logits(k):
 
 
 @pytest.mark.parametrize("constraints, fields", [
-    ([tempered_loss(4.0)], {"constraint_temperature": 4.0}),
+    ([tempered_loss(4.0)], {"constraint_options": {"temperature": 4.0}}),
     ([target_logits], {"constraint": "target_logit"}),
-    (projected_logits(3), {"constraint": "logit_projections", "constraint_projections": 3}),
+    (projected_logits(3), {"constraint": "logit_projections", "constraint_options": {"projections": 3}}),
 ], ids=["loss at T=4", "target logit", "3 logit projections"])
 def test_constraint_keeps_its_jacobian(tuned_llama, constraints, fields):
-    """With constraint_temperature=T (constraint='target_logit', 'logit_projections') the rectified update lies in the
+    """With the loss's temperature T (constraint='target_logit', 'logit_projections') the rectified update lies in the
     null space of the per-sample Jacobians of the loss at temperature T (of the summed target logits, of each sample's
     k projected logit sums), explicit with torch.func; the paper's constraint (the loss at T=1) does not give that."""
     model, reference = tuned_llama
@@ -599,8 +600,10 @@ def test_damped_projection_of_the_loss_jacobian(tuned_llama):
 
 
 def test_a_temperature_needs_the_loss_constraint():
-    with pytest.raises(ValueError, match="constraint_temperature"):
-        JanusConfig(constraint="target_logit", constraint_temperature=2.0)
+    with pytest.raises(JanusError, match="'target_logit' has no option 'temperature'"):
+        JanusConfig(constraint="target_logit", constraint_options={"temperature": 2.0})
+    with pytest.raises(ValueError, match=r"constraint_options\['temperature'\]"):
+        JanusConfig(constraint_options={"temperature": 0})
     with pytest.raises(ValueError, match="constraint"):
         JanusConfig(constraint="logits")
 

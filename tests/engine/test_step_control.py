@@ -102,8 +102,7 @@ def test_the_papers_configuration_is_one_call_away():
     validated)."""
     paper, default = JanusConfig.paper().to_dict(), JanusConfig().to_dict()
     assert {k for k in paper if paper[k] != default[k]} == {"compression", "step_control", "final_step"}
-    assert set(JanusConfig.method_fields()) - set(PAPER) <= {"loss_tolerance", "constraint_projections",
-                                                             "constraint_tokens"}  # options of other kinds
+    assert set(JanusConfig.method_fields()) - set(PAPER) <= {"loss_tolerance"}  # an option of other rules
     assert JanusConfig.paper(tau=0.9).tau == 0.9 and JanusConfig.paper(tau=0.9).step_control == "paper"
     with pytest.raises(ValueError, match="step_control"):
         JanusConfig.paper(step_control="fast")

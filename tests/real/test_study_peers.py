@@ -107,8 +107,8 @@ def test_variant_levers():
             repair.new_task_batch_size) == (
         8, 64, pytest.approx(0.9), pytest.approx(2e-5), 4)
     config = variant_config(levers("tokenloss2+r16+steps20"))
-    assert (config.constraint, config.constraint_tokens, config.compression_rank, config.max_steps) == ("token_loss",
-                                                                                                        2, 16, 20)
+    assert (config.constraint, config.constraint_options, config.compression_rank, config.max_steps) == (
+        "token_loss", {"tokens": 2}, 16, 20)
     with pytest.raises(SystemExit, match="unknown lever 'x1'"):
         levers("base+x1")
     assert levers("tokenloss2+r8+ref75+ref8+hat1") == {"m": 64, "tokenloss": 2, "r": 8, "ref": [0.75, 0.8],

@@ -1,13 +1,13 @@
 """What the replay constrains: the per-sample functions whose Jacobian JANUS keeps unchanged, one small object per
 kind behind one interface (:class:`Constraint`), and a registry of them that ``JanusConfig.constraint`` names.
 
-Constraints, by name: ``loss`` (the paper's: each sample's summed next-token loss, at ``constraint_temperature``),
-``target_logit`` (the summed logit of each target token), ``logit_projections`` (``constraint_projections`` random
-projections of the logits per sample) and ``token_loss`` (the loss of each of a sample's first
-``constraint_tokens`` tokens alone, and the rest of its loss).
+Constraints, by name, with their options (``JanusConfig.constraint_options``): ``loss`` (the paper's: each sample's
+summed next-token loss, at a softmax ``temperature``), ``target_logit`` (the summed logit of each target token),
+``logit_projections`` (``projections`` random projections of the logits per sample) and ``token_loss`` (the loss of
+each of a sample's first ``tokens`` tokens alone, and the rest of its loss).
 
-A new constraint is one module: a subclass of :class:`Constraint` with its name, summary, options, rows per sample
-and functions, decorated with :func:`register` (see docs/guides/add-a-kind.md).
+A new constraint is one module: a subclass of :class:`Constraint` with its name, summary, options (declared beside
+it), rows per sample and functions, decorated with :func:`register` (see docs/guides/add-a-kind.md).
 """
 
 from __future__ import annotations

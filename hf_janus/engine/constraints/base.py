@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hf_janus.kinds import KindOption, kind_options
 from hf_janus.replay.prepare import IGNORE_INDEX
 
 
@@ -56,26 +57,38 @@ def per_token_cross_entropy(scores: Tensor, targets: Tensor) -> Tensor:
 
 class Constraint(abc.ABC):
     """One per-sample constraint. Subclasses set the class attributes and implement :meth:`functions`; their
-    ``__init__`` takes the options they name, as keywords.
+    ``__init__`` takes the options they declare, as keywords.
 
     Class attributes: ``name`` (the ``JanusConfig.constraint`` value), ``summary`` (one line for the configuration's
-    help) and ``options`` (the ``JanusConfig`` fields it reads, named by the model card when not at their defaults).
+    help) and ``options`` (its :class:`~hf_janus.kinds.KindOption`\\ s, which ``JanusConfig.constraint_options``
+    sets by name; the configuration's help lists them and the model card names those the run set).
     """
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    options: ClassVar[tuple[str, ...]] = ()
+    options: ClassVar[tuple[KindOption, ...]] = ()
 
     @classmethod
     def from_config(cls, config: Any) -> "Constraint":
-        """The constraint with its options read from a ``JanusConfig`` or a config dict (a record's ``config``)."""
-        read = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key)
-        return cls(**{option: read(option) for option in cls.options})
+        """The constraint with its options from a ``JanusConfig`` or a config dict (a record's ``config``)."""
+        return cls(**cls.options_from(config))
+
+    @classmethod
+    def options_from(cls, config: Any) -> dict[str, Any]:
+        """Its options as ``__init__`` takes them: those ``config``'s ``constraint_options`` sets, the others at
+        their defaults (checked: see :func:`~hf_janus.kinds.kind_options`)."""
+        given = config.get("constraint_options") if isinstance(config, Mapping) else config.constraint_options
+        return kind_options(cls, "replay constraint", "JanusConfig.constraint_options", given)
 
     @property
     def rows_per_sample(self) -> int:
         """How many functions, so Jacobian rows, each replay sample contributes (one backward pass each)."""
         return 1
+
+    @property
+    def logits_copies(self) -> int:
+        """Float32 logits-sized tensors its functions make beyond the batch's own (the memory plan counts them)."""
+        return 0
 
     @abc.abstractmethod
     def functions(self, batch: ReplayLogits) -> Tensor:

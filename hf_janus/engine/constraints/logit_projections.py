@@ -9,6 +9,7 @@ from torch import Tensor
 
 from hf_janus.engine.constraints.base import Constraint, ReplayLogits
 from hf_janus.engine.constraints.registry import register
+from hf_janus.kinds import KindOption, is_int
 
 
 def logit_projections(vocab: int, count: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -23,16 +24,18 @@ class LogitProjectionsConstraint(Constraint):
     """k functions per sample: more of the output distribution than the loss's one direction keeps."""
 
     name = "logit_projections"
-    summary = "per sample, constraint_projections sums of the logits projected on fixed random directions"
-    options = ("constraint_projections",)
+    summary = "per sample, k sums of the logits projected on fixed random directions (option projections)"
+    options = (KindOption("projections", 4, "the number k of random logit directions per replay sample (k Jacobian "
+                          "rows per sample, k backward passes per replay batch; drawn from JanusConfig.seed)",
+                          lambda k: is_int(k) and k >= 1, "an int >= 1"),)
 
-    def __init__(self, constraint_projections: int = 4, seed: int = 0):
-        self.projections, self.seed = int(constraint_projections), int(seed)
+    def __init__(self, projections: int = 4, seed: int = 0):
+        self.projections, self.seed = int(projections), int(seed)
 
     @classmethod
     def from_config(cls, config: Any) -> "LogitProjectionsConstraint":
-        read = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key)
-        return cls(read("constraint_projections"), read("seed") or 0)
+        seed = config.get("seed") if isinstance(config, Mapping) else config.seed
+        return cls(**cls.options_from(config), seed=seed or 0)
 
     @property
     def rows_per_sample(self) -> int:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from hf_janus.engine.constraints.base import Constraint, ReplayLogits
 from hf_janus.engine.constraints.registry import register
+from hf_janus.kinds import KindOption, is_int
 
 
 @register
@@ -21,11 +22,13 @@ class TokenLossConstraint(Constraint):
     (a sample with fewer tokens gives zero rows, which the projection ignores)."""
 
     name = "token_loss"
-    summary = "the loss of each of the first constraint_tokens answer tokens alone, and the rest of the loss"
-    options = ("constraint_tokens",)
+    summary = "the loss of each of the first k answer tokens alone (option tokens), and the rest of the loss"
+    options = (KindOption("tokens", 3, "the number k of a replayed answer's first tokens that are each their own "
+                          "Jacobian row (k + 1 rows per sample, k + 1 backward passes per replay batch)",
+                          lambda k: is_int(k) and k >= 1, "an int >= 1"),)
 
-    def __init__(self, constraint_tokens: int = 3):
-        self.tokens = int(constraint_tokens)
+    def __init__(self, tokens: int = 3):
+        self.tokens = int(tokens)
 
     @property
     def rows_per_sample(self) -> int:
