@@ -112,7 +112,7 @@ def main() -> None:
                     help="the callback's replay: 64 of θ0's answers to NQ-open questions, or SelfReplay() (no data)")
     ap.add_argument("--distill-steps", type=int, default=128)
     ap.add_argument("--distill-lr", type=float, default=None,
-                    help="default: a tenth of the fine-tune's learning rate (1e-5 full, 1e-4 LoRA)")
+                    help="default: the callback's, a tenth of the Trainer's learning rate (1e-5 full, 1e-4 LoRA)")
     ap.add_argument("--compression-rank", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tag", default="")
@@ -152,9 +152,8 @@ def main() -> None:
         f"({time.perf_counter() - t:.0f}s)")
     del theta0
 
-    distill_lr = args.distill_lr or s.lr[args.run] / 10
     config = JanusConfig(compression_rank=args.compression_rank, distill_steps=args.distill_steps,
-                         distill_lr=distill_lr)
+                         distill_lr=args.distill_lr)
     replay: Any = SelfReplay() if args.replay == "self" else study.replay_samples(data["pool"][:64])
     finetuned = ScoreAtTrainEnd(score)
     janus = JanusCallback(replay, config)
@@ -177,10 +176,11 @@ def main() -> None:
     scored["finetuned"] = finetuned.figures
     scored["repaired"] = score(janus.model)
     repair = report.repair
+    distill_lr = repair.lr if repair else args.distill_lr
     janus_seconds = rectification - (repair.seconds if repair else 0.0)
     record = {
         "run": args.run, "replay": args.replay, "settings": {**vars(args), "distill_lr": distill_lr},
-        "config": config.to_dict(), "train_loss": history,
+        "config": report.config, "train_loss": history,
         "seconds": {"train_call": total, "finetuned_scoring": finetuned.seconds, "rectification": rectification,
                     "janus": janus_seconds, "repair": repair.seconds if repair else None,
                     "fine_tuning": total - finetuned.seconds - rectification},

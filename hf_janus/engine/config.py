@@ -39,6 +39,11 @@ FACTOR_DTYPES = ("auto", "float32", "bfloat16")
 #: The sequence compressions (:mod:`hf_janus.engine.compression`); ``JanusConfig.compression`` adds ``"auto"``.
 COMPRESSION_METHODS = ("exact", "randomized")
 COMPRESSION_CHOICES = ("auto", *COMPRESSION_METHODS)
+#: ``JanusConfig.distill_lr`` where the fine-tune's learning rate is not known (the callback takes a tenth of the
+#: Trainer's: the rule both real-model runs were measured at, full weights and a LoRA's factors)
+DEFAULT_DISTILL_LR = 1e-5
+#: the distillation's learning rate is the fine-tune's divided by this, where the callback knows it
+REPAIR_LR_DIVISOR = 10
 #: ``JanusConfig.ghost_matmul``: the dtype of the ghost math's large products (:mod:`hf_janus.engine.ghost`).
 GHOST_MATMULS = ("float32", "float64")
 
@@ -198,8 +203,10 @@ class JanusConfig:
     keep_gain: float = field(default=0.95, metadata={"main": True,
         "help": "with distill_steps: the share of the fine-tune's new-task gain (its loss drop from θ0 to θ̂ on "
                 "the held-out new-task samples) the chosen point must keep, in (0, 1]"})
-    distill_lr: float = field(default=1e-5, metadata={
-        "help": "with distill_steps: the Adam learning rate of the distillation"})
+    distill_lr: Optional[float] = field(default=None, metadata={"type": float,
+        "help": "with distill_steps: the Adam learning rate of the distillation (none: a tenth of the fine-tune's "
+                "learning rate where JanusCallback knows it, the Trainer's; elsewhere "
+                f"{DEFAULT_DISTILL_LR:g}, a tenth of a usual full fine-tune's)"})
     new_task_weight: float = field(default=1.0, metadata={
         "help": "with distill_steps: the weight of the new task's cross-entropy beside the replay's KL in each "
                 "distillation step (what keeps the gain while the past behaviour returns)"})
@@ -282,7 +289,8 @@ class JanusConfig:
                "an int >= 0 (0 = no repair after JANUS)")
         _check(is_real(self.keep_gain) and 0.0 < self.keep_gain <= 1.0, "keep_gain", self.keep_gain,
                "a float in (0, 1]")
-        _check(is_real(self.distill_lr) and self.distill_lr > 0, "distill_lr", self.distill_lr, "a float > 0")
+        _check(self.distill_lr is None or (is_real(self.distill_lr) and self.distill_lr > 0), "distill_lr",
+               self.distill_lr, "None or a float > 0")
         _check(is_real(self.new_task_weight) and self.new_task_weight >= 0, "new_task_weight",
                self.new_task_weight, "a float >= 0")
         _check(is_int(self.new_task_batch_size) and self.new_task_batch_size >= 1, "new_task_batch_size",
@@ -296,6 +304,18 @@ class JanusConfig:
         (``step_control``, ``final_step``, ``compression`` on accelerators). ``overrides`` change single fields,
         e.g. ``JanusConfig.paper(target_modules=["q_proj", "v_proj"])``."""
         return cls(**{**PAPER, **overrides})
+
+    @property
+    def repair_lr(self) -> float:
+        """The distillation's learning rate: ``distill_lr``, or :data:`DEFAULT_DISTILL_LR` when it is None."""
+        return self.distill_lr if self.distill_lr is not None else DEFAULT_DISTILL_LR
+
+    def after_fine_tune(self, learning_rate: Optional[float]) -> "JanusConfig":
+        """This configuration with ``distill_lr`` a tenth of the fine-tune's ``learning_rate`` when it is None and
+        the rate is known (a learning rate the user set is kept)."""
+        if self.distill_lr is not None or not is_real(learning_rate) or learning_rate <= 0:
+            return self
+        return dataclasses.replace(self, distill_lr=learning_rate / REPAIR_LR_DIVISOR)
 
     @classmethod
     def method_fields(cls) -> tuple[str, ...]:

@@ -220,7 +220,7 @@ class Repair:
         cfg = self.config
         master = [s.detach().float().to(self.device).clone().requires_grad_(True) for s in start]
         # the fused kernel: a full fine-tune's Adam step, tensor by tensor, is a large share of a step's time
-        optimizer = torch.optim.Adam(master, lr=cfg.distill_lr,
+        optimizer = torch.optim.Adam(master, lr=cfg.repair_lr,
                                      fused=self.device.type in ("cpu", "cuda") or None)
         weights = self.space.trained_tensors()
         as_point = self.space.gradient_layouts()
@@ -242,7 +242,7 @@ class Repair:
                     # a step that makes a weight non-finite makes the next step's loss non-finite: the loss is checked
                     # at every step, the weights (a pass over all of them) once after the last
                     if not bool(torch.isfinite(loss)):
-                        return start, f"the distillation diverged at step {step + 1} (lr {cfg.distill_lr:g})"
+                        return start, f"the distillation diverged at step {step + 1} (lr {cfg.repair_lr:g})"
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     bar.update(1)
@@ -251,7 +251,7 @@ class Repair:
                     w.requires_grad_(flag)
                 bar.close()
         if not all(bool(torch.isfinite(m).all()) for m in master):
-            return start, f"the distillation diverged at step {cfg.distill_steps} (lr {cfg.distill_lr:g})"
+            return start, f"the distillation diverged at step {cfg.distill_steps} (lr {cfg.repair_lr:g})"
         return [m.detach() for m in master], None
 
     def _gradients(self, index: int, fitted: dict[str, Tensor], reference: list[Tensor],
@@ -318,7 +318,7 @@ class Repair:
     def run(self) -> RepairReport:
         cfg = self.config
         started = time.perf_counter()
-        report = RepairReport(steps=cfg.distill_steps, lr=cfg.distill_lr, new_task_weight=cfg.new_task_weight,
+        report = RepairReport(steps=cfg.distill_steps, lr=cfg.repair_lr, new_task_weight=cfg.new_task_weight,
                               new_task_batch_size=cfg.new_task_batch_size, keep_gain=cfg.keep_gain,
                               gain_measured_on=self.gain_measured_on,
                               validation_samples={"replay": sum(len(b["input_ids"]) for b in self.replay_held),

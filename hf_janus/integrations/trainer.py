@@ -299,15 +299,17 @@ class JanusCallback(TrainerCallback):
             replay = self._resolved.samples
             theta0 = self.theta0()
             new_task, validation = self._new_task_samples(), self._new_task_validation()
+            # the repair trains at the scale fine-tuning did: a tenth of its learning rate unless one is set
+            config = self.config.after_fine_tune(args.learning_rate)
             autocast = training_autocast(self.link.trainer) if new_task is not None else None
             with own_precision(model):
                 if is_peft_model(model):
-                    run = rectify_live_peft(model, theta0, replay, self.config, self.peft_output, progress=progress,
+                    run = rectify_live_peft(model, theta0, replay, config, self.peft_output, progress=progress,
                                             new_task=new_task, new_task_validation=validation,
                                             repair_autocast=autocast)
                     self.report, self.model, self.rectifier = run.report, run.model, run.rectifier
                 else:
-                    self.rectifier = Rectifier(model, theta0, replay, self.config, progress=progress,
+                    self.rectifier = Rectifier(model, theta0, replay, config, progress=progress,
                                                new_task=new_task, new_task_validation=validation,
                                                repair_autocast=autocast)
                     self.report = self.rectifier.run().report

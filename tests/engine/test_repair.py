@@ -284,6 +284,20 @@ def test_invalid_repair_settings_are_refused(field, value):
         JanusConfig(**{field: value})
 
 
+def test_the_repairs_learning_rate_follows_the_fine_tunes_unless_set():
+    """Unset, the distillation trains at a tenth of the fine-tune's learning rate where it is known (the callback
+    gives the Trainer's), else at DEFAULT_DISTILL_LR; a rate the user set is kept."""
+    from hf_janus.engine.config import DEFAULT_DISTILL_LR
+
+    unset = JanusConfig(distill_steps=4)
+    assert unset.distill_lr is None and unset.repair_lr == DEFAULT_DISTILL_LR
+    assert unset.after_fine_tune(2e-4).repair_lr == pytest.approx(2e-5)
+    assert unset.after_fine_tune(None) is unset and unset.after_fine_tune(0.0) is unset
+    given = JanusConfig(distill_steps=4, distill_lr=3e-6)
+    assert given.after_fine_tune(2e-4).repair_lr == 3e-6
+    assert JanusConfig.from_dict(unset.after_fine_tune(2e-4).to_dict()).distill_lr == pytest.approx(2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_output_head_at_the_counted_tokens_gives_the_full_forwards_logits(models, dtype):
     """The repair runs the output head only where a token carries loss (``logits_to_keep``); the logits it gets are

@@ -51,9 +51,10 @@ def test_the_callback_repairs_with_the_trainers_own_samples(tmp_path):
 
 def test_the_trainers_eval_dataset_measures_the_gain(tmp_path):
     """Given an eval_dataset, the repair measures the gain on it (through the Trainer's eval dataloader, at most
-    NEW_TASK_VALIDATION_MAX samples) and fits every train sample it took."""
+    NEW_TASK_VALIDATION_MAX samples) and fits every train sample it took; with no distill_lr it trains at a tenth
+    of the Trainer's learning rate, which the report and record say."""
     model = pretrained_llama()
-    janus = JanusCallback(replay_data(), REPAIR)
+    janus = JanusCallback(replay_data(), dataclasses.replace(REPAIR, distill_lr=None))
     trainer = make_trainer(tmp_path, model, [janus], max_steps=6)
     trainer.eval_dataset = math_samples(32, 24, max_len=64)  # GSM8K problems the fine-tune did not train on
     janus.trainer = trainer
@@ -61,6 +62,8 @@ def test_the_trainers_eval_dataset_measures_the_gain(tmp_path):
     repair = janus.report.repair
     assert repair.validation_samples["new_task"] == NEW_TASK_VALIDATION_MAX
     assert repair.gain_measured_on == "the new task's validation samples" and repair.chosen is not None
+    assert repair.lr == pytest.approx(trainer.args.learning_rate / 10)
+    assert janus.report.config["distill_lr"] == pytest.approx(trainer.args.learning_rate / 10)
 
 
 def test_the_repair_trains_in_the_trainers_mixed_precision(tmp_path):

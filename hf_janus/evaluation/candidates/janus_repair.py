@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, finite_positive,
                                                  parse_float, parse_int, require)
 from hf_janus.evaluation.candidates.registry import register
-from hf_janus.engine.config import JanusConfig
+from hf_janus.engine.config import DEFAULT_DISTILL_LR, JanusConfig
 from hf_janus.engine.repair import check_samples
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 from hf_janus.evaluation.candidates.replay_statistics import new_task_batches, replay_batches
@@ -35,7 +35,7 @@ class JanusRepair(JanusBased):
     tau: float
     steps: int = DEFAULT_REPAIR_STEPS
     keep_gain: float = _DEFAULTS.keep_gain
-    lr: float = _DEFAULTS.distill_lr
+    lr: float = DEFAULT_DISTILL_LR
     new_task_weight: float = _DEFAULTS.new_task_weight
     new_task_batch_size: int = _DEFAULTS.new_task_batch_size
 
@@ -48,7 +48,7 @@ class JanusRepair(JanusBased):
                                                             "distill_steps, ≥ 1)"),
         Option("keep_gain", parse_float, (_DEFAULTS.keep_gain,), "the share of the new task's held-out gain the "
                                                                  "chosen point keeps, in (0, 1]"),
-        Option("lr", parse_float, (_DEFAULTS.distill_lr,), "the distillation's Adam learning rate (> 0)"),
+        Option("lr", parse_float, (DEFAULT_DISTILL_LR,), "the distillation's Adam learning rate (> 0)"),
         Option("new_task_weight", parse_float, (_DEFAULTS.new_task_weight,),
                "the weight of the new task's cross-entropy in each step (> 0)"),
         Option("new_task_batch_size", parse_int, (_DEFAULTS.new_task_batch_size,),
