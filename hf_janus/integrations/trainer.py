@@ -300,7 +300,7 @@ class JanusCallback(TrainerCallback):
             theta0 = self.theta0()
             new_task, validation = self._new_task_samples(), self._new_task_validation()
             # the repair trains at the scale fine-tuning did: a tenth of its learning rate unless one is set
-            config = self.config.after_fine_tune(args.learning_rate)
+            config = self.config.after_fine_tune(getattr(args, "learning_rate", None))
             autocast = training_autocast(self.link.trainer) if new_task is not None else None
             with own_precision(model):
                 if is_peft_model(model):

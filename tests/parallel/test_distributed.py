@@ -112,8 +112,13 @@ def test_ranks_on_one_machine_split_its_memory_and_plan_alike(tmp_path):
     assert World().shared_capacity({"host": 1}, {"host": 9, "disk": None}) == {"host": 9, "disk": None}
 
 
-def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bool) -> None:
-    """One DDP rank of a Trainer run with JanusCallback (gloo on CPU), launched like torchrun would."""
+#: the callback's repair under DDP: a few steps at a set learning rate, the gain measured on every eighth sample
+CALLBACK_REPAIR = dict(distill_steps=4, distill_lr=1e-3, keep_gain=0.5)
+
+
+def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bool, repair: bool = False) -> None:
+    """One DDP rank of a Trainer run with JanusCallback (gloo on CPU), launched like torchrun would; ``repair``: with
+    the repair after JANUS, whose new-task samples (the ranks' gathered, the same on both) are saved too."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -133,12 +138,16 @@ def _trainer_worker(rank: int, world: int, port: int, out_dir: str, use_peft: bo
         model, probe = get_peft_model(model, lora_config()), PeftProbe()
         janus = JanusCallback(replay_data(), CB_CONFIG, adapter_rank=64)
     else:
-        probe, janus = Probe(), JanusCallback(replay_data(), CB_CONFIG)
+        config = JanusConfig(**{**CB_CONFIG.to_dict(), **(CALLBACK_REPAIR if repair else {})})
+        probe, janus = Probe(), JanusCallback(replay_data(), config)
     trainer = make_trainer(pathlib.Path(out_dir), model, [probe, janus], ddp_backend="gloo")
     assert trainer.args.world_size == world and dist.is_initialized()
     trainer.train()
     state = merged_state(model) if use_peft else model.state_dict()
-    torch.save({"state": state, "finetuned": probe.finetuned, "theta0": theta0,
+    fitted = janus.rectifier.new_task_batches or []
+    new_task = [{k: v[i][b["attention_mask"][i].bool()] for k, v in b.items()}
+                for b in fitted for i in range(len(b["input_ids"]))]
+    torch.save({"state": state, "finetuned": probe.finetuned, "theta0": theta0, "new_task": new_task,
                 "report": janus.report.to_dict(), "local_batches": len(janus.rectifier.local_batches)},
                os.path.join(out_dir, f"trainer_rank{rank}.pt"))
     if dist.is_initialized():
@@ -175,6 +184,38 @@ def test_callback_under_ddp_matches_single_process_rectify(tmp_path, use_peft):
         config = JanusConfig(**{**CB_CONFIG.to_dict(), "target_modules": TARGETS})
     single = rectify(twin, ranks[0]["theta0"], replay_data(), config, progress=False)
     assert [s["alpha"] for s in ranks[0]["report"]["steps"]] == single.alphas
+    for key, value in twin.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
+
+
+def test_the_callbacks_repair_under_ddp_matches_single_process_rectify(tmp_path):
+    """The repair through JanusCallback under DDP (2 gloo ranks): both ranks fit the Trainer's samples of both
+    ranks, end with the same weights, and those are what one process's rectify gives with the same samples."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_trainer_worker, args=(2, port, str(tmp_path), False, True), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"trainer_rank{r}.pt", weights_only=False) for r in range(2)]
+    for key, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
+    repair = ranks[0]["report"]["repair"]
+    assert repair is not None and repair["steps"] == CALLBACK_REPAIR["distill_steps"]
+    # the Trainer's batches of 4 on each rank for 4 steps, gathered: every sample trained on
+    assert len(ranks[0]["new_task"]) == 2 * 4 * 4
+
+    from trainer_fixtures import CONFIG as CB_CONFIG
+    from trainer_fixtures import pretrained_llama, replay_data
+
+    from hf_janus import rectify
+
+    torch.set_num_threads(1)
+    twin = pretrained_llama()
+    twin.load_state_dict(ranks[0]["finetuned"])
+    config = JanusConfig(**{**CB_CONFIG.to_dict(), **CALLBACK_REPAIR})
+    single = rectify(twin, ranks[0]["theta0"], replay_data(), config, new_task=ranks[0]["new_task"], progress=False)
+    assert repair["chosen"] == single.repair.chosen
     for key, value in twin.state_dict().items():
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=1e-5)
 
