@@ -186,6 +186,9 @@ def main() -> None:
                     "fine_tuning": total - finetuned.seconds - rectification},
         "repair_over_janus_time": rectification / janus_seconds if janus_seconds else None,
         "jacobian_evaluations": report.num_jacobian_evals, "stop_reason": report.stop_reason,
+        # what each distillation step fitted, as the engine batched it (the configuration's new_task_batch_size)
+        "new_task_per_step": (int(janus.rectifier.new_task_batches[0]["input_ids"].shape[0])
+                              if repair and janus.rectifier.new_task_batches else None),
         "repair": None if repair is None else repair.to_dict(),
         "points": {name: {"past_summary": p["past_summary"], "gsm_nll": p["gsm_nll"]} for name, p in scored.items()},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -209,19 +212,22 @@ def result_path(run: str, tag: str = "") -> str:
 
 def write_markdown() -> str:
     """One table over every ``trainer_repair_*.json``: the point the callback chose and what it gives back."""
-    rows = []
+    rows, notes = [], []
     for name in sorted(os.listdir(RESULTS)):
         if not (name.startswith("trainer_repair_") and name.endswith(".json")):
             continue
         with open(os.path.join(RESULTS, name), encoding="utf-8") as fh:
             rec = json.load(fh)
+        if rec.get("note"):
+            notes.append(f"- {rec['run']}, {rec['replay']}: {rec['note']}")
         fig = rec["points"]["repaired"]["repair"]
         sec = rec["seconds"]
         repair = rec.get("repair") or {}
         gain = (repair.get("validation") or {})
         rows.append(
             f"| {rec['run']} | {'θ0 answers' if rec['replay'] == 'answers' else 'SelfReplay()'} | "
-            f"{rec['config']['distill_steps']} | {rec['settings']['distill_lr']:g} | {repair.get('chosen')} | "
+            f"{rec['config']['distill_steps']} | {rec['settings']['distill_lr']:g} | "
+            f"{rec.get('new_task_per_step', rec['config']['new_task_batch_size'])} | {repair.get('chosen')} | "
             f"{fig['ap2']:.1f} | {fig['nq_held_out']['em_back']:.1f} | {fig['webq_held_out']['em_back']:.1f} | "
             f"{fig['nq']['em_back']:.1f} | {fig['webq']['em_back']:.1f} | {sec['fine_tuning']:.0f} | "
             f"{sec['janus']:.0f} | {sec['repair'] or 0:.0f} | {rec['repair_over_janus_time']:.2f} |"
@@ -236,10 +242,10 @@ def write_markdown() -> str:
         "chose on). AP2: the share of θ̂'s GSM8K test-NLL drop kept. Seconds on the machine in each JSON; "
         "×JANUS: the whole rectification (JANUS + distillation + choice) over JANUS alone.",
         "",
-        "| run | replay | distill steps | lr | chosen | AP2 | NQ held-out EM back | WebQ held-out EM back "
-        "| NQ EM back | WebQ EM back | fine-tune s | JANUS s | repair s | ×JANUS |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        *rows, ""])
+        "| run | replay | distill steps | lr | new-task samples a step | chosen | AP2 | NQ held-out EM back "
+        "| WebQ held-out EM back | NQ EM back | WebQ EM back | fine-tune s | JANUS s | repair s | ×JANUS |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows, "", *notes])
     path = os.path.join(RESULTS, "trainer_repair.md")
     atomic_write_text(path, text)
     return text
