@@ -214,3 +214,21 @@ def test_card_names_the_options_of_the_constraint_used():
     assert settings(constraint="token_loss", constraint_options={"tokens": 5}) == [
         "| other settings | constraint=token\\_loss, constraint\\_options=\\(tokens=5\\) |"]
     assert settings(constraint="token_loss") == ["| other settings | constraint=token\\_loss |"]
+
+
+def test_a_kinds_options_from_the_command_line():
+    """``--constraint-options`` text: each value read as JSON where it is JSON, kept as text otherwise; an item that
+    is not name=value is refused; no text is no options."""
+    from hf_janus.kinds import parse_options
+
+    assert parse_options("tokens=2, temperature=0.5,flag=true,name=abc") == {
+        "tokens": 2, "temperature": 0.5, "flag": True, "name": "abc"}
+    assert parse_options("") == {} and parse_options(" , ") == {}
+    for bad in ("tokens", "=2", "tokens=2,k"):
+        with pytest.raises(ValueError, match="not name=value"):
+            parse_options(bad)
+    # the parsed text builds the constraint it names, with the option's type checked by the kind
+    config = JanusConfig(constraint="token_loss", constraint_options=parse_options("tokens=2"))
+    assert make_constraint(config).rows_per_sample == 3
+    with pytest.raises(ValueError, match="an int >= 1"):
+        JanusConfig(constraint="token_loss", constraint_options=parse_options("tokens=two"))
