@@ -314,13 +314,12 @@ def test_card_names_the_settings_that_depart_from_the_paper(tmp_path):
 
     plain = str(render_card(read_record(str(_record(tmp_path))), load_id="me/m"))
     assert "other settings" not in plain
-    config = {**JanusConfig().to_dict(), "damping": 0.05, "constraint": "target_logit", "acceptance": "<b>x</b>|",
-              "loss_tolerance": 0.5}  # a knob of a test not used
+    config = {**JanusConfig().to_dict(), "damping": 0.05, "constraint": "target_logit", "acceptance": "<b>x</b>|"}
     card = str(render_card(read_record(str(_record(tmp_path, config=config))), load_id="me/m"))
     assert "| other settings | damping=0.05, acceptance=&lt;b&gt;x&lt;/b&gt;\\|, constraint=target\\_logit |" in card
-    config = {**JanusConfig().to_dict(), "acceptance": "loss", "loss_tolerance": 0.5}
+    config = {**JanusConfig().to_dict(), "acceptance": "loss", "acceptance_options": {"tolerance": 0.5}}
     card = str(render_card(read_record(str(_record(tmp_path, config=config))), load_id="me/m"))
-    assert "| other settings | acceptance=loss, loss\\_tolerance=0.5 |" in card
+    assert "| other settings | acceptance=loss, acceptance\\_options=\\(tolerance=0.5\\) |" in card
 
 
 # ---- errors that name the problem and the fix -------------------------------------------------------------------

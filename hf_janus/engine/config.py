@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from hf_janus.engine.acceptance import rule_named, rule_names
+from hf_janus.engine.acceptance import make_acceptance, rule_named, rule_names
 from hf_janus.engine.constraints import constraint_named, constraint_names, make_constraint
 from hf_janus.kinds import describe_options, is_int, is_real, parse_options
 from hf_janus.serialization import known_fields
@@ -183,10 +183,10 @@ class JanusConfig:
         "help": "the test a trial step must pass, a rule registered in hf_janus.engine.acceptance: "
                 + "; ".join(f"{name}: {rule_named(name).summary}" for name in ACCEPTANCES),
         "choices": ACCEPTANCES})
-    loss_tolerance: float = field(default=0.05, metadata={"method": True,
-        "help": "with an acceptance rule that reads it ("
-                + ", ".join(name for name in ACCEPTANCES if "loss_tolerance" in rule_named(name).options)
-                + "): the share of the fine-tune's replay-loss rise the rule allows (see acceptance)"})
+    acceptance_options: dict[str, Any] = field(default_factory=dict, metadata={"method": True,
+        "cli": "--acceptance-options", "type": parse_options, "metavar": "NAME=VALUE[,...]",
+        "help": "the options of the acceptance rule, by name, as its kind declares them (unset: their defaults); "
+                + describe_options(rule_named(name) for name in ACCEPTANCES)})
     constraint: str = field(default="loss", metadata={"method": True,
         "help": "the per-sample functions of the replay whose Jacobian JANUS keeps unchanged: "
                 + "; ".join(f"{name}: {constraint_named(name).summary}" for name in CONSTRAINTS),
@@ -203,7 +203,7 @@ class JanusConfig:
     keep_gain: float = field(default=0.95, metadata={"main": True,
         "help": "with distill_steps: the share of the fine-tune's new-task gain (its loss drop from θ0 to θ̂ on "
                 "the held-out new-task samples) the chosen point must keep, in (0, 1]"})
-    distill_lr: Optional[float] = field(default=None, metadata={"type": float,
+    distill_lr: Optional[float] = field(default=None, metadata={"type": float, "metavar": "LR",
         "help": "with distill_steps: the Adam learning rate of the distillation (none: a tenth of the fine-tune's "
                 "learning rate where JanusCallback knows it, the Trainer's; elsewhere "
                 f"{DEFAULT_DISTILL_LR:g}, a tenth of a usual full fine-tune's)"})
@@ -222,8 +222,9 @@ class JanusConfig:
             self.gram_dtype = _DTYPES[name]
         if isinstance(self.target_modules, tuple):
             self.target_modules = list(self.target_modules)
-        if isinstance(self.constraint_options, Mapping):  # its own copy: a dict given (or PAPER's) is not shared
-            self.constraint_options = dict(self.constraint_options)
+        for name in ("acceptance_options", "constraint_options"):  # its own copy: a dict given is not shared
+            if isinstance(getattr(self, name), Mapping):
+                setattr(self, name, dict(getattr(self, name)))
         self.validate()
 
     def validate(self) -> None:
@@ -236,8 +237,9 @@ class JanusConfig:
         _check(isinstance(self.acceptance, str) and self.acceptance in rule_names(), "acceptance", self.acceptance,
                " or ".join(repr(c) for c in rule_names()) + " (or a rule registered with "
                "hf_janus.engine.acceptance.register)")
-        _check(is_real(self.loss_tolerance) and self.loss_tolerance > 0, "loss_tolerance", self.loss_tolerance,
-               "a float > 0")
+        _check(isinstance(self.acceptance_options, dict) and all(isinstance(k, str) for k in self.acceptance_options),
+               "acceptance_options", self.acceptance_options, "a dict of the acceptance rule's options by name")
+        make_acceptance(self)  # the rule's own options, checked by its kind
         _check(isinstance(self.constraint, str) and self.constraint in constraint_names(), "constraint",
                self.constraint, " or ".join(repr(c) for c in constraint_names()) + " (or a constraint registered "
                "with hf_janus.engine.constraints.register)")
@@ -386,5 +388,5 @@ JanusConfig.__doc__ = (JanusConfig.__doc__ or "").rstrip() + "\n" + _fields_docs
 #: :meth:`JanusConfig.paper`: the paper's Algorithm 1 and its settings (τ=0.95, β=0.7, r=32, m=256 replay samples
 #: are the caller's), every other field at its default
 PAPER: dict[str, Any] = dict(tau=0.95, beta=0.7, compression_rank=32, compression="exact", step_control="paper",
-                             final_step="paper", acceptance="cosine", constraint="loss", constraint_options={},
-                             damping=0.0, distill_steps=0)
+                             final_step="paper", acceptance="cosine", acceptance_options={}, constraint="loss",
+                             constraint_options={}, damping=0.0, distill_steps=0)

@@ -98,16 +98,12 @@ def _acceptance_rule(cfg: dict[str, Any]) -> Optional["AcceptanceRule"]:
 
 
 def _settings_line(cfg: dict[str, Any]) -> Optional[str]:
-    from hf_janus.engine.acceptance import rule_named, rule_names
     from hf_janus.engine.config import JanusConfig
 
     defaults = JanusConfig()
-    # a knob of a test that the run did not use changed nothing: it is not named (a constraint's options are its own)
-    rule = _acceptance_rule(cfg)
-    used = set(rule.options) if rule is not None else set()
-    unused = {o for name in rule_names() for o in rule_named(name).options} - used - {"tau"}
+    # every kind's options are its own (acceptance_options, constraint_options), so whatever differs was used
     changed = [f"{name}={_setting(cfg[name])}" for name in JanusConfig.method_fields()
-               if name in cfg and cfg[name] != getattr(defaults, name) and name not in unused]
+               if name in cfg and cfg[name] != getattr(defaults, name)]
     return _plain(", ".join(changed)) if changed else None
 
 
@@ -209,7 +205,7 @@ def _acceptance_variables(cfg: dict[str, Any]) -> dict[str, Any]:
                 "trajectory_sentence": "Each step tries step sizes α and takes one that passes the run's acceptance "
                                        "test.", "tau_used": True}
     return {"acceptance_line": None if rule.name == "cosine" else _plain(f"{rule.name}: {rule.describe()}"),
-            "trajectory_sentence": _plain(rule.card_sentence()), "tau_used": "tau" in rule.options}
+            "trajectory_sentence": _plain(rule.card_sentence()), "tau_used": rule.uses_tau}
 
 
 def rectified_adapter_subfolder(output: Optional[Mapping[str, Any]]) -> Optional[str]:

@@ -292,7 +292,8 @@ def test_every_config_field_is_an_option():
              "--constraint-options": ("temperature=2.5", {"temperature": 2.5}),
              "--ghost-matmul": ("float64", "float64"),
              "--constraint": ("loss", "loss"),  # target_logit takes no temperature
-             "--acceptance": ("both", "both"), "--loss-tolerance": ("0.3", 0.3), "--damping": ("0.02", 0.02),
+             "--acceptance": ("both", "both"), "--acceptance-options": ("tolerance=0.3", {"tolerance": 0.3}),
+             "--damping": ("0.02", 0.02),
              "--captures": ("two", "two"), "--factor-dtype": ("bfloat16", "bfloat16"), "--distill-steps": ("11", 11),
              "--keep-gain": ("0.9", 0.9), "--distill-lr": ("2e-5", 2e-5), "--new-task-weight": ("0.5", 0.5),
              "--new-task-batch-size": ("3", 3)}

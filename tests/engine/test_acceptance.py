@@ -26,8 +26,10 @@ def test_the_built_in_rules_are_registered_and_the_config_names_them():
     for name in rule_names():
         rule = make_acceptance(JanusConfig(acceptance=name))
         assert isinstance(rule, AcceptanceRule) and rule.name == name
-        # what the rule reads from the configuration is a JanusConfig field
-        assert all(hasattr(JanusConfig(), option) for option in rule.options), name
+        # its options are its own, named in acceptance_options' help; τ is the configuration's
+        assert all(option.name in JanusConfig.__dataclass_fields__["acceptance_options"].metadata["help"]
+                   for option in rule.options), name
+        assert rule.uses_tau == (name in ("cosine", "both"))
         assert rule.describe() and rule.summary and rule.card_sentence()
     with pytest.raises(ValueError, match="'cosine' or 'loss' or 'both' or 'loss-absolute'"):
         JanusConfig(acceptance="kl")
@@ -36,10 +38,10 @@ def test_the_built_in_rules_are_registered_and_the_config_names_them():
 
 
 def test_a_rule_reads_its_options_from_a_config_or_a_record():
-    config = JanusConfig(acceptance="both", tau=0.9, loss_tolerance=0.2)
+    config = JanusConfig(acceptance="both", tau=0.9, acceptance_options={"tolerance": 0.2})
     for source in (config, config.to_dict()):
         rule = make_acceptance(source)
-        assert (rule.tau, rule.loss_tolerance) == (0.9, 0.2)
+        assert (rule.tau, rule.tolerance) == (0.9, 0.2)
     assert make_acceptance({"tau": 0.8}).threshold == 0.8  # a record without the field: the paper's test
 
 
@@ -53,7 +55,7 @@ def test_the_paper_rule_scores_cbar_against_tau():
 
 
 def test_the_loss_rule_scores_the_share_of_its_allowance():
-    rule = LossAcceptance(loss_tolerance=0.25)
+    rule = LossAcceptance(tolerance=0.25)
     assert rule.needs_rise and rule.threshold == SCORE_THRESHOLD
     # allowance 0.25 · α=0.5 · rise=1 = 0.125 (exact in binary): a rise of 0.125 is at it, 0.1251 past it
     at, past = rule.score(measurement(trial=1.125)), rule.score(measurement(trial=1.1251))
@@ -78,7 +80,9 @@ def test_every_trial_records_its_score_and_whether_it_passed(tuned_llama, accept
     """score and passed are the rule's; taken is where the step moved: a taken trial passed unless the step was
     forced, and a step takes exactly one trial."""
     model, reference = tuned_llama
-    config = JanusConfig(compression_rank=4, tau=0.99, acceptance=acceptance, loss_tolerance=0.01, max_steps=4)
+    options = {} if acceptance == "cosine" else {"tolerance": 0.01}  # the paper's test takes τ alone
+    config = JanusConfig(compression_rank=4, tau=0.99, acceptance=acceptance, acceptance_options=options,
+                         max_steps=4)
     report = rectify(copy.deepcopy(model), reference, random_replay(6, seed=9), config, progress=False)
     rule = make_acceptance(config)
     assert report.steps
@@ -112,7 +116,8 @@ def test_the_card_states_the_runs_acceptance_test(acceptance):
     from hf_janus.publish.card import render_card
     from hf_janus.publish.record_file import PublishedReport
 
-    config = JanusConfig(acceptance=acceptance, loss_tolerance=0.25)
+    config = JanusConfig(acceptance=acceptance,
+                         acceptance_options={} if acceptance == "cosine" else {"tolerance": 0.25})
     rect = RectificationReport(config=config.to_dict(), steps=[StepRecord(step=0, alpha=0.5, forced=True, trials=[
         TrialRecord(0, 0.5, 0.9, {"l": 0.9}, True, 1.0, 0.9, False)])])
     card = str(render_card(PublishedReport(kind="full", rectification=rect), load_id="me/m"))
@@ -124,5 +129,6 @@ def test_the_card_states_the_runs_acceptance_test(acceptance):
         assert "stays below τ" in card
     else:
         assert "τ" not in card.split("## Step trajectory")[1].split("|")[0]
-        assert f"acceptance={acceptance}, loss\\_tolerance=0.25" in card  # the other-settings row names its option
+        # the other-settings row names its option
+        assert f"acceptance={acceptance}, acceptance\\_options=\\(tolerance=0.25\\)" in card
         assert rule.name in card

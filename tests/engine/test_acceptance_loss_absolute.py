@@ -1,5 +1,5 @@
 """``acceptance="loss-absolute"`` (hf_janus/engine/acceptance/loss_absolute.py): the rule added as one module, and
-its test. The replay loss of every trial the loop takes on its own stays within ``loss_tolerance`` times the
+its test. The replay loss of every trial the loop takes on its own stays within ``tolerance`` times the
 fine-tune's rise of θ0's, however many steps the run takes."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hf_janus.engine.acceptance import LossAbsoluteAcceptance, TrialMeasurement,
 
 
 def test_it_passes_exactly_below_the_reference_loss_plus_the_allowance():
-    rule = make_acceptance(JanusConfig(acceptance="loss-absolute", loss_tolerance=0.1))
+    rule = make_acceptance(JanusConfig(acceptance="loss-absolute", acceptance_options={"tolerance": 0.1}))
     assert isinstance(rule, LossAbsoluteAcceptance) and rule.needs_rise
     # θ0 at 1.0, the fine-tune raised it by 2: the bound is 1.2, whatever the current point and α
     for current, alpha in ((1.0, 1.0), (1.15, 0.01)):
@@ -27,7 +27,8 @@ def test_it_passes_exactly_below_the_reference_loss_plus_the_allowance():
 def test_a_run_keeps_the_replay_loss_within_the_bound(tuned_llama):
     model, reference = tuned_llama
     tol = 0.2
-    config = JanusConfig(compression_rank=4, acceptance="loss-absolute", loss_tolerance=tol, max_steps=6)
+    config = JanusConfig(compression_rank=4, acceptance="loss-absolute", acceptance_options={"tolerance": tol},
+                         max_steps=6)
     report = rectify(copy.deepcopy(model), reference, random_replay(6, seed=9), config, progress=False)
     loss = report.replay_loss
     rise = loss["finetuned"] - loss["reference"]

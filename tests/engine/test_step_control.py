@@ -11,7 +11,9 @@ import torch
 from testing_utils import random_replay
 
 from hf_janus import JanusConfig, RectificationReport, rectify
+from hf_janus.engine.acceptance import make_acceptance
 from hf_janus.engine.config import PAPER
+from hf_janus.errors import JanusError
 from hf_janus.engine.capture import ReplayLosses, replay_losses
 from hf_janus.engine.ghost import eig_psd
 from hf_janus.engine.acceptance import acceptance_score
@@ -102,7 +104,7 @@ def test_the_papers_configuration_is_one_call_away():
     validated)."""
     paper, default = JanusConfig.paper().to_dict(), JanusConfig().to_dict()
     assert {k for k in paper if paper[k] != default[k]} == {"compression", "step_control", "final_step"}
-    assert set(JanusConfig.method_fields()) - set(PAPER) <= {"loss_tolerance"}  # an option of other rules
+    assert set(JanusConfig.method_fields()) <= set(PAPER)
     assert JanusConfig.paper(tau=0.9).tau == 0.9 and JanusConfig.paper(tau=0.9).step_control == "paper"
     with pytest.raises(ValueError, match="step_control"):
         JanusConfig.paper(step_control="fast")
@@ -245,12 +247,12 @@ def test_progress_bar_shows_what_the_wait_depends_on(tuned_llama, capsys):
 @pytest.mark.parametrize("step_control", ["adaptive", "paper"])
 def test_loss_acceptance_accepts_exactly_the_trials_within_the_allowance(tuned_llama, acceptance, step_control):
     """acceptance='loss': a trial passes iff its replay loss rose from the current point by at most
-    loss_tolerance·α·(fine-tune's rise); 'both' also needs c̄ ≥ τ. Checked on every trial of a real run."""
+    tolerance·α·(fine-tune's rise); 'both' also needs c̄ ≥ τ. Checked on every trial of a real run."""
     model, reference = tuned_llama
     tol, tau = 0.01, 0.99
     replay = random_replay(6, seed=9)  # a replay whose loss the fine-tune raised
     m, report, rectifier = run(model, reference, replay, tau=tau, acceptance=acceptance,
-                               loss_tolerance=tol, step_control=step_control, max_steps=6)
+                               acceptance_options={"tolerance": tol}, step_control=step_control, max_steps=6)
     rise = report.replay_loss["finetuned"] - report.replay_loss["reference"]
     assert rise > 0 and report.steps
     current, checked = report.replay_loss["reference"], 0
@@ -291,16 +293,17 @@ def test_an_undefined_replay_loss_fails_the_loss_tests(acceptance):
     assert acceptance_score(config, 0.999, 0.5, 1.0, 2.0, 1.0) >= 0.5  # the same trial with a defined loss passes
 
 
-def test_cosine_acceptance_is_the_paper_test(tuned_llama):
-    """The default acceptance ignores the loss allowance: the same trajectory whatever loss_tolerance says."""
-    model, reference = tuned_llama
-    runs = [run(model, reference, random_replay(6), tau=0.99, loss_tolerance=t)[1] for t in (0.01, 10.0)]
-    assert [[(t.alpha, t.accepted) for t in s.trials] for s in runs[0].steps] == \
-        [[(t.alpha, t.accepted) for t in s.trials] for s in runs[1].steps]
+def test_cosine_acceptance_is_the_paper_test():
+    """The default acceptance has no loss allowance to be given: it takes τ alone, and an option is refused."""
+    assert make_acceptance(JanusConfig(tau=0.99)).threshold == 0.99
+    with pytest.raises(JanusError, match="'cosine' has no option 'tolerance'.*it takes no options"):
+        JanusConfig(acceptance_options={"tolerance": 10.0})
 
 
 def test_config_validates_the_acceptance_fields():
     with pytest.raises(ValueError, match="acceptance"):
         JanusConfig(acceptance="kl")
-    with pytest.raises(ValueError, match="loss_tolerance"):
-        JanusConfig(loss_tolerance=0)
+    with pytest.raises(ValueError, match=r"acceptance_options\['tolerance'\]=0 .*'loss'"):
+        JanusConfig(acceptance="loss", acceptance_options={"tolerance": 0})
+    with pytest.raises(JanusError, match="did you mean 'tolerance'"):
+        JanusConfig(acceptance="both", acceptance_options={"tolerence": 0.1})

@@ -1,9 +1,9 @@
 """Whether a trial step passes: the acceptance rules, one small object per test behind one interface
 (:class:`AcceptanceRule`), and a registry of them that ``JanusConfig.acceptance`` names.
 
-Rules, by name: ``cosine`` (the paper's, c̄ ≥ τ), ``loss`` (the replay loss may rise by ``loss_tolerance · α``
+Rules, by name: ``cosine`` (the paper's, c̄ ≥ τ), ``loss`` (the replay loss may rise by ``tolerance · α``
 times the fine-tune's rise per step), ``both`` (the two together) and ``loss-absolute`` (the replay loss stays
-within ``loss_tolerance`` times the fine-tune's rise of θ0's over the whole run).
+within ``tolerance`` times the fine-tune's rise of θ0's over the whole run).
 
 A new rule is one module: a subclass of :class:`AcceptanceRule` with its name, summary, options, score and
 descriptions, decorated with :func:`register` (the user's own rule: registered before the config that names it is

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
+from hf_janus.kinds import KindOption, kind_options
+
 #: The step controller's threshold for the score of the loss-based rules: they map a pass to a score at or above
 #: it (:func:`loss_score`), so that the adaptive controller's model of the gap in α applies unchanged.
 SCORE_THRESHOLD = 0.5
@@ -36,25 +38,32 @@ class TrialMeasurement:
 
 class AcceptanceRule(abc.ABC):
     """One acceptance test of a trial step. Subclasses set the class attributes and implement :meth:`score`,
-    :meth:`describe` and :meth:`verdict`; their ``__init__`` takes the options they name, as keywords.
+    :meth:`describe` and :meth:`verdict`; their ``__init__`` takes the options they declare (and ``tau`` when they
+    use it), as keywords.
 
     Class attributes: ``name`` (the ``JanusConfig.acceptance`` value), ``summary`` (one line for the
-    configuration's help), ``options`` (the ``JanusConfig`` fields it reads: its threshold and options, named by
-    the card when not at their defaults), ``needs_rise`` (it needs the fine-tune's replay-loss rise, which the
-    rectifier then measures) and ``bar_key`` (its field on the progress bar).
+    configuration's help), ``options`` (its :class:`~hf_janus.kinds.KindOption`\\ s, which
+    ``JanusConfig.acceptance_options`` sets by name), ``uses_tau`` (it reads ``JanusConfig.tau``, the paper's
+    threshold, a field of its own since the card and the frontier read it too), ``needs_rise`` (it needs the
+    fine-tune's replay-loss rise, which the rectifier then measures) and ``bar_key`` (its field on the progress
+    bar).
     """
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    options: ClassVar[tuple[str, ...]] = ()
+    options: ClassVar[tuple[KindOption, ...]] = ()
+    uses_tau: ClassVar[bool] = False
     needs_rise: ClassVar[bool] = False
     bar_key: ClassVar[str] = "test"
 
     @classmethod
     def from_config(cls, config: Any) -> "AcceptanceRule":
-        """The rule with its options read from a ``JanusConfig`` or a config dict (a record's ``config``)."""
+        """The rule with its options from a ``JanusConfig`` or a config dict (a record's ``config``): those
+        ``acceptance_options`` sets, the others at their defaults (checked by :func:`~hf_janus.kinds.kind_options`),
+        and ``tau`` when it uses it."""
         read = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key)
-        return cls(**{option: read(option) for option in cls.options})
+        options = kind_options(cls, "acceptance rule", "JanusConfig.acceptance_options", read("acceptance_options"))
+        return cls(**options, **({"tau": read("tau")} if cls.uses_tau else {}))
 
     @property
     @abc.abstractmethod

@@ -6,6 +6,7 @@ import math
 
 from hf_janus.engine.acceptance.base import (SCORE_THRESHOLD, AcceptanceRule, TrialMeasurement, loss_ratio,
                                              loss_score, ratio_of)
+from hf_janus.engine.acceptance.loss import TOLERANCE
 from hf_janus.engine.acceptance.registry import register
 
 
@@ -18,18 +19,19 @@ class BothAcceptance(AcceptanceRule):
     name = "both"
     summary = ("loss and cosine together, an experiment of the well-fit-past-task study (see the forgetting "
                "benchmark's README)")
-    options = ("tau", "loss_tolerance")
+    options = (TOLERANCE,)
+    uses_tau = True
     needs_rise = True
 
-    def __init__(self, tau: float, loss_tolerance: float):
-        self.tau, self.loss_tolerance = float(tau), float(loss_tolerance)
+    def __init__(self, tau: float, tolerance: float = TOLERANCE.default):
+        self.tau, self.tolerance = float(tau), float(tolerance)
 
     @property
     def threshold(self) -> float:
         return SCORE_THRESHOLD
 
     def score(self, trial: TrialMeasurement) -> float:
-        ratio = loss_ratio(trial, self.loss_tolerance)
+        ratio = loss_ratio(trial, self.tolerance)
         cbar, tau = trial.mean_cosine, self.tau
         cosine = (1.0 - cbar) / (1.0 - tau) if tau < 1.0 else (0.0 if cbar >= 1.0 else math.inf)
         # not max(): max(ratio, nan) is ratio and max(nan, ratio) is nan, so either order would let one undefined
@@ -38,7 +40,7 @@ class BothAcceptance(AcceptanceRule):
         return loss_score(worse)
 
     def describe(self) -> str:
-        return (f"replay-loss rise from the current point ≤ {self.loss_tolerance:g}·α·(the fine-tune's rise) and "
+        return (f"replay-loss rise from the current point ≤ {self.tolerance:g}·α·(the fine-tune's rise) and "
                 f"mean cosine c̄ ≥ τ={self.tau:g}")
 
     def verdict(self, trial: TrialMeasurement, score: float) -> str:

@@ -13,7 +13,7 @@ class CosineAcceptance(AcceptanceRule):
 
     name = "cosine"
     summary = "the paper's, c̄ ≥ τ"
-    options = ("tau",)
+    uses_tau = True
     bar_key = "cos"
 
     def __init__(self, tau: float):
