@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import difflib
+from typing import Iterable, Optional
 
 
 class JanusError(ValueError):
@@ -11,6 +12,12 @@ class JanusError(ValueError):
 
 class RectificationError(RuntimeError):
     """Rectification failed; the model has been restored to its fine-tuned weights."""
+
+
+def did_you_mean(key: object, names: Iterable[str]) -> str:
+    """``"did you mean 'x'? "`` naming the one of ``names`` closest to a mistyped ``key``, or ``""`` when none is."""
+    close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def hub_unreachable(err: BaseException) -> bool:

@@ -5,13 +5,12 @@ configuration and the evaluation's candidates share it."""
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterable, Mapping, Optional, TypeVar
 
-from hf_janus.errors import JanusError
+from hf_janus.errors import JanusError, did_you_mean
 
 K = TypeVar("K", bound=type)
 
@@ -92,10 +91,9 @@ def kind_options(kind: type, noun: str, field: str, given: Optional[Mapping[str,
     declared = {option.name: option for option in getattr(kind, "options", ())}
     for key in given:
         if key not in declared:
-            close = difflib.get_close_matches(str(key), list(declared), n=1, cutoff=0.6)
             known = (f"its options are {', '.join(map(repr, declared))}" if declared else "it takes no options")
             raise JanusError(f"the {noun} {kind.name!r} has no option {key!r} ({field}): "
-                             + (f"did you mean {close[0]!r}? " if close else "") + known)
+                             + did_you_mean(key, declared) + known)
     values = {}
     for name, option in declared.items():
         value = given.get(name, option.default)
@@ -104,6 +102,11 @@ def kind_options(kind: type, noun: str, field: str, given: Optional[Mapping[str,
                              f"{option.expected}")
         values[name] = value
     return values
+
+
+def setting(config: Any, key: str) -> Any:
+    """``config``'s ``key``, from a ``JanusConfig`` or a config dict (a record's ``config``, None when it lacks it)."""
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key)
 
 
 def parse_options(text: str) -> dict[str, Any]:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Mapping, Optional
 
-from hf_janus.errors import JanusError
+from hf_janus.errors import JanusError, did_you_mean
 
 
 def field_names(cls: type) -> set[str]:
@@ -34,6 +33,4 @@ def known_fields(cls: type, data: Mapping[str, Any], *, strict: bool = False,
 def unknown_field_message(owner: str, key: str, names: set[str], hints: Mapping[str, str]) -> str:
     if key in hints:
         return f"{owner} has no field {key!r}: {hints[key]}"
-    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
-    meant = f"did you mean {close[0]!r}? " if close else ""
-    return f"{owner} has no field {key!r}: {meant}The fields are {', '.join(sorted(names))}"
+    return f"{owner} has no field {key!r}: {did_you_mean(key, names)}The fields are {', '.join(sorted(names))}"

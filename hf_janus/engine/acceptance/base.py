@@ -12,9 +12,9 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
-from hf_janus.kinds import KindOption, kind_options
+from hf_janus.kinds import KindOption, kind_options, setting
 
 #: The step controller's threshold for the score of the loss-based rules: they map a pass to a score at or above
 #: it (:func:`loss_score`), so that the adaptive controller's model of the gap in α applies unchanged.
@@ -61,9 +61,9 @@ class AcceptanceRule(abc.ABC):
         """The rule with its options from a ``JanusConfig`` or a config dict (a record's ``config``): those
         ``acceptance_options`` sets, the others at their defaults (checked by :func:`~hf_janus.kinds.kind_options`),
         and ``tau`` when it uses it."""
-        read = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key)
-        options = kind_options(cls, "acceptance rule", "JanusConfig.acceptance_options", read("acceptance_options"))
-        return cls(**options, **({"tau": read("tau")} if cls.uses_tau else {}))
+        options = kind_options(cls, "acceptance rule", "JanusConfig.acceptance_options",
+                               setting(config, "acceptance_options"))
+        return cls(**options, **({"tau": setting(config, "tau")} if cls.uses_tau else {}))
 
     @property
     @abc.abstractmethod

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hf_janus.kinds import KindOption, kind_options
+from hf_janus.kinds import KindOption, kind_options, setting
 from hf_janus.replay.prepare import IGNORE_INDEX
 
 
@@ -77,8 +77,8 @@ class Constraint(abc.ABC):
     def options_from(cls, config: Any) -> dict[str, Any]:
         """Its options as ``__init__`` takes them: those ``config``'s ``constraint_options`` sets, the others at
         their defaults (checked: see :func:`~hf_janus.kinds.kind_options`)."""
-        given = config.get("constraint_options") if isinstance(config, Mapping) else config.constraint_options
-        return kind_options(cls, "replay constraint", "JanusConfig.constraint_options", given)
+        return kind_options(cls, "replay constraint", "JanusConfig.constraint_options",
+                            setting(config, "constraint_options"))
 
     @property
     def rows_per_sample(self) -> int:

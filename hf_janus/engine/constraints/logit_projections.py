@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from hf_janus.engine.constraints.base import Constraint, ReplayLogits
 from hf_janus.engine.constraints.registry import register
-from hf_janus.kinds import KindOption, is_int
+from hf_janus.kinds import KindOption, is_int, setting
 
 
 def logit_projections(vocab: int, count: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -34,8 +34,7 @@ class LogitProjectionsConstraint(Constraint):
 
     @classmethod
     def from_config(cls, config: Any) -> "LogitProjectionsConstraint":
-        seed = config.get("seed") if isinstance(config, Mapping) else config.seed
-        return cls(**cls.options_from(config), seed=seed or 0)
+        return cls(**cls.options_from(config), seed=setting(config, "seed") or 0)
 
     @property
     def rows_per_sample(self) -> int:
