@@ -223,15 +223,13 @@ def write_markdown() -> str:
         fig = rec["points"]["repaired"]["repair"]
         sec = rec["seconds"]
         repair = rec.get("repair") or {}
-        gain = (repair.get("validation") or {})
         rows.append(
             f"| {rec['run']} | {'θ0 answers' if rec['replay'] == 'answers' else 'SelfReplay()'} | "
             f"{rec['config']['distill_steps']} | {rec['settings']['distill_lr']:g} | "
             f"{rec.get('new_task_per_step', rec['config']['new_task_batch_size'])} | {repair.get('chosen')} | "
             f"{fig['ap2']:.1f} | {fig['nq_held_out']['em_back']:.1f} | {fig['webq_held_out']['em_back']:.1f} | "
             f"{fig['nq']['em_back']:.1f} | {fig['webq']['em_back']:.1f} | {sec['fine_tuning']:.0f} | "
-            f"{sec['janus']:.0f} | {sec['repair'] or 0:.0f} | {rec['repair_over_janus_time']:.2f} |"
-            + ("" if gain else ""))
+            f"{sec['janus']:.0f} | {sec['repair'] or 0:.0f} | {rec['repair_over_janus_time']:.2f} |")
     text = "\n".join([
         "# The repair through `JanusCallback` in a `Trainer` (SmolLM2-135M-Instruct, GSM8K fine-tune)",
         "",
