@@ -1,5 +1,5 @@
 """A registry of the kinds of one varying behaviour (acceptance rules, replay constraints, frontier candidates): each
-kind a class registered under its ``name`` (and the aliases it declares), looked up by the field or spec that names
+kind a class registered under its ``name``, looked up by the field or spec that names
 it, and the options a kind declares beside itself. Imports nothing of hf_janus but its errors, so that the engine's
 configuration and the evaluation's candidates share it."""
 
@@ -22,9 +22,8 @@ class KindRegistry(Generic[K]):
     ``field`` the configuration field (or spec) that names one and ``package`` the module users register theirs with;
     ``aliases`` gives the other names a kind answers to (a candidate's JSON ``kind``)."""
 
-    def __init__(self, noun: str, base: type, field: str, package: str,
-                 aliases: Callable[[K], Iterable[str]] = lambda kind: ()):
-        self.noun, self.base, self.field, self.package, self.aliases = noun, base, field, package, aliases
+    def __init__(self, noun: str, base: type, field: str, package: str):
+        self.noun, self.base, self.field, self.package = noun, base, field, package
         self._kinds: dict[str, K] = {}
 
     def register(self, kind: K) -> K:
@@ -33,11 +32,10 @@ class KindRegistry(Generic[K]):
         if not (isinstance(kind, type) and issubclass(kind, self.base)):
             raise JanusError(f"{self._article()} {self.noun} must subclass {self.package}.{self.base.__name__}, "
                              f"got {kind!r}")
-        for name in (kind.name, *self.aliases(kind)):
-            existing = self._find(name)
-            if existing is not None and existing is not kind:
-                raise JanusError(f"{self._article()} {self.noun} named {name!r} is already registered "
-                                 f"({existing.__qualname__}); give the new one another name")
+        existing = self._find(kind.name)
+        if existing is not None and existing is not kind:
+            raise JanusError(f"{self._article()} {self.noun} named {kind.name!r} is already registered "
+                             f"({existing.__qualname__}); give the new one another name")
         self._kinds[kind.name] = kind
         return kind
 
@@ -62,9 +60,7 @@ class KindRegistry(Generic[K]):
     def _find(self, name: object) -> "K | None":
         if not isinstance(name, str):
             return None
-        if name in self._kinds:
-            return self._kinds[name]
-        return next((kind for kind in self._kinds.values() if name in self.aliases(kind)), None)
+        return self._kinds.get(name)
 
     def _article(self) -> str:
         return "an" if self.noun[0] in "aeiou" else "a"

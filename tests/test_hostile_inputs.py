@@ -266,6 +266,17 @@ def test_load_report_validates_what_it_reads(tmp_path, changes, fragment):
     assert fragment in str(info.value) and "upgrade" not in str(info.value)
 
 
+def test_load_report_refuses_a_record_that_does_not_say_what_it_describes(tmp_path):
+    from hf_janus import load_report
+
+    path = _record(tmp_path)
+    data = json.loads(path.read_text())
+    del data["kind"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(JanusError, match="malformed: it has no kind"):
+        load_report(str(path))
+
+
 def test_load_report_of_deeply_nested_json(tmp_path):
     from hf_janus import load_report
 

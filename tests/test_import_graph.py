@@ -84,3 +84,13 @@ def test_the_walk_finds_a_cycle():
 def test_the_engine_never_names_self_replay():
     named = [str(p) for p in (PACKAGE / "engine").rglob("*.py") if "SelfReplay" in p.read_text(encoding="utf-8")]
     assert named == []
+
+
+def test_the_layers_below_evaluation_never_import_it():
+    """The engine, the adapters and publishing sit below the evaluation harness: what a card prints of a frontier
+    comes with the frontier's record, not from the harness's code."""
+    known = modules()
+    below = ("hf_janus.engine", "hf_janus.adapters", "hf_janus.publish", "hf_janus.replay")
+    crossing = {name: sorted(m for m in run_time_imports(path, set(known)) if m.startswith("hf_janus.evaluation"))
+                for name, path in known.items() if name.startswith(below)}
+    assert {name: found for name, found in crossing.items() if found} == {}

@@ -339,7 +339,7 @@ def summarize(quick: bool = False) -> str:
             if tau is not None:
                 key = next((k for k in runs if k.startswith(f"tau={tau:g}")
                             and (damping is None) == ("damping" not in k)
-                            and (p["kind"] != "intruder_then_janus") == ("intruder" not in k)), None)
+                            and (p["kind"] != "intruder-then-janus") == ("intruder" not in k)), None)
             info = runs.get(key, {}) if key else {}
             return (f"| {RUN_NAMES[run]} | {label or p['label']} | {fmt(p['ap1'], '.1f')} | {fmt(p['ap2'], '.1f')} "
                     f"| {fmt(p['above_wise'], '+.1f')} | {fmt(p.get('above_intruder'), '+.1f')} "

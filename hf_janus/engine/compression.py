@@ -69,8 +69,8 @@ def _single_threaded(device: torch.device, small: bool) -> Iterator[None]:
     """Run many tiny batched QR/SVD calls on one CPU thread.
 
     With several OpenMP threads, each small LAPACK call ends in a barrier; when other processes hold the
-    cores, the spinning threads wait for a time slice and a 10 ms call took 5-30 s (measured on a shared
-    2-core machine). One thread costs nothing measurable on an idle machine.
+    cores, the spinning threads wait for a time slice, and a call of milliseconds can take seconds. One thread
+    costs nothing measurable on an idle machine.
     """
     if device.type != "cpu" or torch.get_num_threads() == 1 or not small:
         yield

@@ -29,9 +29,7 @@ class TrialRecord:
     run's acceptance rule, whether it passed, and whether the step moved there.
 
     ``taken`` and ``passed`` differ: a step may take a failing trial (``StepRecord.forced``: the step floor or the
-    last step), and a passing trial may be left for a larger one that passes too. ``score`` and ``passed`` are
-    None in reports written before they were recorded; those reports called ``taken`` ``accepted``, which
-    :meth:`from_dict` still reads (and :attr:`accepted` still answers).
+    last step), and a passing trial may be left for a larger one that passes too.
     """
 
     step: int
@@ -43,17 +41,8 @@ class TrialRecord:
     score: Optional[float] = None  # compared with the rule's threshold (c̄ itself for the paper's rule)
     passed: Optional[bool] = None
 
-    @property
-    def accepted(self) -> bool:
-        """The name ``taken`` had in reports before the acceptance rules became objects."""
-        return self.taken
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrialRecord":
-        """A trial of a report of any version (``accepted`` read as ``taken``)."""
-        data = dict(data)
-        if "taken" not in data and "accepted" in data:
-            data["taken"] = data.pop("accepted")
         return cls(**known_fields(cls, data))
 
 

@@ -18,8 +18,8 @@ Jacobian evaluation (a forward/backward over the replay). Below, c̄ and τ stan
 
 Why the same grid point and not the largest α that passes: measured on the demo, the replay loss rises by about
 the same amount at every accepted step, whatever its α (second-order terms at c̄ ≈ τ), so a controller that takes
-more or smaller steps repairs less. A continuous controller aiming just inside τ took 1.6-2× the paper's steps
-and ended at a higher replay loss; matching the paper's accepted steps keeps its result.
+more or smaller steps repairs less (a continuous controller aiming just inside τ took more steps than the paper's
+and ended at a higher replay loss); matching the paper's accepted steps keeps its result.
 
 Why the absolute length: after a step of size α the remaining update is about (1 − α) of the last one, so the
 same α is a shorter move. Principal angles grow with the distance moved, about linearly for short moves, so
@@ -41,9 +41,9 @@ from hf_janus.engine.config import STEP_CONTROLS
 SATURATED_GAP = 0.3
 #: The adaptive controller jumps down to the grid point predicted at this share of 1 − τ (a little inside the
 #: boundary, since a jump that still fails costs a trial) and, after a pass, tries the grid point above only when
-#: it is predicted within ``PROBE_SHARE`` of 1 − τ. Measured on the demo: 1.3 (probe when unsure) reproduced the
-#: paper's steps exactly in 104 evaluations instead of 270; 1.0 (probe when predicted to pass) took 81, with the
-#: same full fine-tuning result and a LoRA result 20% lower in replay loss, in 34 steps instead of 40.
+#: it is predicted within ``PROBE_SHARE`` of 1 − τ: 1.0 probes only a point predicted to pass, which on the demo
+#: took fewer evaluations than probing when unsure, for the same full fine-tuning result and a LoRA result lower
+#: in replay loss (docs/concepts/step-control.md).
 TARGET_SHARE = 0.9
 PROBE_SHARE = 1.0
 P_RANGE = (0.5, 4.0)

@@ -79,7 +79,7 @@ class FactorStore:
     batch's factors are kept in host memory while the store holds at most ``memory_budget_bytes`` (default:
     :data:`DEFAULT_MEMORY_FRACTION` of the host memory available at creation), and written as one
     safetensors file beyond that; they come back onto ``device`` when a layer's Jacobian is needed. Disk
-    files cost a write and a read per use (the paper measured 28% of a 7B run in disk I/O); the budget
+    files cost a write and a read per use (a large share of a 7B run's time in the paper); the budget
     makes the directory a spill area used only when memory really is short.
 
     ``factor_dtype`` stores the factors in another dtype (e.g. ``torch.bfloat16``, halving memory and I/O as

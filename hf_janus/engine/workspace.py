@@ -14,10 +14,9 @@ class Workspace:
     """Reuses the CPU buffers of materialized per-sample gradients between layers and trials.
 
     Why: glibc serves every CPU allocation above 32 MiB with a fresh ``mmap``, so each rebuild of a layer's
-    ``m x d_out x d_in`` gradients page-faults and zero-fills all of it and each release unmaps it again.
-    Measured on a 2-core CPU (256 x 128 x 256 float64, 64 MiB): 29-32 ms per ``bmm`` into a fresh tensor,
-    10-12 ms into a reused one. A rectification rebuilds them for every trial and every layer that is not
-    kept, so the saving repeats thousands of times. CUDA's caching allocator already reuses its blocks:
+    ``m x d_out x d_in`` gradients page-faults and zero-fills all of it and each release unmaps it again, which
+    costs more than the ``bmm`` that fills it. A rectification rebuilds them for every trial and every layer that
+    is not kept, so the saving repeats thousands of times. CUDA's caching allocator already reuses its blocks:
     there (and on other non-CPU devices) this is a pass-through.
 
     :meth:`take` hands out the smallest held buffer that is large enough (a prefix view of it), :meth:`give`

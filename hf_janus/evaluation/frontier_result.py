@@ -59,7 +59,7 @@ class FrontierPoint:
 
     @property
     def kind(self) -> str:
-        return self.candidate.kind
+        return self.candidate.name
 
     @property
     def jacobian_evaluations(self) -> int:
@@ -78,9 +78,10 @@ class FrontierPoint:
         return getattr(self.candidate, name, None)
 
     def to_dict(self) -> dict[str, Any]:
-        """The point as JSON: label, kind, the candidate's own options, scores, AP figures, margins
+        """The point as JSON: label, kind and its title, the candidate's own options, scores, AP figures, margins
         (``above_wise``, ``above_intruder`` and ``above``) and costs."""
-        return {"label": self.label, "kind": self.kind, "options": self.candidate.record(), "scores": dict(self.scores),
+        return {"label": self.label, "kind": self.kind, "title": self.candidate.title,
+                "options": self.candidate.record(), "scores": dict(self.scores),
                 "ap1": self.ap1, "ap2": self.ap2, "ap": self.ap,
                 "above_wise": self.above_wise, "above_intruder": self.above_intruder, "above": dict(self.above),
                 "jacobian_evaluations": self.cost.jacobian_evaluations,

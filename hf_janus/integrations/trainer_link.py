@@ -7,9 +7,9 @@ The contract (``JanusCallback`` is its one user):
 - **Found** when none is given: Trainer hands itself to no callback event (their keyword arguments carry its model,
   tokenizer, optimizer and data loaders, never the Trainer), so :meth:`TrainerLink.find` looks a few frames up the
   call stack for the Trainer whose ``__init__`` (``on_init_end``: a callback given as ``Trainer(callbacks=[...])``)
-  or ``train`` (``on_train_begin``: one added with ``add_callback``) is running. A found Trainer publishes and is
-  guarded; it is held weakly (the Trainer holds the callback, not the reverse) and does not receive the logs, which
-  a user asks for with ``trainer=``. Give the Trainer and nothing is looked up.
+  or ``train`` (``on_train_begin``: one added with ``add_callback``) is running. A found Trainer publishes, receives
+  the logs and is guarded, as a given one does; it is held weakly (the Trainer holds the callback, not the
+  reverse). Give the Trainer and nothing is looked up.
 - **Guarded**: the Trainer's ``train`` (the instance's, not the class's) is wrapped once, whatever the number of
   links, so that when it raises (Ctrl-C included) each link's ``on_failure(trainer)`` runs, then the same exception
   is raised again: Trainer calls no callback when training raises.

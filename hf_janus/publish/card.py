@@ -183,14 +183,10 @@ def _frontier_line(published: "PublishedReport") -> Optional[str]:
 
 
 def _candidate_titles(points: Any) -> str:
-    """What kinds of candidate were scored, by the names the frontier gives them; the record may come from
-    elsewhere, so only kinds this version knows are named."""
-    from hf_janus.evaluation.candidates import kinds
-
-    titles = {kind.kind: kind.title for kind in kinds()}
+    """What kinds of candidate were scored, by the titles the frontier's record gives them."""
     seen: list[str] = []
     for p in points if isinstance(points, list) else []:
-        title = titles.get(p.get("kind")) if isinstance(p, dict) and isinstance(p.get("kind"), str) else None
+        title = p.get("title") if isinstance(p, dict) and isinstance(p.get("title"), str) else None
         if title and title not in seen:
             seen.append(title)
     return _plain(", ".join(seen)) if seen else "WiSE-FT interpolations, JANUS and their hybrids"

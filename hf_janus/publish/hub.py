@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from hf_janus.errors import JanusError, hub_error
 from hf_janus.io_utils import hub_cache_snapshot, is_local, read_text
 from hf_janus.publish.card import CARD_NAME, render_card
-from hf_janus.publish.files import detect_kind, pipeline_tag
+from hf_janus.publish.files import pipeline_tag
 from hf_janus.publish.record_file import REPORT_NAME, PublishedReport, read_record
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def push_folder(folder: Union[str, os.PathLike], repo_id: str, *, private: Optio
         raise JanusError(f"cannot push {folder!r}: it holds no files")
     card_bytes: Optional[bytes] = None
     if REPORT_NAME in files:
-        published = read_record(os.path.join(folder, REPORT_NAME), kind=detect_kind(folder))
+        published = read_record(os.path.join(folder, REPORT_NAME))
         card = render_card(published, load_id=repo_id, existing=read_text(os.path.join(folder, CARD_NAME)),
                            pipeline_tag=pipeline_tag(folder, published.kind))
         card_bytes = str(card).encode("utf-8")
@@ -115,7 +115,7 @@ def load_report(repo_id_or_dir: Union[str, os.PathLike], revision: Optional[str]
         report.source = name
         return report
     if os.path.isdir(expanded):
-        report = read_record(os.path.join(expanded, REPORT_NAME), kind=detect_kind(expanded))
+        report = read_record(os.path.join(expanded, REPORT_NAME))
         report.source = name
         return report
     if is_local(name):

@@ -15,13 +15,9 @@ directory rectified by :class:`~hf_janus.JanusCallback`) carries three things:
 
   ``sha`` is the commit of a Hub repo (``None`` for a local directory); ``fingerprint`` is the ``datasets``
   fingerprint of the replay dataset (a sha256 of the token ids for in-memory samples). The rectification
-  report sits at the top level, so readers of the callback's bare report (``data["output"]``, ...) keep working.
-  This is the only document written under that name: the Trainer callback writes it too, into ``output_dir`` at
-  train end (whether or not it was given the trainer), and ``trainer.save_model()`` writes it with the weights.
-
-  Legacy files, read but no longer written: a bare ``RectificationReport`` (what ``JanusCallback`` left in
-  ``output_dir`` before it wrote the publication record) and a ``MergeReport`` saved on its own; both lack
-  ``hf_janus_version`` and are read by :meth:`PublishedReport.from_dict` as ``hf_janus_version="unknown"``.
+  report sits at the top level. This is the only document written under that name: the Trainer callback writes it
+  too, into ``output_dir`` at train end (whether or not it was given the trainer), and ``trainer.save_model()``
+  writes it with the weights.
 * a short form of it in the ``__metadata__`` of every safetensors weight file (``janus.*`` string keys,
   :func:`hf_janus.publish.weights_meta.safetensors_metadata`), so a weight file on its own still says
   where it came from;
@@ -102,7 +98,6 @@ _TRIAL = {"step": (_count, "a count"), "alpha": (_number, "a number"), "mean_cos
           "layer_cosines": (_str_keyed(_opt(_number)), "an object of numbers"),
           "taken": (_is_bool, "true or false"), "score": (_opt(_number), "a number"),
           "passed": (_opt(_is_bool), "true or false"),
-          "accepted": (_is_bool, "true or false"),  # what "taken" was called in records before it (legacy)
           "replay_loss": (_opt(_number), "a number")}
 _STEP = {"step": (_count, "a count"), "alpha": (_number, "a number"), "forced": (_is_bool, "true or false"),
          "trials": (lambda v: isinstance(v, list), "a list")}
@@ -224,10 +219,8 @@ class PublishedReport:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, kind: Optional[str] = None) -> "PublishedReport":
-        """Read a document of any schema up to :data:`SCHEMA_VERSION`; also, for files written by earlier
-        versions (legacy, see the module docstring), a bare ``RectificationReport`` or a ``MergeReport`` saved on
-        its own (``kind`` then says what it describes, default ``"full"``)."""
+    def from_dict(cls, data: dict[str, Any]) -> "PublishedReport":
+        """Read a document of any schema up to :data:`SCHEMA_VERSION`."""
         if not isinstance(data, dict):
             raise JanusError(f"janus_rectification.json must hold a JSON object, got {type(data).__name__}")
         if "hf_janus_version" not in data:
@@ -239,6 +232,8 @@ class PublishedReport:
             raise JanusError(f"janus_rectification.json is malformed: schema_version must be an integer >= 1, got "
                              f"{json.dumps(version)[:80]}")
         check_record(data)
+        if "kind" not in data:
+            raise JanusError(f"janus_rectification.json is malformed: it has no kind (one of {KINDS})")
         if version > SCHEMA_VERSION:
             raise JanusError(
                 f"janus_rectification.json has schema_version {version!r}, newer than this hf-janus reads "
@@ -255,7 +250,7 @@ class PublishedReport:
             rectification = RectificationReport.from_dict(rect)
         except (TypeError, KeyError) as err:
             raise JanusError(f"janus_rectification.json is malformed ({type(err).__name__}: {err})") from err
-        return cls(kind=data.get("kind", kind or "full"), rectification=rectification,
+        return cls(kind=data["kind"], rectification=rectification,
                    base_model=RepoRef.from_dict(data.get("base_model")), adapter=RepoRef.from_dict(data.get("adapter")),
                    replay=ReplayInfo.from_dict(data.get("replay")), merge=data.get("merge"),
                    frontier=data.get("frontier"), hf_janus_version=data["hf_janus_version"],
@@ -303,7 +298,7 @@ def build_report(report: RectificationReport, *, kind: str, base_model: Union[st
 
 
 
-def read_record(path: str, kind: Optional[str] = None) -> PublishedReport:
+def read_record(path: str) -> PublishedReport:
     """Read a local ``janus_rectification.json`` (any schema up to :data:`SCHEMA_VERSION`, see
     :meth:`PublishedReport.from_dict`)."""
     try:
@@ -316,5 +311,5 @@ def read_record(path: str, kind: Optional[str] = None) -> PublishedReport:
         raise JanusError(f"cannot read {path!r}: {err}") from err
     except RecursionError as err:
         raise JanusError(f"cannot read {path!r}: its JSON is nested too deeply to be a JANUS record") from err
-    return PublishedReport.from_dict(data, kind=kind)
+    return PublishedReport.from_dict(data)
 

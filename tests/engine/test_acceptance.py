@@ -98,16 +98,6 @@ def test_every_trial_records_its_score_and_whether_it_passed(tuned_llama, accept
     assert again.to_dict() == report.to_dict()
 
 
-def test_reports_written_before_the_rules_were_objects_still_read():
-    """A trial of an old report: ``accepted`` (now ``taken``), no score, no passed."""
-    old = {"step": 0, "alpha": 1.0, "mean_cosine": 0.99, "layer_cosines": {"l": 0.99}, "accepted": True,
-           "replay_loss": 0.2}
-    trial = TrialRecord.from_dict(old)
-    assert trial.taken and trial.accepted and trial.score is None and trial.passed is None
-    report = RectificationReport.from_dict({"config": {}, "steps": [{"step": 0, "alpha": 1.0, "trials": [old]}]})
-    assert report.steps[0].taken is report.steps[0].trials[0]
-
-
 @pytest.mark.parametrize("acceptance", ["cosine", "loss", "loss-absolute"])
 def test_the_card_states_the_runs_acceptance_test(acceptance):
     """The card asks the rule: the paper's keeps its τ row; another rule gets its own row, and no τ row when it

@@ -145,7 +145,7 @@ def _check(case) -> None:
     if report.steps:
         last = report.steps[-1]
         taken = last.taken
-        assert taken is not None and taken.accepted and taken.alpha == last.alpha
+        assert taken is not None and taken.taken and taken.alpha == last.alpha
         matches = [w for step, alpha, w in seen if step == last.step and alpha == taken.alpha]
         assert len(matches) == 1
         for name in TARGETS:
@@ -163,7 +163,7 @@ def _check(case) -> None:
     assert report.num_jacobian_evals == 1 + len(seen)
     assert sum(len(s.trials) for s in report.steps) <= len(seen)
     for record in report.steps:
-        assert sum(t.accepted for t in record.trials) == 1
+        assert sum(t.taken for t in record.trials) == 1
         if config.acceptance == "cosine":
             assert record.forced == (not record.taken.mean_cosine >= TAU)
     # the stop message is true
@@ -233,7 +233,7 @@ def test_the_final_step_after_a_fallback_does_not_crash():
 
 
 def _decisions(report) -> list:
-    return [(r.step, r.alpha, r.forced, [(t.alpha, t.mean_cosine, t.accepted, t.replay_loss) for t in r.trials])
+    return [(r.step, r.alpha, r.forced, [(t.alpha, t.mean_cosine, t.taken, t.replay_loss) for t in r.trials])
             for r in report.steps]
 
 
@@ -258,7 +258,7 @@ def test_two_captures_take_the_same_decisions_and_weights(case):
         (x.residual, x.rect_delta_norm) for x in full_report.layers]
     assert lean.store.peak_captures <= 2 and full.store.peak_captures >= lean.store.peak_captures
     # θ0's capture is taken again once the loop left θ0; a kept trial's only when the loop went on from it
-    kept_fallbacks = sum(1 for r in full_report.steps[:-1] if not r.trials[-1].accepted)
+    kept_fallbacks = sum(1 for r in full_report.steps[:-1] if not r.trials[-1].taken)
     assert lean_report.recaptures == (1 if full_report.steps else 0) + kept_fallbacks
     assert full_report.recaptures == 0
 

@@ -120,8 +120,8 @@ def test_bfloat16_factors_take_the_same_decisions_as_float32(tuned_llama):
     exact, half = runs["float32"], runs["bfloat16"]
     assert (half.report.memory_plan["factor_dtype"] == "bfloat16"
             and exact.report.memory_plan["factor_dtype"] == "float32")
-    assert [(s.alpha, [t.accepted for t in s.trials]) for s in half.report.steps] == \
-        [(s.alpha, [t.accepted for t in s.trials]) for s in exact.report.steps]
+    assert [(s.alpha, [t.taken for t in s.trials]) for s in half.report.steps] == \
+        [(s.alpha, [t.taken for t in s.trials]) for s in exact.report.steps]
     gaps = []
     for name, layer in exact.layers.items():
         gap = float((layer.rect_delta() - half.layers[name].rect_delta()).norm())

@@ -368,7 +368,7 @@ def test_loop_shrinks_until_accepted_then_takes_full_step(tuned_llama):
     report = scripted_rectify(script, model, reference, random_replay(4),
                               JanusConfig(tau=0.95, beta=0.5, compression_rank=4, step_control="paper"))
     assert report.alphas == [0.25, 1.0]
-    assert [t.accepted for t in report.steps[0].trials] == [False, False, True]
+    assert [t.taken for t in report.steps[0].trials] == [False, False, True]
     assert [t.alpha for t in report.steps[0].trials] == [1.0, 0.5, 0.25]
     assert report.num_jacobian_evals == 5 and report.converged and not queue
 
@@ -463,7 +463,7 @@ def test_guarded_final_step_never_undoes_the_work(tuned_llama, worse):
     assert report.discarded_final_step == {"alpha": 1.0, "mean_cosine": 0.1, "replay_loss": 0.7,
                                            "kept_replay_loss": 0.5}
     assert "which is returned" in report.stop_reason and report.num_jacobian_evals == 4
-    assert [t.accepted for t in report.steps[0].trials] == [False, True]
+    assert [t.taken for t in report.steps[0].trials] == [False, True]
     # the weights are those of the last accepted point: what a budget ending the loop there leaves
     guarded = copy.deepcopy(model.state_dict())
     model.load_state_dict(finetuned)

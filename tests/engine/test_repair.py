@@ -171,7 +171,7 @@ def test_no_steps_and_no_new_task_are_the_janus_point_bit_for_bit(models, caplog
 def test_a_diverging_distillation_keeps_the_janus_point(models, caplog):
     plain, _ = run(models)
     with caplog.at_level(logging.WARNING, logger="hf_janus"):
-        model, report = run(models, distill_steps=6, distill_lr=1e6)
+        model, report = run(models, distill_steps=6, distill_lr=1e30)
     assert report.repair.chosen == "janus" and "diverged" in report.repair.reason
     assert "diverged" in caplog.text
     for key, value in plain.state_dict().items():

@@ -158,7 +158,7 @@ def test_adaptive_loop_reproduces_the_papers_weights_with_fewer_evaluations(tune
     for key, value in paper_model.state_dict().items():
         assert torch.equal(adaptive_model.state_dict()[key], value), key
     for step in adaptive.steps:
-        taken = [t for t in step.trials if t.accepted]
+        taken = [t for t in step.trials if t.taken]
         assert len(taken) == 1 and taken[0].alpha == step.alpha
         assert taken[0].mean_cosine >= TAU or step.forced
 
@@ -171,14 +171,14 @@ def test_every_accepted_step_passes_or_is_flagged(tuned_llama, step_control):
                                max_steps=6)
     assert report.steps
     for step in report.steps:
-        taken = [t for t in step.trials if t.accepted]
+        taken = [t for t in step.trials if t.taken]
         assert len(taken) == 1 and taken[0].alpha == step.alpha
         assert (taken[0].mean_cosine >= 0.99) != step.forced
     if step_control == "paper":  # Algorithm 1: 1, β, β², ... and only the last trial is taken
         for step in report.steps:
             assert [t.alpha for t in step.trials] == [BETA ** i for i in range(len(step.trials))] or \
                 all(math.isclose(t.alpha, BETA ** i) for i, t in enumerate(step.trials))
-            assert step.trials[-1].accepted
+            assert step.trials[-1].taken
     consistent(m, rectifier, report, random_replay(6))
 
 
@@ -260,15 +260,15 @@ def test_loss_acceptance_accepts_exactly_the_trials_within_the_allowance(tuned_l
         for trial in step.trials:
             within = trial.replay_loss - current <= tol * trial.alpha * rise * (1 + 1e-9)
             passes = within and (acceptance == "loss" or trial.mean_cosine >= tau)
-            if trial.accepted and not step.forced:
+            if trial.taken and not step.forced:
                 assert passes, (step.step, trial)
-            if not trial.accepted and step_control == "paper":
+            if not trial.taken and step_control == "paper":
                 assert not passes, (step.step, trial)  # Algorithm 1 shrinks only after a failure
             checked += 1
         current = step.taken.replay_loss
     assert checked >= 1
     if acceptance == "both":  # the cosine part rejects large steps here (the loss part alone takes α=1 at once)
-        assert any(not t.accepted for s in report.steps for t in s.trials)
+        assert any(not t.taken for s in report.steps for t in s.trials)
     consistent(m, rectifier, report, replay)
 
 

@@ -47,7 +47,9 @@ def test_spec_grammar_builds_the_kinds():
     # steps= instead of passes= (no default passes then); replay-sft's default budgets only when neither is given
     assert parse_candidates("replay-sft:steps=64") == [ReplaySft(steps=64)]
     assert parse_candidates("input-null fisher:1 lines dg-hard")[-2:] == [Lines(0.0, 1.0), DgHard()]
-    assert [c.energy for c in parse_candidates("input_null")] == [0.9, 0.99, 0.999]  # the JSON kind works too
+    assert [c.energy for c in parse_candidates("input-null")] == [0.9, 0.99, 0.999]
+    with pytest.raises(JanusError, match="no candidate kind is named 'input_null'.*'input-null'"):
+        parse_candidates("input_null")  # one name per kind: its spec name is its JSON kind
     assert [k.name for k in kinds()][:3] == ["wise", "intruder", "janus"]
 
 
@@ -139,7 +141,7 @@ def test_the_default_frontier_is_the_default_spec_with_its_peers_left_out_where_
     by_default = run(setting)
     expected = [c for c in parse_candidates(default_candidates(False), SpecContext(tau=0.9)) if not c.lora_only]
     assert [p.candidate for p in by_default.points][2:] == expected
-    assert [p.kind for p in by_default.points][-4:] == ["replay_sft", "fisher", "input_null", "input_null"]
+    assert [p.kind for p in by_default.points][-4:] == ["replay-sft", "fisher", "input-null", "input-null"]
     sft = by_default.points[-4]
     assert sft.cost.backward_passes == 4 * by_default.reports["tau=0.9"]["num_jacobian_evals"]
     assert by_default.best is not None and by_default.criterion == "max AP"
@@ -156,8 +158,8 @@ def test_with_new_task_samples_the_default_peers_add_the_repair_after_janus(sett
     mine = (tok, base, tuned, replay)
     by_default = run(mine, candidates="wise:0.5 janus:tau=0.9 " + default_peers(True), new_task_samples=new_task)
     assert default_peers(True) == DEFAULT_PEERS + " " + NEW_TASK_PEERS and default_peers(False) == DEFAULT_PEERS
-    assert [p.kind for p in by_default.points][-5:] == ["replay_sft", "fisher", "input_null", "input_null",
-                                                        "janus_repair"]
+    assert [p.kind for p in by_default.points][-5:] == ["replay-sft", "fisher", "input-null", "input-null",
+                                                        "janus-repair"]
     repaired = by_default.points[-1]
     assert repaired.candidate == JanusRepair(tau=0.9)
     report = by_default.reports[repaired.candidate.run_key()]
@@ -180,27 +182,27 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
             "dg-hard")
     result = run(setting, candidates=spec)
     kinds_seen = [p.kind for p in result.points]
-    assert kinds_seen == ["anchor", "anchor", "wise", "janus", "replay_sft", "input_null", "input_null", "regmean",
-                          "fisher", "lines", "dg_hard"]
+    assert kinds_seen == ["anchor", "anchor", "wise", "janus", "replay-sft", "input-null", "input-null", "regmean",
+                          "fisher", "lines", "dg-hard"]
     builder, scorer = result._builder, nll_scorer(tok)
     for p in result.points:  # each point's scores are its weights' scores
         with builder.applied(p) as model:
             assert {n: r.score for n, r in scorer(model).items()} == pytest.approx(p.scores, rel=1e-6)
     by = {p.kind: p for p in result.points}
     costs = {k: (p.cost.jacobian_evaluations, p.cost.forward_passes, p.cost.backward_passes) for k, p in by.items()}
-    assert costs["replay_sft"] == (0, 2.0, 2.0) and costs["regmean"] == (0, 0.0, 0.0)  # the Grams were shared
+    assert costs["replay-sft"] == (0, 2.0, 2.0) and costs["regmean"] == (0, 0.0, 0.0)  # the Grams were shared
     assert costs["fisher"] == (0, 1.0, 1.0) and costs["janus"][0] > 0 and costs["lines"] == (0, 0.0, 0.0)
-    assert [p.cost.forward_passes for p in result.points if p.kind == "input_null"] == [1.0, 0.0]
+    assert [p.cost.forward_passes for p in result.points if p.kind == "input-null"] == [1.0, 0.0]
     # what building took at its peak, on the CPU the process's resident memory (a kind that builds nothing, or a
     # point built from an earlier one's Grams: none, and the latter says its cost is that point's)
-    first_null, second_null = [p for p in result.points if p.kind == "input_null"]
-    assert all(p.cost.peak_memory_bytes > 0 for p in (by["janus"], by["replay_sft"], by["fisher"], first_null))
+    first_null, second_null = [p for p in result.points if p.kind == "input-null"]
+    assert all(p.cost.peak_memory_bytes > 0 for p in (by["janus"], by["replay-sft"], by["fisher"], first_null))
     assert not first_null.cost.reused and second_null.cost.reused and by["regmean"].cost.reused
     assert second_null.cost.peak_memory_bytes is None and not by["fisher"].cost.reused
     assert by["wise"].cost.peak_memory_bytes is None and "build peak GiB" in result.to_markdown()
     # the layer-by-layer peers touch the layers JANUS rectifies: the output head keeps θ̂, as under JANUS
     assert "lm_head.weight" in builder.theta0 and "lm_head" not in builder.target_layers
-    for kind in ("input_null", "regmean", "dg_hard", "janus"):
+    for kind in ("input-null", "regmean", "dg-hard", "janus"):
         assert torch.equal(builder.weights(by[kind])["lm_head.weight"], builder.finetuned["lm_head.weight"].float())
     # LiNeS (α=0, β=1) returns the embeddings, before the first block, to θ0 and keeps the head's update
     lines = builder.weights(by["lines"])
@@ -208,7 +210,7 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     assert torch.equal(lines["lm_head.weight"], builder.finetuned["lm_head.weight"].float())
     # every point off a curve gets its margin over it; WiSE-FT points are the baseline and get none
     curves = {"wise", "replay-sft", "input-null", "regmean", "fisher", "lines"}
-    assert set(by["janus"].above) == curves and set(by["dg_hard"].above) == curves
+    assert set(by["janus"].above) == curves and set(by["dg-hard"].above) == curves
     assert set(by["fisher"].above) == curves - {"fisher"} and by["wise"].above == {}
     for name in curves:
         assert by["janus"].above[name] == wise_margin(result.points, by["janus"].ap1, by["janus"].ap2, name)
@@ -220,7 +222,7 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     # the JSON holds each point's options under "options" only, and the chosen peer's record and card say what it is
     result.save(tmp_path / "frontier.json")
     point = json.load(open(tmp_path / "frontier.json"))["points"][4]
-    assert {"kind", "ap1", "ap2", "label", "above_wise",
+    assert {"kind", "title", "ap1", "ap2", "label", "above_wise",
             "above_intruder", "jacobian_evaluations", "options", "forward_passes", "description"} <= set(point)
     assert point["options"]["passes"] == 2 and "tau" not in point and "tau" not in point["options"]
     result.chosen = kinds_seen.index("fisher")
@@ -228,6 +230,7 @@ def test_a_frontier_of_the_post_hoc_peers(setting, tmp_path):
     assert load_report(out).frontier["chosen"]["kind"] == "fisher"
     card = open(tmp_path / "chosen" / "README.md").read()
     assert "diagonal-Fisher-weighted interpolation" in card and "involves no JANUS step" in card
+    assert "replay fine-tuning" in card  # the candidates' titles, from the record
 
 
 def test_kinds_not_defined_for_the_fine_tuning_are_refused(setting):

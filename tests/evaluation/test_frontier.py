@@ -33,8 +33,8 @@ def point(candidate, ap1, ap2, evals=0):
 def test_candidates_order_and_validation():
     cands = parse_candidates("wise:0.5 janus:tau=0.9,0.95 janus-to-reference:b=0.5 janus-to-finetuned:b=0.5 "
                              "wise-then-janus:a=0.7", SpecContext(tau=0.95))
-    assert [c.kind for c in cands] == ["wise", "janus", "janus", "janus_to_reference", "janus_to_finetuned",
-                                       "wise_then_janus"]
+    assert [c.name for c in cands] == ["wise", "janus", "janus", "janus-to-reference", "janus-to-finetuned",
+                                       "wise-then-janus"]
     assert (REFERENCE.a, FINETUNED.a) == (0.0, 1.0) and cands[-1].a == 0.7 and cands[-1].tau == 0.95
     for spec, message in (("wise:0,0.5", "strictly between 0 and 1"), ("janus:tau=1", "tau must be in"),
                           ("damped-janus:damping=0", "damping must be finite and > 0"),
@@ -42,9 +42,9 @@ def test_candidates_order_and_validation():
         with pytest.raises(JanusError, match=message):
             parse_candidates(spec)
     damped = parse_candidates("janus:tau=0.9 damped-janus:damping=0.01,0.1", SpecContext(tau=0.95))
-    assert [(c.kind, c.tau, c.record().get("damping")) for c in damped] == [("janus", 0.9, None),
-                                                                            ("damped_janus", 0.95, 0.01),
-                                                                            ("damped_janus", 0.95, 0.1)]
+    assert [(c.name, c.tau, c.record().get("damping")) for c in damped] == [("janus", 0.9, None),
+                                                                            ("damped-janus", 0.95, 0.01),
+                                                                            ("damped-janus", 0.95, 0.1)]
 
 
 def test_wise_margin_and_selection():
@@ -106,7 +106,7 @@ def test_frontier_end_to_end(setting, tmp_path):
     damped = copy.deepcopy(tuned)
     report = rectify(damped, base, replay, JanusConfig(tau=0.9, max_steps=4, damping=0.1), progress=False)
     point_d = by["JANUS τ=0.9, damping 0.1"]
-    assert (point_d.kind, point_d.option("damping"), point_d.jacobian_evaluations) == ("damped_janus", 0.1,
+    assert (point_d.kind, point_d.option("damping"), point_d.jacobian_evaluations) == ("damped-janus", 0.1,
                                                                             report.num_jacobian_evals)
     assert {n: r.score for n, r in scorer(damped).items()} == pytest.approx(point_d.scores, rel=1e-6)
     assert result.reports["tau=0.9,damping=0.1"]["config"]["damping"] == 0.1
@@ -121,7 +121,7 @@ def test_frontier_end_to_end(setting, tmp_path):
         assert torch.allclose(builder.weights(cands["WiSE-FT a=0.5"])[k], w0 + 0.5 * (builder.finetuned[k] - w0))
     for k in builder.theta0:
         assert torch.allclose(builder.weights(point_d)[k], damped.get_parameter(k).float(), atol=1e-6)
-    assert "wise_then_janus" in {p.kind for p in result.points} and len(result.reports) == 3
+    assert "wise-then-janus" in {p.kind for p in result.points} and len(result.reports) == 3
     for p in result.points:
         if p.kind not in ("anchor", "wise"):
             assert p.above_wise is None or p.above_wise == pytest.approx(wise_margin(result.points, p.ap1, p.ap2))

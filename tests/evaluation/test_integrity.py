@@ -102,14 +102,14 @@ def test_diverging_replay_training_is_a_diverged_point_logged_unchosen_unplotted
         return train(*args, **kwargs)
 
     monkeypatch.setattr(replay_sft, "train_on_replay", counted)
-    spec = "wise:0.5 replay-sft:passes=2:lr=1e4 replay-sft:passes=1:lr=1e-4 replay-sft:passes=3:loss=kl:lr=1e4"
+    spec = "wise:0.5 replay-sft:passes=2:lr=1e30 replay-sft:passes=1:lr=1e-4 replay-sft:passes=3:loss=kl:lr=1e30"
     with caplog.at_level("WARNING", logger="hf_janus.evaluation.frontier_search"):
         result = run(setting, candidates=spec, scorer=nll_scorer(tok))
     by = {p.label: p for p in result.points}
     diverged = [p for p in result.points if p.status == DIVERGED]
-    assert [p.kind for p in diverged] == ["replay_sft", "replay_sft"]
+    assert [p.kind for p in diverged] == ["replay-sft", "replay-sft"]
     assert by["replay SFT 1 passes (CE, adam lr=0.0001)"].status == SCORED
-    assert trainings == [1e4, 1e-4, 1e4]
+    assert trainings == [1e30, 1e-4, 1e30]
     for p in diverged:
         assert p.scores == {"past": None, "new": None} and (p.ap1, p.ap2, p.ap) == (None, None, None)
         assert "replay training diverged" in p.reason and "lower lr" in p.reason

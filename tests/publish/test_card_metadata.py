@@ -103,3 +103,14 @@ def test_a_records_odd_licence_entries_stay_out_of_the_front_matter(tmp_path):
     data = parsed(render_card(record(tmp_path, ref), load_id="me/m"))
     assert data.license == "mit" and data.license_name is None and "spam" not in (data.tags or [])
 
+
+
+def test_the_card_names_the_frontiers_candidates_by_the_titles_its_record_gives(tmp_path):
+    points = [{"label": "wise a=0.5", "kind": "wise", "title": "WiSE-FT"},
+              {"label": "janus τ=0.95", "kind": "janus", "title": "JANUS"},
+              {"label": "janus τ=0.9", "kind": "janus", "title": "JANUS"},
+              {"label": "made elsewhere", "kind": "unknown", "title": 7}]
+    frontier = {"chosen": {"label": "janus τ=0.95", "kind": "janus", "ap1": 98.0, "ap2": 96.0, "scores": {},
+                           "options": {"tau": 0.95}}, "criterion": "max AP", "points": points}
+    card = str(render_card(record(tmp_path, RepoRef(id="me/base"), frontier=frontier), load_id="me/m"))
+    assert "among 4 candidates (WiSE-FT, JANUS)" in card

@@ -21,7 +21,6 @@ class Anchor(Candidate):
     a: float
 
     name: ClassVar[str] = "anchor"
-    kind: ClassVar[str] = "anchor"
     title: ClassVar[str] = "anchor"
     style: ClassVar[PlotStyle] = WISE_CURVE_SPEC.style
 

@@ -137,13 +137,12 @@ def finite_positive(value: float) -> bool:
 class Candidate(abc.ABC):
     """One model on the frontier and how it is made; subclasses are frozen dataclasses whose fields are options.
 
-    Class attributes every kind sets: ``name`` (its spec name, ``"wise"``), ``kind`` (the ``kind`` of its JSON
-    points, kept stable for readers of old results), ``title`` (what the card and legend call it), ``options``,
-    ``style`` (how its points look) and, for the kinds drawn as a peer curve, ``curve``.
+    Class attributes every kind sets: ``name`` (its spec name, ``"wise"``, and the ``kind`` of its JSON points),
+    ``title`` (what the card and legend call it), ``options``, ``style`` (how its points look) and, for the kinds
+    drawn as a peer curve, ``curve``.
     """
 
     name: ClassVar[str]
-    kind: ClassVar[str]
     title: ClassVar[str]
     options: ClassVar[tuple[Option, ...]] = ()
     style: ClassVar[PlotStyle]

@@ -24,7 +24,6 @@ class DampedJanus(JanusBased):
     damping: float
 
     name: ClassVar[str] = "damped-janus"
-    kind: ClassVar[str] = "damped_janus"
     title: ClassVar[str] = "damped JANUS"
     options: ClassVar[tuple[Option, ...]] = (
         Option("damping", parse_float, DEFAULT_DAMPINGS,

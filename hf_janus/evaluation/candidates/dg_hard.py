@@ -57,7 +57,6 @@ class DgHard(Candidate):
     """Each changed linear layer's ``ΔW`` hard-thresholded at the Donoho-Gavish ``τ*``."""
 
     name: ClassVar[str] = "dg-hard"
-    kind: ClassVar[str] = "dg_hard"
     title: ClassVar[str] = "DG-Hard"
     style: ClassVar[PlotStyle] = PlotStyle("*", "k", "DG-Hard")
     uses_target_layers: ClassVar[bool] = True

@@ -69,7 +69,6 @@ class Fisher(Candidate):
     strength: float
 
     name: ClassVar[str] = "fisher"
-    kind: ClassVar[str] = "fisher"
     title: ClassVar[str] = "diagonal-Fisher interpolation"
     options: ClassVar[tuple[Option, ...]] = (
         Option("strength", parse_float, DEFAULT_STRENGTHS,

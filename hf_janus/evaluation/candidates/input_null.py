@@ -78,7 +78,6 @@ class InputNull(Candidate):
     tokens: str = "all"
 
     name: ClassVar[str] = "input-null"
-    kind: ClassVar[str] = "input_null"
     title: ClassVar[str] = "input-covariance null space"
     options: ClassVar[tuple[Option, ...]] = (
         Option("energy", parse_float, DEFAULT_ENERGIES,

@@ -35,7 +35,6 @@ class Intruder(Candidate):
     mitigation_lambda: float
 
     name: ClassVar[str] = "intruder"
-    kind: ClassVar[str] = "intruder"
     title: ClassVar[str] = "intruder reduction (PEFT)"
     options: ClassVar[tuple[Option, ...]] = (
         Option("mitigation_lambda", parse_float, DEFAULT_INTRUDER_LAMBDAS,

@@ -23,7 +23,6 @@ class IntruderThenJanus(JanusBased):
     tau: float
 
     name: ClassVar[str] = "intruder-then-janus"
-    kind: ClassVar[str] = "intruder_then_janus"
     title: ClassVar[str] = "intruder reduction → JANUS"
     options: ClassVar[tuple[Option, ...]] = (
         Option("mitigation_lambda", parse_float, DEFAULT_PRE_JANUS_INTRUDER_LAMBDAS,

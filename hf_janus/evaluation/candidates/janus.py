@@ -76,7 +76,6 @@ class Janus(JanusBased):
     tau: float
 
     name: ClassVar[str] = "janus"
-    kind: ClassVar[str] = "janus"
     title: ClassVar[str] = "JANUS"
     options: ClassVar[tuple[Option, ...]] = (tau_option(),)
     style: ClassVar[PlotStyle] = PlotStyle("s", "C0", "JANUS")

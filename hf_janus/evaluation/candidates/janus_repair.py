@@ -40,7 +40,6 @@ class JanusRepair(JanusBased):
     new_task_batch_size: int = _DEFAULTS.new_task_batch_size
 
     name: ClassVar[str] = "janus-repair"
-    kind: ClassVar[str] = "janus_repair"
     title: ClassVar[str] = "JANUS → repair"
     options: ClassVar[tuple[Option, ...]] = (
         tau_option(),

@@ -25,7 +25,6 @@ class JanusToFinetuned(JanusBased):
     tau: float
 
     name: ClassVar[str] = "janus-to-finetuned"
-    kind: ClassVar[str] = "janus_to_finetuned"
     title: ClassVar[str] = "JANUS → θ̂"
     options: ClassVar[tuple[Option, ...]] = (b_option(), tau_option())
     style: ClassVar[PlotStyle] = PlotStyle("^", "C2", "JANUS → θ̂")

@@ -30,7 +30,6 @@ class JanusToReference(JanusBased):
     tau: float
 
     name: ClassVar[str] = "janus-to-reference"
-    kind: ClassVar[str] = "janus_to_reference"
     title: ClassVar[str] = "JANUS → θ0"
     options: ClassVar[tuple[Option, ...]] = (b_option(), tau_option())
     style: ClassVar[PlotStyle] = PlotStyle("v", "C1", "JANUS → θ0")

@@ -56,7 +56,6 @@ class Lines(Candidate):
     beta: float = 1.0
 
     name: ClassVar[str] = "lines"
-    kind: ClassVar[str] = "lines"
     title: ClassVar[str] = "LiNeS"
     options: ClassVar[tuple[Option, ...]] = (
         Option("alpha", parse_float, (0.0,), "scale of the first block's update (the paper's single-task α = 0)"),

@@ -18,21 +18,20 @@ from hf_janus.errors import JanusError
 from hf_janus.evaluation.candidates.base import Candidate, SpecContext
 from hf_janus.kinds import KindRegistry
 
-#: the kinds by spec name (and JSON ``kind``), in the order the plot's legend and the docs list them
+#: the kinds by spec name (their points' JSON ``kind``), in the order the plot's legend and the docs list them
 _KINDS: KindRegistry[type[Candidate]] = KindRegistry(
-    "candidate kind", Candidate, "a candidate spec", "hf_janus.evaluation.candidates.registry",
-    aliases=lambda kind: (kind.kind,))
+    "candidate kind", Candidate, "a candidate spec", "hf_janus.evaluation.candidates.registry")
 
 SpecLike = Union[str, Candidate]
 
-#: Make a kind available to specs under its ``name`` (its JSON ``kind`` is accepted too); usable as a decorator.
+#: Make a kind available to specs under its ``name``; usable as a decorator.
 register = _KINDS.register
 #: The registered kinds, in registration order.
 kinds = _KINDS.kinds
 
 
 def kind_named(name: str) -> type[Candidate]:
-    """The kind a spec names (``damped-janus`` or its JSON kind ``damped_janus``)."""
+    """The kind a spec names (``damped-janus``)."""
     if name == "anchor":
         raise JanusError("θ0 and θ̂ are always scored first; leave 'anchor' out of the candidates")
     return _KINDS.named(name)

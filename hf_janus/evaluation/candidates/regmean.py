@@ -39,7 +39,6 @@ class RegMean(Candidate):
     tokens: str = "all"
 
     name: ClassVar[str] = "regmean"
-    kind: ClassVar[str] = "regmean"
     title: ClassVar[str] = "one-sided RegMean"
     options: ClassVar[tuple[Option, ...]] = (
         Option("lam", parse_float, DEFAULT_REGMEAN_LAMS,

@@ -147,7 +147,6 @@ class ReplayTraining:
     once per candidate."""
 
     name: ClassVar[str]
-    kind: ClassVar[str]
     passes: Optional[int]
     steps: Optional[int]
     loss: str
@@ -221,7 +220,7 @@ class ReplayTraining:
                     forward_passes=float(passes * (2 if self.loss == "kl" else 1)), backward_passes=float(passes))
 
     def artifact_key(self) -> str:
-        return f"{self.kind}:{self!r}"
+        return f"{self.name}:{self!r}"
 
     def state_bytes(self, builder: "WeightBuilder") -> int:
         """What training keeps on the model's device besides the model: float32 optimizer state for each changed
@@ -287,7 +286,6 @@ class ReplaySft(ReplayTraining, Candidate):
     janus_tau: Optional[float] = None
 
     name: ClassVar[str] = "replay-sft"
-    kind: ClassVar[str] = "replay_sft"
     title: ClassVar[str] = "replay fine-tuning"
     options: ClassVar[tuple[Option, ...]] = (
         Option("budget", parse_float, DEFAULT_BUDGETS,

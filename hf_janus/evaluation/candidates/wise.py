@@ -25,7 +25,6 @@ class Wise(Candidate):
     a: float
 
     name: ClassVar[str] = "wise"
-    kind: ClassVar[str] = "wise"
     title: ClassVar[str] = "WiSE-FT"
     options: ClassVar[tuple[Option, ...]] = (
         Option("a", parse_float, DEFAULT_WISE_GRID, "interpolation coefficient in (0, 1): θ0 + a(θ̂ − θ0)"),)

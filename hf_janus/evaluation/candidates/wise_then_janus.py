@@ -22,7 +22,6 @@ class WiseThenJanus(JanusBased):
     tau: float
 
     name: ClassVar[str] = "wise-then-janus"
-    kind: ClassVar[str] = "wise_then_janus"
     title: ClassVar[str] = "WiSE-FT → JANUS"
     options: ClassVar[tuple[Option, ...]] = (
         Option("a", parse_float, DEFAULT_PRE_JANUS_GRID, "WiSE-FT coefficient before JANUS, in (0, 1)"),
