@@ -6,6 +6,8 @@ choose (the callback chooses on slices of its own replay and of the Trainer's ``
     python -m benchmarks.forgetting.trainer_repair --run full --threads 2
     python -m benchmarks.forgetting.trainer_repair --run lora --threads 2
     python -m benchmarks.forgetting.trainer_repair --run full --replay self --tag data_free --threads 2
+    python -m benchmarks.forgetting.trainer_repair --run lora --save-finetuned DIR --threads 2  # θ̂'s adapter kept
+    python -m benchmarks.forgetting.trainer_repair --merge DIR --threads 2  # that adapter through hf-janus merge
     python -m benchmarks.forgetting.trainer_repair --summarize
 
 The data and the scoring are ``real_study.py``'s (θ0's answers, cached in ``cache/real_study/full``, generated when
@@ -24,6 +26,8 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -69,8 +73,8 @@ class ScoreAtTrainEnd(TrainerCallback):
     """Placed before ``JanusCallback``: scores θ̂ at train end, before JANUS changes it; ``ended`` is when it was
     done (the rectification runs from then until ``train()`` returns)."""
 
-    def __init__(self, score):
-        self.score = score
+    def __init__(self, score, save_to: str = ""):
+        self.score, self.save_to = score, save_to
         self.figures: dict = {}
         self.seconds = 0.0
         self.ended = 0.0
@@ -79,6 +83,8 @@ class ScoreAtTrainEnd(TrainerCallback):
         start, training = time.perf_counter(), model.training
         self.figures = self.score(model)
         model.train(training)
+        if self.save_to:  # θ̂ as the user saves it (a PEFT model: the adapter), for --merge
+            model.save_pretrained(self.save_to)
         self.ended = time.perf_counter()
         self.seconds = self.ended - start
         log(f"[finetuned] {self.figures['past_summary']} gsm {self.figures['gsm_nll']:.4f} ({self.seconds:.0f}s)")
@@ -120,6 +126,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 2 fine-tuning steps of 2, 2 distillation steps, 8 questions a set (no record)")
     ap.add_argument("--work-dir", default=os.path.join(HERE, "cache", "real_study", "full"))
+    ap.add_argument("--save-finetuned", default="", metavar="DIR",
+                    help="also save θ̂ as the Trainer ends (LoRA: the adapter), with the replay and the new task's "
+                         "samples as JSONL, for --merge")
+    ap.add_argument("--merge", default="", metavar="DIR",
+                    help="instead of training: repair the adapter --save-finetuned saved with `hf-janus merge "
+                         "--new-task-samples`, as a user of a saved adapter would, and score its output adapter")
+    ap.add_argument("--adapter-rank", default="same", help="with --merge: hf-janus merge's --adapter-rank")
     args = ap.parse_args()
     if args.summarize:
         print(write_markdown())
@@ -146,16 +159,26 @@ def main() -> None:
     def score(model) -> dict:
         return study.evaluate(model, tok, sets, gsm, pad)
 
+
     t = time.perf_counter()
     scored = {"theta0": score(theta0)}
     log(f"[theta0] {scored['theta0']['past_summary']} gsm {scored['theta0']['gsm_nll']:.4f} "
         f"({time.perf_counter() - t:.0f}s)")
     del theta0
+    if args.merge:
+        merge_repair(args, s, score, scored)
+        return
 
     config = JanusConfig(compression_rank=args.compression_rank, distill_steps=args.distill_steps,
                          distill_lr=args.distill_lr)
     replay: Any = SelfReplay() if args.replay == "self" else study.replay_samples(data["pool"][:64])
-    finetuned = ScoreAtTrainEnd(score)
+    if args.save_finetuned:
+        os.makedirs(args.save_finetuned, exist_ok=True)
+        files = {"replay": study.replay_samples(data["pool"][:64]), "new_task": study.new_task_samples(tok)}
+        for name, rows in files.items():
+            atomic_write_text(os.path.join(args.save_finetuned, f"{name}.jsonl"),
+                              "".join(json.dumps(r) + "\n" for r in rows))
+    finetuned = ScoreAtTrainEnd(score, args.save_finetuned)
     janus = JanusCallback(replay, config)
     model = trainer_model(args.run, s)
     collator_tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir(), padding_side="right")
@@ -206,6 +229,68 @@ def main() -> None:
     print(write_markdown())
 
 
+def merge_repair(args, s: bench.Settings, score, scored: dict) -> None:
+    """``--merge DIR``: the LoRA adapter ``--save-finetuned`` saved, repaired by ``hf-janus merge`` (the console script
+    a user runs, in its own process) with the replay and the new task's samples as JSONL files and the callback's
+    settings but the learning rate (the merger's default unless ``--distill-lr``: it trains the dense effective
+    weights, as a full fine-tune's repair does, not the adapter's factors) and ``--adapter-rank``; the output adapter
+    scored as the callback's point is. The merger holds out every eighth new-task sample for the gain (the callback
+    used the Trainer's ``eval_dataset``)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_janus import load_report
+
+    base_dir, source = os.fspath(smollm2.smollm2_dir()), args.merge
+
+    def adapted(adapter_dir: str):
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+    scored["finetuned"] = score(adapted(source))
+    script = os.path.join(os.path.dirname(sys.executable), "hf-janus")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "repaired")
+        command = [script, "merge", "--base", base_dir, "--adapter", source, "--device", "cpu", "--dtype", "float32",
+                   "--replay", os.path.join(source, "replay.jsonl"), "--replay-samples", "0",
+                   "--new-task-samples", os.path.join(source, "new_task.jsonl"),
+                   "--compression-rank", str(args.compression_rank), "--distill-steps", str(args.distill_steps),
+                   "--adapter-rank", args.adapter_rank, "--format", "adapter", "--output", out, "--no-progress"]
+        if args.distill_lr:
+            command += ["--distill-lr", f"{args.distill_lr:g}"]
+        log("$ " + " ".join(command))
+        t = time.perf_counter()
+        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+        call = time.perf_counter() - t
+        report = load_report(out).rectification
+        scored["repaired"] = score(adapted(out))
+    repair = report.repair
+    total = report.timings.get("total", 0.0)
+    # the merger's adapter repair runs after the rectification's clock stops; a repair inside it is a phase of it
+    janus = total - report.timings.get("repair", 0.0)
+    whole = janus + (repair.seconds if repair else 0.0)
+    record = {
+        "run": "lora", "entry": "hf-janus merge", "replay": "answers",
+        "settings": {**vars(args), "distill_lr": repair.lr if repair else args.distill_lr}, "config": report.config,
+        "seconds": {"merge_call": call, "janus": janus, "repair": repair.seconds if repair else None,
+                    "fine_tuning": None},
+        "repair_over_janus_time": whole / janus if janus else None,
+        "jacobian_evaluations": report.num_jacobian_evals, "stop_reason": report.stop_reason,
+        "new_task_per_step": report.config.get("new_task_batch_size"),
+        "repair": None if repair is None else repair.to_dict(),
+        "points": {name: {"past_summary": p["past_summary"], "gsm_nll": p["gsm_nll"]} for name, p in scored.items()},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "platform": platform.platform(), "torch": torch.__version__},
+    }
+    record["points"]["repaired"].update(
+        repair=study.repair_figures(scored["repaired"], scored["theta0"], scored["finetuned"]),
+        flips=study.flips(scored["theta0"], scored["finetuned"], scored["repaired"]))
+    log(f"[repaired] {record['points']['repaired']['repair']}")
+    record["adapter_rank"] = args.adapter_rank
+    atomic_write_text(result_path("lora", args.tag or "merge") + ".json", json.dumps(record, indent=1))
+    print(write_markdown())
+
+
 def result_path(run: str, tag: str = "") -> str:
     return os.path.join(RESULTS, f"trainer_repair_{run}{'_' + tag if tag else ''}")
 
@@ -223,12 +308,15 @@ def write_markdown() -> str:
         fig = rec["points"]["repaired"]["repair"]
         sec = rec["seconds"]
         repair = rec.get("repair") or {}
+        fine_tuning = "" if sec["fine_tuning"] is None else f"{sec['fine_tuning']:.0f}"
         rows.append(
-            f"| {rec['run']} | {'θ0 answers' if rec['replay'] == 'answers' else 'SelfReplay()'} | "
+            f"| {rec.get('entry', 'JanusCallback')}"
+            f"{' --adapter-rank ' + rec['adapter_rank'] if rec.get('adapter_rank') else ''} | {rec['run']} | "
+            f"{'θ0 answers' if rec['replay'] == 'answers' else 'SelfReplay()'} | "
             f"{rec['config']['distill_steps']} | {rec['settings']['distill_lr']:g} | "
             f"{rec.get('new_task_per_step', rec['config']['new_task_batch_size'])} | {repair.get('chosen')} | "
             f"{fig['ap2']:.1f} | {fig['nq_held_out']['em_back']:.1f} | {fig['webq_held_out']['em_back']:.1f} | "
-            f"{fig['nq']['em_back']:.1f} | {fig['webq']['em_back']:.1f} | {sec['fine_tuning']:.0f} | "
+            f"{fig['nq']['em_back']:.1f} | {fig['webq']['em_back']:.1f} | {fine_tuning} | "
             f"{sec['janus']:.0f} | {sec['repair'] or 0:.0f} | {rec['repair_over_janus_time']:.2f} |")
     text = "\n".join([
         "# The repair through `JanusCallback` in a `Trainer` (SmolLM2-135M-Instruct, GSM8K fine-tune)",
@@ -240,9 +328,9 @@ def write_markdown() -> str:
         "chose on). AP2: the share of θ̂'s GSM8K test-NLL drop kept. Seconds on the machine in each JSON; "
         "×JANUS: the whole rectification (JANUS + distillation + choice) over JANUS alone.",
         "",
-        "| run | replay | distill steps | lr | new-task samples a step | chosen | AP2 | NQ held-out EM back "
+        "| entry | run | replay | distill steps | lr | new-task samples a step | chosen | AP2 | NQ held-out EM back "
         "| WebQ held-out EM back | NQ EM back | WebQ EM back | fine-tune s | JANUS s | repair s | ×JANUS |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows, "", *notes])
     path = os.path.join(RESULTS, "trainer_repair.md")
     atomic_write_text(path, text)
