@@ -1,6 +1,6 @@
 """A registry of the kinds of one varying behaviour (acceptance rules, replay constraints, frontier candidates): each
-kind a class registered under its ``name``, looked up by the field or spec that names
-it, and the options a kind declares beside itself. Imports nothing of hf_janus but its errors, so that the engine's
+kind a class registered under its one ``name``, looked up by the field or spec that names it, and the options a
+kind declares beside itself. Imports nothing of hf_janus but its errors, so that the engine's
 configuration and the evaluation's candidates share it."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ class KindRegistry(Generic[K]):
     """The registered kinds of one behaviour, in registration order (the built-ins first).
 
     ``noun`` names one kind in messages ("acceptance rule"), ``base`` is the class every kind subclasses,
-    ``field`` the configuration field (or spec) that names one and ``package`` the module users register theirs with;
-    ``aliases`` gives the other names a kind answers to (a candidate's JSON ``kind``)."""
+    ``field`` the configuration field (or spec) that names one and ``package`` the module users register theirs
+    with."""
 
     def __init__(self, noun: str, base: type, field: str, package: str):
         self.noun, self.base, self.field, self.package = noun, base, field, package
