@@ -159,7 +159,6 @@ def main() -> None:
     def score(model) -> dict:
         return study.evaluate(model, tok, sets, gsm, pad)
 
-
     t = time.perf_counter()
     scored = {"theta0": score(theta0)}
     log(f"[theta0] {scored['theta0']['past_summary']} gsm {scored['theta0']['gsm_nll']:.4f} "
