@@ -165,7 +165,7 @@ def main() -> None:
         f"({time.perf_counter() - t:.0f}s)")
     del theta0
     if args.merge:
-        merge_repair(args, s, score, scored)
+        merge_repair(args, score, scored)
         return
 
     config = JanusConfig(compression_rank=args.compression_rank, distill_steps=args.distill_steps,
@@ -202,24 +202,16 @@ def main() -> None:
     janus_seconds = rectification - (repair.seconds if repair else 0.0)
     record = {
         "run": args.run, "replay": args.replay, "settings": {**vars(args), "distill_lr": distill_lr},
-        "config": report.config, "train_loss": history,
+        "train_loss": history,
         "seconds": {"train_call": total, "finetuned_scoring": finetuned.seconds, "rectification": rectification,
                     "janus": janus_seconds, "repair": repair.seconds if repair else None,
                     "fine_tuning": total - finetuned.seconds - rectification},
         "repair_over_janus_time": rectification / janus_seconds if janus_seconds else None,
-        "jacobian_evaluations": report.num_jacobian_evals, "stop_reason": report.stop_reason,
         # what each distillation step fitted, as the engine batched it (the configuration's new_task_batch_size)
         "new_task_per_step": (int(janus.rectifier.new_task_batches[0]["input_ids"].shape[0])
                               if repair and janus.rectifier.new_task_batches else None),
-        "repair": None if repair is None else repair.to_dict(),
-        "points": {name: {"past_summary": p["past_summary"], "gsm_nll": p["gsm_nll"]} for name, p in scored.items()},
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "platform": platform.platform(), "torch": torch.__version__},
+        **outcome(report, scored),
     }
-    record["points"]["repaired"].update(
-        repair=study.repair_figures(scored["repaired"], scored["theta0"], scored["finetuned"]),
-        flips=study.flips(scored["theta0"], scored["finetuned"], scored["repaired"]))
-    log(f"[repaired] {record['points']['repaired']['repair']}")
     log(report.summary())
     if args.quick:
         print(json.dumps(record["seconds"]), record["repair_over_janus_time"])
@@ -228,7 +220,22 @@ def main() -> None:
     print(write_markdown())
 
 
-def merge_repair(args, s: bench.Settings, score, scored: dict) -> None:
+def outcome(report, scored: dict) -> dict:
+    """What every record holds of a rectification and its scoring: the configuration, the run's figures, the repair's
+    report, each scored point and the repaired point's share of what fine-tuning lost (logged), and the machine."""
+    points = {name: {"past_summary": p["past_summary"], "gsm_nll": p["gsm_nll"]} for name, p in scored.items()}
+    points["repaired"].update(
+        repair=study.repair_figures(scored["repaired"], scored["theta0"], scored["finetuned"]),
+        flips=study.flips(scored["theta0"], scored["finetuned"], scored["repaired"]))
+    log(f"[repaired] {points['repaired']['repair']}")
+    return {"config": report.config, "jacobian_evaluations": report.num_jacobian_evals,
+            "stop_reason": report.stop_reason, "repair": None if report.repair is None else report.repair.to_dict(),
+            "points": points,
+            "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "platform": platform.platform(), "torch": torch.__version__}}
+
+
+def merge_repair(args, score, scored: dict) -> None:
     """``--merge DIR``: the LoRA adapter ``--save-finetuned`` saved, repaired by ``hf-janus merge`` (the console script
     a user runs, in its own process) with the replay and the new task's samples as JSONL files and the callback's
     settings but the learning rate (the merger's default unless ``--distill-lr``: it trains the dense effective
@@ -269,23 +276,14 @@ def merge_repair(args, s: bench.Settings, score, scored: dict) -> None:
     janus = total - report.timings.get("repair", 0.0)
     whole = janus + (repair.seconds if repair else 0.0)
     record = {
-        "run": "lora", "entry": "hf-janus merge", "replay": "answers",
-        "settings": {**vars(args), "distill_lr": repair.lr if repair else args.distill_lr}, "config": report.config,
+        "run": "lora", "entry": "hf-janus merge", "replay": "answers", "adapter_rank": args.adapter_rank,
+        "settings": {**vars(args), "distill_lr": repair.lr if repair else args.distill_lr},
         "seconds": {"merge_call": call, "janus": janus, "repair": repair.seconds if repair else None,
                     "fine_tuning": None},
         "repair_over_janus_time": whole / janus if janus else None,
-        "jacobian_evaluations": report.num_jacobian_evals, "stop_reason": report.stop_reason,
         "new_task_per_step": report.config.get("new_task_batch_size"),
-        "repair": None if repair is None else repair.to_dict(),
-        "points": {name: {"past_summary": p["past_summary"], "gsm_nll": p["gsm_nll"]} for name, p in scored.items()},
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "platform": platform.platform(), "torch": torch.__version__},
+        **outcome(report, scored),
     }
-    record["points"]["repaired"].update(
-        repair=study.repair_figures(scored["repaired"], scored["theta0"], scored["finetuned"]),
-        flips=study.flips(scored["theta0"], scored["finetuned"], scored["repaired"]))
-    log(f"[repaired] {record['points']['repaired']['repair']}")
-    record["adapter_rank"] = args.adapter_rank
     atomic_write_text(result_path("lora", args.tag or "merge") + ".json", json.dumps(record, indent=1))
     print(write_markdown())
 
