@@ -238,9 +238,9 @@ def outcome(report, scored: dict) -> dict:
 def merge_repair(args, score, scored: dict) -> None:
     """``--merge DIR``: the LoRA adapter ``--save-finetuned`` saved, repaired by ``hf-janus merge`` (the console script
     a user runs, in its own process) with the replay and the new task's samples as JSONL files and the callback's
-    settings but the learning rate (the merger's default unless ``--distill-lr``: it trains the dense effective
-    weights, as a full fine-tune's repair does, not the adapter's factors) and ``--adapter-rank``; the output adapter
-    scored as the callback's point is. The merger holds out every eighth new-task sample for the gain (the callback
+    settings but the learning rate (the merger's default unless ``--distill-lr``: for a plain LoRA it trains the
+    adapter's own factors, as the callback does) and ``--adapter-rank``; the output adapter scored as the callback's
+    point is. The merger holds out every eighth new-task sample for the gain (the callback
     used the Trainer's ``eval_dataset``)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -301,7 +301,7 @@ def write_markdown() -> str:
         with open(os.path.join(RESULTS, name), encoding="utf-8") as fh:
             rec = json.load(fh)
         if rec.get("note"):
-            notes.append(f"- {rec['run']}, {rec['replay']}: {rec['note']}")
+            notes.append(f"- `{name}`: {rec['note']}")
         fig = rec["points"]["repaired"]["repair"]
         sec = rec["seconds"]
         repair = rec.get("repair") or {}

@@ -42,6 +42,8 @@ COMPRESSION_CHOICES = ("auto", *COMPRESSION_METHODS)
 #: ``JanusConfig.distill_lr`` where the fine-tune's learning rate is not known (the callback takes a tenth of the
 #: Trainer's: the rule both real-model runs were measured at, full weights and a LoRA's factors)
 DEFAULT_DISTILL_LR = 1e-5
+#: the same where the merger trains a saved LoRA's own factors: a tenth of the LoRA rate the real-model runs used
+DEFAULT_ADAPTER_DISTILL_LR = 1e-4
 #: the distillation's learning rate is the fine-tune's divided by this, where the callback knows it
 REPAIR_LR_DIVISOR = 10
 #: ``JanusConfig.ghost_matmul``: the dtype of the ghost math's large products (:mod:`hf_janus.engine.ghost`).
@@ -206,7 +208,8 @@ class JanusConfig:
     distill_lr: Optional[float] = field(default=None, metadata={"type": float, "metavar": "LR",
         "help": "with distill_steps: the Adam learning rate of the distillation (none: a tenth of the fine-tune's "
                 "learning rate where JanusCallback knows it, the Trainer's; elsewhere "
-                f"{DEFAULT_DISTILL_LR:g}, a tenth of a usual full fine-tune's)"})
+                f"{DEFAULT_DISTILL_LR:g}, a tenth of a usual full fine-tune's, or {DEFAULT_ADAPTER_DISTILL_LR:g} where "
+                "the merger trains a LoRA's own factors)"})
     new_task_weight: float = field(default=1.0, metadata={
         "help": "with distill_steps: the weight of the new task's cross-entropy beside the replay's KL in each "
                 "distillation step (what keeps the gain while the past behaviour returns)"})

@@ -330,7 +330,7 @@ class Repair:
             self.space.undo()
             raise
         self.space.keep(chosen)
-        report.outside_parameters = list(self.space.outside_names)
+        report.trained, report.outside_parameters = self.space.trained, list(self.space.outside_names)
         report.autocast_dtype, report.checkpointed_layers = self.pass_precision, self.checkpointed
         report.seconds = time.perf_counter() - started
         return report

@@ -25,6 +25,8 @@ class RepairSpace:
     model: nn.Module
     #: parameters outside the target layers that move with them, by name (the report lists them)
     outside_names: list[str] = []
+    #: what the repair trains, in words, for the report
+    trained: str = "the target layers' weights"
 
     def points(self, device: torch.device) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """θ0, θ̂ and the JANUS point (the one the model holds when the repair starts)."""

@@ -100,6 +100,8 @@ class RepairReport:
     validation_samples: dict[str, int] = field(default_factory=dict)
     #: which new-task samples the gain was measured on (held out of those fitted, or given for it)
     gain_measured_on: str = ""
+    #: what was trained: the target layers' weights, or an adapter's own factors
+    trained: str = ""
     #: the parameters outside the target layers fine-tuning changed that were distilled and moved with them
     outside_parameters: list[str] = field(default_factory=list)
     #: the training passes' autocast dtype (a Trainer's mixed precision), None at the weights' own precision
@@ -138,7 +140,8 @@ class RepairReport:
         engine = "".join([f", {self.autocast_dtype} autocast" if self.autocast_dtype else "",
                           f", {self.checkpointed_layers} layers checkpointed" if self.checkpointed_layers else ""])
         lines = [f"repair after JANUS: {self.steps} distillation steps (lr {self.lr:g}, new task ×"
-                 f"{self.new_task_weight:g}{engine}; the target layers{outside}), chosen {self.chosen}: {self.reason}"
+                 f"{self.new_task_weight:g}{engine}; {self.trained or 'the target layers'}{outside}), chosen "
+                 f"{self.chosen}: {self.reason}"
                  + (f"; gain kept {kept:.0%}" if kept is not None else "") + f" ({self.seconds:.1f} s)",
                  f"  validation (new-task loss / replay NLL / replay agreement; the gain measured on "
                  f"{self.gain_measured_on or 'held-out new-task samples'}):"]

@@ -69,7 +69,7 @@ def _repair_line(repair: Any) -> str:
     nll = ("" if janus is None or chosen is None else
            f"; held-out replay NLL {janus.replay_nll:.4f} at the JANUS point, {chosen.replay_nll:.4f} chosen")
     return (f"{repair.steps} distillation steps (Adam, lr {repair.lr:g}, new task ×{repair.new_task_weight:g}, "
-            f"{repair.new_task_batch_size} of its samples a step; the target layers"
+            f"{repair.new_task_batch_size} of its samples a step; {repair.trained or 'the target layers'}"
             + (f" and {len(repair.outside_parameters)} other parameters fine-tuning changed"
                if repair.outside_parameters else "") + "); "
             f"chosen {repair.chosen}: {repair.reason}"

@@ -1,6 +1,7 @@
 """``JanusMerger`` / ``hf-janus merge`` with the repair after JANUS: ``--new-task-samples`` (what the adapter was
-trained on) gives the gain it keeps, the output stays an adapter, and without them the JANUS point is kept and the
-record has no repair."""
+trained on) gives the gain it keeps, a plain LoRA's repair trains its own factors (other kinds the dense weights, and
+the log says why), the output stays an adapter, and without them the JANUS point is kept and the record has no
+repair."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import os
 
 import pytest
 import torch
-from merge_fixtures import VOCAB, save_base, text_rows, train_adapter, write_jsonl
+from merge_fixtures import VOCAB, fast_config, load_base, save_base, text_rows, train_adapter, write_jsonl
+from testing_utils import held_out, random_replay
 
+from hf_janus import JanusMerger
 from hf_janus.cli import main
 from hf_janus.publish.record_file import REPORT_NAME
 
@@ -43,8 +46,10 @@ def test_merge_repairs_with_the_adapters_training_samples_and_writes_an_adapter(
                  "--output", str(out), *REPAIR, *FAST]) == 0
     record = json.loads((out / REPORT_NAME).read_text())
     assert record["repair"]["steps"] == 4 and record["repair"]["validation_samples"]["new_task"] == 1
+    assert record["repair"]["trained"] == "the adapter's lora_A and lora_B"
     assert os.path.exists(out / "adapter_config.json")
-    assert "repair after JANUS" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "repair after JANUS" in card and "the adapter's lora\\_A and lora\\_B" in card
 
     out = tmp_path / "without"
     with caplog.at_level(logging.WARNING, logger="hf_janus"):
@@ -56,14 +61,89 @@ def test_merge_repairs_with_the_adapters_training_samples_and_writes_an_adapter(
     assert "no new-task samples" in caplog.text
 
 
-def test_merge_repairs_a_qlora_adapter_by_training_the_dense_stand_ins(tmp_path):
-    """On a 4-bit base the effective weights are dense stand-ins of the quantized layers: the repair trains them
-    (the distilled point moves away from the JANUS point) and the output is an adapter on the quantized base."""
+def test_merge_repairs_a_qlora_adapter_in_its_factors(tmp_path):
+    """On a 4-bit base the adapted layers are dense stand-ins of the quantized ones: the adapter loaded onto them
+    trains its factors (the distilled point moves away from the JANUS point) and the output is an adapter on the
+    quantized base."""
     pytest.importorskip("bitsandbytes")
     base, lora, replay, new_task = _saved_inputs(tmp_path)
     out = tmp_path / "repaired"
     assert main(["merge", "--base", base, "--adapter", lora, "--replay", replay, "--new-task-samples", new_task,
                  "--output", str(out), "--load-in-4bit", *REPAIR, *FAST]) == 0
-    validation = json.loads((out / REPORT_NAME).read_text())["repair"]["validation"]
-    assert validation["trained"]["new_task_loss"] != validation["janus"]["new_task_loss"]
+    repair = json.loads((out / REPORT_NAME).read_text())["repair"]
+    assert repair["trained"] == "the adapter's lora_A and lora_B"
+    assert repair["validation"]["trained"]["new_task_loss"] != repair["validation"]["janus"]["new_task_loss"]
     assert os.path.exists(out / "adapter_config.json")
+
+
+FACTOR_REPAIR = dict(distill_steps=8, distill_lr=1e-2, keep_gain=0.05, replay_batch_size=4, new_task_batch_size=2)
+
+
+def test_a_saved_loras_repair_trains_its_factors_and_leaves_the_point_its_figures_were_taken_at(tmp_path):
+    """rsLoRA with rank and alpha patterns (PEFT's own scaling per layer): the update of each layer stays within
+    its rank, the model is at θ0 + that update, the validation figures are that model's, and the adapter saved at
+    the same rank loads back as that model."""
+    from peft import PeftModel
+
+    base = save_base(tmp_path / "base")
+    lora = train_adapter(base, tmp_path / "lora", "rslora-patterns", steps=20, lr=5e-2)
+    replay, new_task = random_replay(24, vocab=VOCAB), _adapter_training_rows()
+    config = fast_config(**FACTOR_REPAIR)
+    delta = JanusMerger(base, lora, replay, config, progress=False, new_task_samples=new_task).run()
+    repair = delta.report.rectification.repair
+    assert repair.trained == "the adapter's lora_A and lora_B" and repair.chosen is not None
+    new_loss, replay_nll, agreement = held_out(delta.model, replay, new_task, config.replay_batch_size,
+                                               config.new_task_batch_size)
+    chosen = repair.validation["chosen"]
+    assert chosen.new_task_loss == pytest.approx(new_loss, rel=1e-5)
+    assert chosen.replay_nll == pytest.approx(replay_nll, rel=1e-5)
+    assert chosen.replay_agreement == pytest.approx(agreement)
+    theta0, ranks = load_base(base).state_dict(), {"q_proj": 4, "v_proj": 2, "down_proj": 4}
+    weights = delta.model.state_dict()
+    for name in delta.layer_names:
+        update = delta.delta(name)
+        assert torch.linalg.matrix_rank(update) <= ranks[name.rsplit(".", 1)[-1]], name
+        assert torch.allclose(weights[name + ".weight"], theta0[name + ".weight"] + update, atol=1e-6), name
+    out = delta.save_adapter(tmp_path / "out", adapter_rank="same")
+    reloaded = PeftModel.from_pretrained(load_base(base), out).merge_and_unload().state_dict()
+    for name in delta.layer_names:
+        assert torch.allclose(reloaded[name + ".weight"], weights[name + ".weight"], atol=1e-5), name
+
+
+def test_a_dora_adapters_repair_trains_the_dense_weights_and_says_why(tmp_path, caplog):
+    base = save_base(tmp_path / "base")
+    dora = train_adapter(base, tmp_path / "dora", "dora", steps=20, lr=5e-2)
+    with caplog.at_level(logging.INFO, logger="hf_janus"):
+        delta = JanusMerger(base, dora, random_replay(24, vocab=VOCAB), fast_config(**FACTOR_REPAIR),
+                            progress=False, new_task_samples=_adapter_training_rows()).run()
+    assert delta.report.rectification.repair.trained == "the target layers' weights"
+    assert "dense weights, not the adapter's factors: a dora adapter" in caplog.text
+
+
+def test_an_interrupted_factor_repair_leaves_the_model_as_janus_left_it(tmp_path):
+    """Ctrl-C in the middle of the repair in the adapter's factors: no PEFT wrapper is left and every adapted layer
+    holds what it held before (the JANUS point, θ̂ elsewhere), whatever the repair had written by then."""
+    from hf_janus.adapters.saved.effective import load_effective_model
+    from hf_janus.adapters.saved.factor_repair import repair_in_factors
+    from hf_janus.engine.rectifier import Rectifier, WeightSource
+
+    base, lora, _, _ = _saved_inputs(tmp_path)
+    effective = load_effective_model(base, lora, progress=False)
+    targets = effective.linear_layers
+    rectifier = Rectifier(effective.model, WeightSource(dict(effective.reference), finetuned=dict(effective.finetuned)),
+                          random_replay(24, vocab=VOCAB), fast_config(**FACTOR_REPAIR, target_modules=targets),
+                          progress=False, keep_reference_factors=True, new_task=_adapter_training_rows(),
+                          defer_repair=True)
+    result = rectifier.run()
+    before = {k: v.clone() for k, v in effective.model.state_dict().items()}
+
+    class Interrupted:
+        def repair(self, space):
+            space.write([torch.full_like(t, 0.5) for t in space.trained_tensors()])  # half-way through
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        repair_in_factors(effective, Interrupted(), result)
+    after = effective.model.state_dict()
+    assert set(after) == set(before)  # no lora_A/lora_B, no wrapper left
+    assert all(torch.equal(after[k], v) for k, v in before.items())

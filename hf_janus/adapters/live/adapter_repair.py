@@ -54,6 +54,8 @@ class AdapterSpace(RepairSpace):
     """Each target layer's ``lora_A`` and ``lora_B`` weights of ``adapter``, in the order of ``layers``; the points
     are written into them and run through ``peft_model``."""
 
+    trained = "the adapter's lora_A and lora_B"
+
     def __init__(self, peft_model: nn.Module, layers: Mapping[str, nn.Module], adapter: str,
                  finetuned: list[Tensor]):
         """``finetuned``: the trained adapter's factors (θ̂), in the space's order, taken before the JANUS point was

@@ -289,7 +289,7 @@ def load_effective_model(
                             allow_pickle=allow_pickle)
     check_adapter_shapes(model, weights, src, base_name)
     del weights
-    peft_model = _load_peft(model, src, base_name)
+    peft_model = load_peft_adapter(model, src, base_name)
     check_quantized_layers(peft_model)
     read = _read_adapted_layers(peft_model, src, initial, os.fspath(initial_adapter or ""), progress)
     if not read.layers:
@@ -358,7 +358,7 @@ def _initial_factors(src: AdapterSource, initial_adapter: Union[str, os.PathLike
     return initial
 
 
-def _load_peft(model: nn.Module, src: AdapterSource, base_name: str) -> nn.Module:
+def load_peft_adapter(model: nn.Module, src: AdapterSource, base_name: str) -> nn.Module:
     """PEFT's ``PeftModel.from_pretrained`` of the adapter onto the loaded base, for inference."""
     from peft import PeftModel
 

@@ -36,9 +36,10 @@ from torch import nn
 
 from hf_janus.adapters.saved.delta import LayerDelta, RectifiedDelta
 from hf_janus.adapters.saved.effective import EffectiveModel, load_effective_model
+from hf_janus.adapters.saved.factor_repair import factor_numel, factor_repair_blocker, repair_in_factors
 from hf_janus.adapters.saved.loading import DTypeLike, describe_quantization, load_base_model
 from hf_janus.adapters.saved.merge_report import MergeReport
-from hf_janus.engine.config import JanusConfig
+from hf_janus.engine.config import DEFAULT_ADAPTER_DISTILL_LR, JanusConfig
 from hf_janus.engine.layers import rule_for, select_layers
 from hf_janus.engine.rectifier import Rectifier, WeightSource
 from hf_janus.engine.result import RectificationResult
@@ -122,7 +123,9 @@ class JanusMerger:
         new_task_samples: what the adapter was trained on, for the repair after JANUS (``config.distill_steps``):
             samples as ``replay`` takes them (labelled; a file or dataset id is read with ``replay_options``, and
             prompt/response data counts the response only). The repair fits them and keeps ``config.keep_gain`` of
-            their gain; without them it is skipped (logged, and the record and card say so).
+            their gain; without them it is skipped (logged, and the record and card say so). A plain LoRA's repair
+            trains its own factors at its rank (:mod:`hf_janus.adapters.saved.factor_repair`; ``distill_lr``
+            defaults to ``DEFAULT_ADAPTER_DISTILL_LR`` there), other kinds' the adapted layers' dense weights.
         allow_pickle: accept weights stored only as a pickle (``adapter_model.bin`` of the adapter or of
             ``initial_adapter``, ``pytorch_model.bin`` of the base). They are refused by default, because
             unpickling can run code; with ``True`` they are read with torch's restricted unpickler
@@ -197,6 +200,16 @@ class JanusMerger:
         return resolve_new_task(self.new_task_samples, tokenizer=tokenizer, options=self.replay_options,
                                 token=self.token)
 
+    def _repairs_in_factors(self, effective: EffectiveModel, new_task: Any) -> bool:
+        """Whether the repair after JANUS trains the adapter's own factors (a plain LoRA), not the dense weights."""
+        if not self.config.distill_steps or new_task is None:
+            return False
+        blocker = factor_repair_blocker(effective)
+        if blocker is not None:
+            logger.info("JANUS: the repair trains the adapted layers' dense weights, not the adapter's factors: %s",
+                        blocker)
+        return blocker is None
+
     def run(self) -> RectifiedDelta:
         """Load, merge, rectify. The replay is read first, so that bad replay fails before the model loads."""
         base = os.path.expanduser(os.fspath(self.base_model))
@@ -218,15 +231,25 @@ class JanusMerger:
         reference = {k: v for k, v in effective.reference.items() if k[: -len(".weight")] in targets}
         # ΔW in float32 from PEFT's float32 merge, not from the model's weights (rounded on a bf16 base)
         finetuned = {k: v for k, v in effective.finetuned.items() if k[: -len(".weight")] in targets}
+        in_factors = self._repairs_in_factors(effective, new_task)
+        if in_factors and config.distill_lr is None:  # a LoRA's factors train at a LoRA's rate
+            config = dataclasses.replace(config, distill_lr=DEFAULT_ADAPTER_DISTILL_LR)
         rectifier = Rectifier(effective.model, WeightSource(reference, finetuned=finetuned), replay, config,
-                              progress=self.progress, keep_reference_factors=True, new_task=new_task)
+                              progress=self.progress, keep_reference_factors=True, new_task=new_task,
+                              defer_repair=in_factors,
+                              repair_numel=factor_numel(effective, targets) if in_factors else None)
         del reference, finetuned
         result = rectifier.run()
         rect_report = result.report
+        repaired = repair_in_factors(effective, rectifier, result) if in_factors else None
         del rectifier
 
         layers = _layer_deltas(effective, result)
         del result
+        if repaired is not None:
+            rect_report.repair = repaired.report
+            for name, delta in repaired.deltas.items():
+                layers[name].matrix = delta
         unrectified = [n for n in effective.layers if n not in targets]
         replay_name = os.fspath(self.replay) if isinstance(self.replay, (str, os.PathLike)) else None
         report = MergeReport(
