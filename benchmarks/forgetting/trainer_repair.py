@@ -237,7 +237,8 @@ def outcome(report, scored: dict) -> dict:
 
 def merge_repair(args, score, scored: dict) -> None:
     """``--merge DIR``: the LoRA adapter ``--save-finetuned`` saved, repaired by ``hf-janus merge`` (the console script
-    a user runs, in its own process) with the replay and the new task's samples as JSONL files and the callback's
+    a user runs, in its own process) with the replay (with ``--replay self``, ``--replay-self 100``: θ0 answers the
+    generic prompts, as ``SelfReplay()``) and the new task's samples as JSONL files and the callback's
     settings but the learning rate (the merger's default unless ``--distill-lr``: for a plain LoRA it trains the
     adapter's own factors, as the callback does) and ``--adapter-rank``; the output adapter scored as the callback's
     point is. The merger holds out every eighth new-task sample for the gain (the callback
@@ -258,7 +259,8 @@ def merge_repair(args, score, scored: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "repaired")
         command = [script, "merge", "--base", base_dir, "--adapter", source, "--device", "cpu", "--dtype", "float32",
-                   "--replay", os.path.join(source, "replay.jsonl"), "--replay-samples", "0",
+                   *(["--replay-self", "100"] if args.replay == "self"  # the generic prompts, as SelfReplay()
+                     else ["--replay", os.path.join(source, "replay.jsonl"), "--replay-samples", "0"]),
                    "--new-task-samples", os.path.join(source, "new_task.jsonl"),
                    "--compression-rank", str(args.compression_rank), "--distill-steps", str(args.distill_steps),
                    "--adapter-rank", args.adapter_rank, "--format", "adapter", "--output", out, "--no-progress"]
@@ -276,7 +278,7 @@ def merge_repair(args, score, scored: dict) -> None:
     janus = total - report.timings.get("repair", 0.0)
     whole = janus + (repair.seconds if repair else 0.0)
     record = {
-        "run": "lora", "entry": "hf-janus merge", "replay": "answers", "adapter_rank": args.adapter_rank,
+        "run": "lora", "entry": "hf-janus merge", "replay": args.replay, "adapter_rank": args.adapter_rank,
         "settings": {**vars(args), "distill_lr": repair.lr if repair else args.distill_lr},
         "seconds": {"merge_call": call, "janus": janus, "repair": repair.seconds if repair else None,
                     "fine_tuning": None},

@@ -79,14 +79,16 @@ def test_merge_repairs_a_qlora_adapter_in_its_factors(tmp_path):
 FACTOR_REPAIR = dict(distill_steps=8, distill_lr=1e-2, keep_gain=0.05, replay_batch_size=4, new_task_batch_size=2)
 
 
-def test_a_saved_loras_repair_trains_its_factors_and_leaves_the_point_its_figures_were_taken_at(tmp_path):
-    """rsLoRA with rank and alpha patterns (PEFT's own scaling per layer): the update of each layer stays within
-    its rank, the model is at θ0 + that update, the validation figures are that model's, and the adapter saved at
-    the same rank loads back as that model."""
+@pytest.mark.parametrize("kind", ["rslora-patterns", "embed-mts"])
+def test_a_saved_loras_repair_trains_its_factors_and_leaves_the_point_its_figures_were_taken_at(tmp_path, kind):
+    """rsLoRA with rank and alpha patterns (PEFT's own scaling per layer), and a LoRA that also adapts the
+    embeddings and fully trains the head: the update of each rectified layer stays within its rank, the model is at
+    θ0 + that update, the validation figures are that model's, and the adapter saved at the same rank loads back as
+    that model (the embeddings and the head as trained)."""
     from peft import PeftModel
 
     base = save_base(tmp_path / "base")
-    lora = train_adapter(base, tmp_path / "lora", "rslora-patterns", steps=20, lr=5e-2)
+    lora = train_adapter(base, tmp_path / "lora", kind, steps=20, lr=5e-2)
     replay, new_task = random_replay(24, vocab=VOCAB), _adapter_training_rows()
     config = fast_config(**FACTOR_REPAIR)
     delta = JanusMerger(base, lora, replay, config, progress=False, new_task_samples=new_task).run()
@@ -100,14 +102,19 @@ def test_a_saved_loras_repair_trains_its_factors_and_leaves_the_point_its_figure
     assert chosen.replay_agreement == pytest.approx(agreement)
     theta0, ranks = load_base(base).state_dict(), {"q_proj": 4, "v_proj": 2, "down_proj": 4}
     weights = delta.model.state_dict()
-    for name in delta.layer_names:
+    rectified = [name for name in delta.layer_names if delta.layers[name].rectified]
+    assert rectified
+    for name in rectified:
         update = delta.delta(name)
         assert torch.linalg.matrix_rank(update) <= ranks[name.rsplit(".", 1)[-1]], name
         assert torch.allclose(weights[name + ".weight"], theta0[name + ".weight"] + update, atol=1e-6), name
     out = delta.save_adapter(tmp_path / "out", adapter_rank="same")
     reloaded = PeftModel.from_pretrained(load_base(base), out).merge_and_unload().state_dict()
-    for name in delta.layer_names:
-        assert torch.allclose(reloaded[name + ".weight"], weights[name + ".weight"], atol=1e-5), name
+    finetuned = PeftModel.from_pretrained(load_base(base), lora).merge_and_unload().state_dict()
+    for key, value in weights.items():
+        assert torch.allclose(reloaded[key], value, atol=1e-5), key
+        if not any(key == name + ".weight" for name in rectified):
+            assert torch.allclose(value, finetuned[key], atol=1e-6), key  # what JANUS leaves stays as trained
 
 
 def test_a_dora_adapters_repair_trains_the_dense_weights_and_says_why(tmp_path, caplog):

@@ -98,8 +98,8 @@ def repair_in_factors(effective: EffectiveModel, rectifier: Rectifier, result: R
         raise
     effective.model = peft_model.unload()
     with torch.no_grad():
-        for name, value in held.items():
-            module = effective.model.get_submodule(name)
+        for name in list(held):  # popped as they go, so that two copies of every layer are never held at once
+            value, module = held.pop(name), effective.model.get_submodule(name)
             if name in deltas:  # θ0 + the chosen update, as the full weights are saved
                 rule = rule_for(module)
                 value = (effective.reference[name + ".weight"].float()
