@@ -90,6 +90,10 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
     _add_replay(replay, advanced, new_task_help="what the adapter was trained on, read as --replay is, for the repair "
                 "after JANUS (--distill-steps): it fits them and keeps --keep-gain of their gain; without them the "
                 "repair is skipped and the JANUS point kept")
+    advanced.add_argument("--new-task-validation", metavar="DATASET[:SPLIT]",
+                          help="with --new-task-samples: samples of the new task it never trained on (as a Trainer's "
+                               "eval_dataset), read as --replay is, to measure the gain the repair keeps on; without "
+                               "them every eighth of --new-task-samples is held out")
     janus.add_argument("--config", metavar="JSON", help="a JanusConfig JSON file; the options given override it")
     add_dataclass_options(janus, JanusConfig, CONFIG_PREFIX, tier="main")
     _add_merge_output(output, advanced)
@@ -196,13 +200,15 @@ def _run_merge(args: argparse.Namespace) -> int:
     # Fail before the expensive part, and never over an input: a replay given as a file, the base or the adapter.
     output = check_output_dir(args.output, args.overwrite, {"base model": args.base, "adapter": args.adapter,
                                                             "replay data": replay_input(args),
-                                                            "new-task samples": args.new_task_samples})
+                                                            "new-task samples": args.new_task_samples,
+                                                            "new-task validation": args.new_task_validation})
     merger = JanusMerger(
         args.base, args.adapter, replay, merge_config(args), revision=args.revision, torch_dtype=args.dtype,
         device=args.device, base_revision=args.base_revision, initial_adapter=args.initial_adapter,
         allow_base_mismatch=args.allow_base_mismatch, replay_options=options,
         progress=not args.no_progress, quantization_config=_quantization_config(args),
         allow_pickle=args.allow_pickle, new_task_samples=args.new_task_samples,
+        new_task_validation=args.new_task_validation,
     )
     delta = merger.run()
     if args.output_format == "adapter":

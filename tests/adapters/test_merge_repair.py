@@ -15,6 +15,7 @@ from merge_fixtures import VOCAB, fast_config, load_base, save_base, text_rows, 
 from testing_utils import held_out, random_replay
 
 from hf_janus import JanusMerger
+from hf_janus.errors import JanusError
 from hf_janus.cli import main
 from hf_janus.publish.record_file import REPORT_NAME
 
@@ -154,3 +155,18 @@ def test_an_interrupted_factor_repair_leaves_the_model_as_janus_left_it(tmp_path
     after = effective.model.state_dict()
     assert set(after) == set(before)  # no lora_A/lora_B, no wrapper left
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_the_gain_is_measured_on_the_new_tasks_validation_samples_when_given(tmp_path):
+    """``--new-task-validation`` (a Trainer's eval_dataset for the callback): the repair fits every new-task sample
+    and measures the gain on the validation file; without the new-task samples it is refused, naming them."""
+    base, lora, replay, new_task = _saved_inputs(tmp_path)
+    validation = write_jsonl(tmp_path / "validation.jsonl", _adapter_training_rows(seed=3)[:3])
+    out = tmp_path / "repaired"
+    assert main(["merge", "--base", base, "--adapter", lora, "--replay", replay, "--new-task-samples", new_task,
+                 "--new-task-validation", validation, "--output", str(out), *REPAIR, *FAST]) == 0
+    repair = json.loads((out / REPORT_NAME).read_text())["repair"]
+    assert repair["gain_measured_on"] == "the new task's validation samples"
+    assert repair["validation_samples"]["new_task"] == 3
+    with pytest.raises(JanusError, match="give those too"):
+        JanusMerger(base, lora, replay, new_task_validation=validation)

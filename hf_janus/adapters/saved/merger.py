@@ -126,6 +126,9 @@ class JanusMerger:
             their gain; without them it is skipped (logged, and the record and card say so). A plain LoRA's repair
             trains its own factors at its rank (:mod:`hf_janus.adapters.saved.factor_repair`; ``distill_lr``
             defaults to ``DEFAULT_ADAPTER_DISTILL_LR`` there), other kinds' the adapted layers' dense weights.
+        new_task_validation: samples of the new task that training never saw (a Trainer's ``eval_dataset``), read as
+            ``new_task_samples`` is, to measure the gain the repair keeps on; without them every eighth of
+            ``new_task_samples`` is held out, on which the gain kept runs above a test set's.
         allow_pickle: accept weights stored only as a pickle (``adapter_model.bin`` of the adapter or of
             ``initial_adapter``, ``pytorch_model.bin`` of the base). They are refused by default, because
             unpickling can run code; with ``True`` they are read with torch's restricted unpickler
@@ -139,7 +142,7 @@ class JanusMerger:
                  allow_base_mismatch: bool = False, tokenizer: Any = None,
                  replay_options: Optional[ReplayOptions] = None, token: Union[str, bool, None] = None,
                  progress: bool = True, quantization_config: Any = None, allow_pickle: bool = False,
-                 new_task_samples: Any = None):
+                 new_task_samples: Any = None, new_task_validation: Any = None):
         if config is not None and not isinstance(config, JanusConfig):
             raise JanusError(f"config must be a JanusConfig, got {type(config).__name__}")
         if replay is None:
@@ -165,6 +168,10 @@ class JanusMerger:
         self.quantization_config = quantization_config
         self.allow_pickle = allow_pickle
         self.new_task_samples = new_task_samples
+        if new_task_validation is not None and new_task_samples is None:
+            raise JanusError("new_task_validation measures the gain of the repair after JANUS, which fits "
+                             "new_task_samples: give those too (--new-task-samples)")
+        self.new_task_validation = new_task_validation
 
     def _load_tokenizer(self) -> Any:
         if self.tokenizer is not None:
@@ -193,12 +200,13 @@ class JanusMerger:
         return resolved.samples, describe_replay(resolved.described, source=resolved.source, split=resolved.split,
                                                  token=self.token)
 
-    def _load_new_task(self, tokenizer: Any) -> Any:
-        """The new task's samples for the repair, read as a replay given by name is; None without a repair."""
+    def _load_new_task(self, tokenizer: Any) -> tuple[Any, Any]:
+        """The new task's samples and validation samples for the repair, read as a replay given by name is; None
+        without a repair."""
         if not self.config.distill_steps:
-            return None
-        return resolve_new_task(self.new_task_samples, tokenizer=tokenizer, options=self.replay_options,
-                                token=self.token)
+            return None, None
+        return tuple(resolve_new_task(samples, tokenizer=tokenizer, options=self.replay_options, token=self.token)
+                     for samples in (self.new_task_samples, self.new_task_validation))
 
     def _repairs_in_factors(self, effective: EffectiveModel, new_task: Any) -> bool:
         """Whether the repair after JANUS trains the adapter's own factors (a plain LoRA), not the dense weights."""
@@ -219,7 +227,7 @@ class JanusMerger:
                              "model was saved to (save_pretrained), or its Hub repo id")
         tokenizer = self._load_tokenizer()
         replay, replay_info = self._load_replay(tokenizer)
-        new_task = self._load_new_task(tokenizer)
+        new_task, new_task_validation = self._load_new_task(tokenizer)
         effective = load_effective_model(
             self.base_model, self.adapter, revision=self.revision, base_revision=self.base_revision,
             torch_dtype=self.torch_dtype, device=self.device, initial_adapter=self.initial_adapter,
@@ -236,7 +244,7 @@ class JanusMerger:
             config = dataclasses.replace(config, distill_lr=DEFAULT_ADAPTER_DISTILL_LR)
         rectifier = Rectifier(effective.model, WeightSource(reference, finetuned=finetuned), replay, config,
                               progress=self.progress, keep_reference_factors=True, new_task=new_task,
-                              defer_repair=in_factors,
+                              new_task_validation=new_task_validation, defer_repair=in_factors,
                               repair_numel=factor_numel(effective, targets) if in_factors else None)
         del reference, finetuned
         result = rectifier.run()
