@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--summarize", action="store_true")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 2 fine-tuning steps of 2, 2 distillation steps, 8 questions a set (no record)")
+    ap.add_argument("--merge-validation", action="store_true",
+                    help="with --merge: measure the gain on the callback's eval_dataset (--new-task-validation)")
     ap.add_argument("--work-dir", default=os.path.join(HERE, "cache", "real_study", "full"))
     ap.add_argument("--save-finetuned", default="", metavar="DIR",
                     help="also save θ̂ as the Trainer ends (LoRA: the adapter), with the replay and the new task's "
@@ -165,7 +167,7 @@ def main() -> None:
         f"({time.perf_counter() - t:.0f}s)")
     del theta0
     if args.merge:
-        merge_repair(args, score, scored)
+        merge_repair(args, score, scored, study.new_task_validation_samples(tok))
         return
 
     config = JanusConfig(compression_rank=args.compression_rank, distill_steps=args.distill_steps,
@@ -235,14 +237,14 @@ def outcome(report, scored: dict) -> dict:
                         "platform": platform.platform(), "torch": torch.__version__}}
 
 
-def merge_repair(args, score, scored: dict) -> None:
+def merge_repair(args, score, scored: dict, validation: list) -> None:
     """``--merge DIR``: the LoRA adapter ``--save-finetuned`` saved, repaired by ``hf-janus merge`` (the console script
     a user runs, in its own process) with the replay (with ``--replay self``, ``--replay-self 100``: θ0 answers the
     generic prompts, as ``SelfReplay()``) and the new task's samples as JSONL files and the callback's
     settings but the learning rate (the merger's default unless ``--distill-lr``: for a plain LoRA it trains the
     adapter's own factors, as the callback does) and ``--adapter-rank``; the output adapter scored as the callback's
-    point is. The merger holds out every eighth new-task sample for the gain (the callback
-    used the Trainer's ``eval_dataset``)."""
+    point is. The merger holds out every eighth new-task sample for the gain, or with ``--merge-validation`` measures
+    it on ``validation``, the 16 problems the callback's Trainer had as ``eval_dataset`` (``--new-task-validation``)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -266,6 +268,10 @@ def merge_repair(args, score, scored: dict) -> None:
                    "--adapter-rank", args.adapter_rank, "--format", "adapter", "--output", out, "--no-progress"]
         if args.distill_lr:
             command += ["--distill-lr", f"{args.distill_lr:g}"]
+        if args.merge_validation:
+            path = os.path.join(tmp, "validation.jsonl")
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in validation))
+            command += ["--new-task-validation", path]
         log("$ " + " ".join(command))
         t = time.perf_counter()
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
