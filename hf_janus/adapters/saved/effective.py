@@ -359,7 +359,8 @@ def _initial_factors(src: AdapterSource, initial_adapter: Union[str, os.PathLike
 
 
 def load_peft_adapter(model: nn.Module, src: AdapterSource, base_name: str) -> nn.Module:
-    """PEFT's ``PeftModel.from_pretrained`` of the adapter onto the loaded base, for inference."""
+    """PEFT's ``PeftModel.from_pretrained`` of the adapter onto the loaded base, in inference mode (nothing requires
+    grad; the merger's factor repair switches its factors on itself)."""
     from peft import PeftModel
 
     load_config = copy.deepcopy(src.config)
