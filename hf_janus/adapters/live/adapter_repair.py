@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from hf_janus.adapters.live.lora_write import lora_kind
+from hf_janus.adapters.live.lora_write import LoraState, lora_kind
 from hf_janus.adapters.peft_layers import active_adapter
 from hf_janus.engine.repair_space import RepairSpace
 
@@ -48,6 +48,12 @@ def adapter_numel(layers: Mapping[str, nn.Module]) -> int:
     """The elements an :class:`AdapterSpace` of ``layers`` trains: their active adapter's lora_A and lora_B."""
     return sum(m.lora_A[a].weight.numel() + m.lora_B[a].weight.numel()
                for m in layers.values() for a in [active_adapter(m)])
+
+
+def trained_factors(states: list[LoraState]) -> list[Tensor]:
+    """θ̂ of an :class:`AdapterSpace` in its order (float32): the factors ``states`` captured before the JANUS point
+    was written into the adapter."""
+    return [t.float() for state in states for t in (state.a_weight, state.b_weight)]
 
 
 class AdapterSpace(RepairSpace):

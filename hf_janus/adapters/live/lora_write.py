@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -143,6 +143,14 @@ class LayerTarget:
     delta: Tensor
     jacobian: Any = None
     jvp0_norm: Optional[float] = None
+
+
+def rectified_targets(result: Any) -> Iterator[LayerTarget]:
+    """One :class:`LayerTarget` per layer of a :class:`~hf_janus.engine.result.RectificationResult` (built as it is
+    written, one at a time): its rectified weight, θ0, the rectified update and the Jacobian kept at θ0."""
+    for name, layer in result.layers.items():
+        yield LayerTarget(name, layer.rectified.detach().float(), layer.reference, layer.rect_delta(),
+                          layer.jacobian, layer.jvp0_norm())
 
 
 def write_adapter_layers(peft_model: nn.Module, layers: dict[str, nn.Module], targets: Iterable[LayerTarget],

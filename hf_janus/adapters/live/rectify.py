@@ -13,13 +13,18 @@ import torch
 from torch import Tensor, nn
 
 from hf_janus.adapters.live.adapter_beside import check_new_adapter_name, new_adapter_beside
-from hf_janus.adapters.live.adapter_repair import AdapterSpace, adapter_numel, adapter_repair_blocker
+from hf_janus.adapters.live.adapter_repair import (
+    AdapterSpace,
+    adapter_numel,
+    adapter_repair_blocker,
+    trained_factors,
+)
 from hf_janus.adapters.live.lora_write import (
     BaseLayerState,
-    LayerTarget,
     LoraState,
     check_adapter_writable,
     set_base_params,
+    rectified_targets,
     validate_peft_output,
     write_adapter_layers,
 )
@@ -196,16 +201,13 @@ def _write_into(model: nn.Module, layers: dict[str, nn.Module], result: Rectific
                 adapter: str, repair: Optional[Rectifier] = None) -> dict[str, Any]:
     # the trained factors: θ̂ of the repair, and what an interrupted repair puts back
     trained = [LoraState.capture(module, adapter) for module in layers.values()] if repair is not None else []
-    targets = (LayerTarget(name, layer.rectified.detach().float(), layer.reference, layer.rect_delta(),
-                           layer.jacobian, layer.jvp0_norm()) for name, layer in result.layers.items())
-    written = write_adapter_layers(model, layers, targets, adapter, output.rank, output.energy)
+    written = write_adapter_layers(model, layers, rectified_targets(result), adapter, output.rank, output.energy)
     kept = [w.stats.kept_energy for w in written]
     logger.info("JANUS: rectified update written into the adapter %r (%d layers, kept energy min %.4f)",
                 adapter, len(written), min(kept) if kept else 1.0)
     if repair is not None:
-        finetuned = [t.float() for state in trained for t in (state.a_weight, state.b_weight)]
         try:
-            result.report.repair = repair.repair(AdapterSpace(model, layers, adapter, finetuned))
+            result.report.repair = repair.repair(AdapterSpace(model, layers, adapter, trained_factors(trained)))
         except BaseException:
             for state in trained:
                 state.restore()

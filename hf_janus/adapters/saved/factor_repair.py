@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from hf_janus.adapters.live.adapter_repair import AdapterSpace
-from hf_janus.adapters.live.lora_write import LayerTarget, LoraState, write_adapter_layers
+from hf_janus.adapters.live.adapter_repair import AdapterSpace, trained_factors
+from hf_janus.adapters.live.lora_write import LoraState, rectified_targets, write_adapter_layers
 from hf_janus.adapters.saved.effective import EffectiveModel, load_peft_adapter
 from hf_janus.engine.layers import rule_for
 from hf_janus.engine.rectifier import Rectifier
@@ -81,12 +81,9 @@ def repair_in_factors(effective: EffectiveModel, rectifier: Rectifier, result: R
         inner = peft_model.get_base_model()
         layers = {name: inner.get_submodule(name) for name in result.layers}
         trained = [LoraState.capture(module, _ADAPTER) for module in layers.values()]
-        finetuned = [t.float() for state in trained for t in (state.a_weight, state.b_weight)]
-        targets = (LayerTarget(name, layer.rectified.detach().float(), layer.reference, layer.rect_delta(),
-                               layer.jacobian, layer.jvp0_norm()) for name, layer in result.layers.items())
         # at the adapter's own rank: the layout the repair trains and the output keeps ("same")
-        write_adapter_layers(peft_model, layers, targets, _ADAPTER, "same", 1.0)
-        report = rectifier.repair(AdapterSpace(peft_model, layers, _ADAPTER, finetuned))
+        write_adapter_layers(peft_model, layers, rectified_targets(result), _ADAPTER, "same", 1.0)
+        report = rectifier.repair(AdapterSpace(peft_model, layers, _ADAPTER, trained_factors(trained)))
         with torch.no_grad():
             deltas = {name: _update(module) for name, module in layers.items()}
     except BaseException:
