@@ -170,3 +170,28 @@ def test_the_gain_is_measured_on_the_new_tasks_validation_samples_when_given(tmp
     assert repair["validation_samples"]["new_task"] == 3
     with pytest.raises(JanusError, match="give those too"):
         JanusMerger(base, lora, replay, new_task_validation=validation)
+
+
+def test_a_saved_loras_factor_repair_on_a_bf16_base(tmp_path):
+    """As users load a base: in bf16. The factors train in float32 (PEFT keeps adapters there), the layers end at
+    θ0 + the chosen update rounded once to bf16, the figures are those of the model left, and the saved adapter
+    holds the update in float32."""
+    base = save_base(tmp_path / "base")
+    lora = train_adapter(base, tmp_path / "lora", "lora", steps=20, lr=5e-2)
+    replay, new_task = random_replay(24, vocab=VOCAB), _adapter_training_rows()
+    config = fast_config(**FACTOR_REPAIR)
+    delta = JanusMerger(base, lora, replay, config, torch_dtype=torch.bfloat16, progress=False,
+                        new_task_samples=new_task).run()
+    repair = delta.report.rectification.repair
+    assert repair.trained == "the adapter's lora_A and lora_B" and repair.chosen is not None
+    weights = delta.model.state_dict()
+    theta0 = {k: v.to(torch.bfloat16) for k, v in load_base(base).state_dict().items()}
+    for name in delta.layer_names:
+        update = delta.delta(name)
+        assert update.dtype == torch.float32 and torch.linalg.matrix_rank(update) <= 4, name
+        expected = (theta0[name + ".weight"].float() + update).to(torch.bfloat16)
+        assert torch.equal(weights[name + ".weight"], expected), name
+    new_loss, replay_nll, _ = held_out(delta.model, replay, new_task, config.replay_batch_size,
+                                       config.new_task_batch_size)
+    assert repair.validation["chosen"].new_task_loss == pytest.approx(new_loss, rel=1e-3)
+    assert repair.validation["chosen"].replay_nll == pytest.approx(replay_nll, rel=1e-3)
