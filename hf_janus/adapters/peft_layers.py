@@ -27,6 +27,7 @@ from hf_janus.engine.public import (
     unsupported_quantized_error,
 )
 from hf_janus.errors import JanusError
+from hf_janus.parallel.sharding import full_weight, gathered, is_sharded, passes_inside, write_full_
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ def effective_weights(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
 
 
 def _effective_on_cpu(module: nn.Module) -> Tensor:
-    with torch.no_grad():
+    with torch.no_grad(), gathered(module):
         return effective_params(module, torch.float32)[0].to("cpu", copy=True).contiguous()
 
 
@@ -263,8 +264,9 @@ def initial_state(layers: dict[str, nn.Module]) -> dict[str, Tensor]:
     out = {}
     for name, module in layers.items():
         if on_quantized_base(module) or not _base_trains(module):
-            out.update({f"{name}.{local}": p.detach().to("cpu", copy=True).contiguous()
-                        for local, p in _adapter_tensors(module).items()})
+            with gathered(module):
+                out.update({f"{name}.{local}": p.detach().to("cpu", copy=True).contiguous()
+                            for local, p in _adapter_tensors(module).items()})
         else:
             out[f"{name}.weight"] = _effective_on_cpu(module)
     return out
@@ -280,7 +282,7 @@ def theta0_weights(layers: dict[str, nn.Module], state: dict[str, Tensor]) -> di
         if key in state:  # a base that trains (or a snapshot of hf-janus ≤ 0.1 for a dense base)
             out[key] = state[key].float()
             continue
-        with _adapter_set_to(module, name, state):
+        with gathered(module), _adapter_set_to(module, name, state):
             out[key] = _effective_on_cpu(module)
     return out
 
@@ -320,8 +322,9 @@ class AdapterOnQuantizedBase:
     def __init__(self, module: nn.Module, name: str, state: dict[str, Tensor]):
         self.module, self.name = module, name
         self.initial = {key: t for key, t in state.items() if key.startswith(f"{name}.")}
-        self.trained = {f"{name}.{local}": p.detach().to("cpu", copy=True)
-                        for local, p in _adapter_tensors(module).items()}
+        with gathered(module):
+            self.trained = {f"{name}.{local}": p.detach().to("cpu", copy=True)
+                            for local, p in _adapter_tensors(module).items()}
         # writing the result back may change the adapter's rank, hence its scaling α/r
         self.scaling = dict(module.scaling)
 
@@ -335,7 +338,7 @@ class AdapterOnQuantizedBase:
         scaling = dict(self.module.scaling)
         try:
             self.module.scaling.update(self.scaling)
-            with torch.no_grad(), _adapter_set_to(self.module, self.name, state):
+            with torch.no_grad(), gathered(self.module), _adapter_set_to(self.module, self.name, state):
                 return effective_params(self.module, torch.float32)[0].to(device)
         finally:
             self.module.scaling.clear()
@@ -375,6 +378,7 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor],
     rebuilt = rebuilt or {}
     home = stand_in_home([m for m in tuners.values() if on_quantized_base(m)])
     saved: dict[str, tuple[nn.Module, Tensor, Optional[Tensor]]] = {}
+    in_place: list[tuple[Tensor, Tensor]] = []  # sharded parameters written in place, with their whole values before
     try:
         with torch.no_grad():
             for name, module in inactive.items():
@@ -388,20 +392,33 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor],
                 if on_quantized_base(module):
                     # a dense stand-in, built one layer at a time; the quantized base is left untouched
                     saved[name] = (module, None, None)
-                    _set_child(model, name, dense_stand_in(module, given, home))
-                    del given
+                    with gathered(module):
+                        stand_in = dense_stand_in(module, given, home)
+                    _set_child(model, name, stand_in)
+                    del given, stand_in
                     continue
-                eff_weight, eff_bias = effective_params(module)
+                with gathered(module):
+                    eff_weight, eff_bias = effective_params(module)
                 if given is not None:
                     eff_weight = given
+                if is_sharded(base.weight):
+                    # FSDP2 all-gathers the shards themselves: the effective values go into them in place
+                    _write_sharded(base, eff_weight, eff_bias, in_place)
+                    saved[name] = (module, None, None)
+                    _set_child(model, name, base)
+                    continue
                 bias = base.bias.data if eff_bias is not None else None
                 saved[name] = (module, base.weight.data, bias)
                 base.weight.data = eff_weight.to(device=base.weight.device, dtype=base.weight.dtype, copy=True)
                 if eff_bias is not None:
                     base.bias.data = eff_bias
                 _set_child(model, name, base)
-        yield model
+        with passes_inside(peft_model, model):
+            yield model
     finally:
+        with torch.no_grad():
+            for param, whole in reversed(in_place):
+                write_full_(param, whole)
         for name, (module, weight, bias) in saved.items():
             base = module.get_base_layer()
             if weight is not None:
@@ -409,6 +426,19 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor],
             if bias is not None:
                 base.bias.data = bias
             _set_child(model, name, module)
+
+
+def _write_sharded(base: nn.Module, weight: Tensor, bias: Optional[Tensor], in_place: list) -> None:
+    """Write a sharded base layer's new weight (and bias) into its shards, noting in ``in_place`` each parameter's whole
+    value before, to be written back (collectives: every rank writes the same layers in the same order)."""
+    for param, value in ((base.weight, weight), (getattr(base, "bias", None), bias)):
+        if value is None or not isinstance(param, Tensor):
+            continue
+        whole = full_weight(param).to("cpu", copy=True)  # θ̂'s base, kept on the host as the engine keeps θ̂
+        if torch.equal(whole, value.to("cpu", whole.dtype)):
+            continue
+        in_place.append((param, whole))
+        write_full_(param, value)
 
 
 #: Share of the device memory left to the run that the dense stand-ins of a quantized model may take; beyond it they

@@ -78,6 +78,11 @@ def dequantized_weight(module: nn.Module) -> Tensor:
     # and fail: the layer keeps its own parameter.
     param = module.weight
     try:
+        if layer_key(module) == ("bitsandbytes", "Linear4bit") and getattr(param, "quant_state", None) is None:
+            # a plain copy of the packed weight (FSDP2 gathers one): bitsandbytes keeps the state on the layer too
+            from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+            fix_4bit_weight_quant_state_from_module(module)
         with torch.no_grad():
             weight = dequantize_module_weight(module).detach()
     finally:

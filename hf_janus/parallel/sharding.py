@@ -23,8 +23,9 @@ them too (local), so that a later ``engine.step()`` or a checkpoint's fp32 weigh
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -122,6 +123,86 @@ def write_full_(weight: Tensor, full: Tensor, master: Optional[Tensor] = None) -
             weight.to_local().copy_(local)
         else:
             weight.copy_(full.to(dtype=weight.dtype, device=weight.device))
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module, write_back: bool = False) -> Iterator[nn.Module]:
+    """``module`` with each of its FSDP2-sharded parameters (its submodules' included) replaced by a plain
+    parameter holding the whole tensor, the sharded ones again on exit; a no-op where none is sharded.
+
+    Inside, code written for plain tensors (PEFT's merge, ``.data`` swaps, in-place writes) runs unchanged. Gathering
+    is a collective: every rank must enter for the same modules in the same order. ``write_back``: on exit the whole
+    tensors that changed inside are written into the shards in place (:func:`write_full_`), so FSDP's next
+    all-gather reads them; otherwise what was written inside is dropped. Outside a forward or backward only.
+    """
+    swapped = []
+    try:
+        for name, param in list(module.named_parameters()):
+            if not is_sharded(param):
+                continue
+            owner_name, _, local = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            whole = full_weight(param).clone()
+            owner._parameters[local] = nn.Parameter(whole, requires_grad=param.requires_grad)
+            swapped.append((owner, local, param, _bits(whole).clone() if write_back else None))
+        yield module
+        if write_back:
+            for owner, local, param, before in swapped:
+                now = owner._parameters[local]
+                if now.shape != param.shape:
+                    raise JanusError(f"a sharded parameter changed shape ({tuple(param.shape)} → "
+                                     f"{tuple(now.shape)}): FSDP2 cannot take it")
+                if not torch.equal(_bits(now.detach()), before):  # bits: packed quantized words may read as NaN
+                    write_full_(param, now.detach())
+    finally:
+        for owner, local, param, _ in reversed(swapped):
+            owner._parameters[local] = param
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    return tensor.contiguous().view(torch.uint8)
+
+
+def sharded_inside(inner: nn.Module, name: str) -> bool:
+    """Whether an FSDP2 module within ``inner`` (``inner`` included) holds its submodule ``name``: then the passes
+    of :func:`passes_inside` gather its parameters and shard them again around each use, so writes into its
+    shards reach the next pass."""
+    fsdp = _fsdp_module_type()
+    parts = name.split(".") if name else []
+    return fsdp is not None and any(isinstance(inner.get_submodule(".".join(parts[:i])), fsdp)
+                                    for i in range(len(parts), -1, -1))
+
+
+@contextlib.contextmanager
+def passes_inside(outer: nn.Module, inner: nn.Module) -> Iterator[nn.Module]:
+    """Let ``inner``, a submodule of ``outer``, run forward and backward passes on its own although FSDP2 shards
+    ``outer``: the FSDP2 modules of ``outer`` that lie outside ``inner`` (the root, whose hooks gather the parameters
+    it holds directly, such as a PEFT model's embeddings, only around its own forward) hold their whole parameters
+    inside, and are sharded again on exit. A collective; a no-op where nothing outside ``inner`` is an FSDP2 module.
+    Writes must go to the shards (:func:`write_full_`), as between any passes."""
+    inside = {id(m) for m in inner.modules()}
+    outside = [m for m in _fsdp_modules(outer) if id(m) not in inside]
+    unsharded = []
+    try:
+        for module in outside:
+            # the backward's final callback reshards every group unless told not to
+            unsharded.append((module, _reshards_after_backward(module)))
+            module.set_reshard_after_backward(False, recurse=False)
+            module.unshard()
+        yield inner
+    finally:
+        for module, after_backward in reversed(unsharded):
+            module.set_reshard_after_backward(after_backward, recurse=False)
+            module.reshard()
+        if unsharded and hasattr(unsharded[0][0], "reset_iter_state"):
+            unsharded[0][0].reset_iter_state()  # the passes ran without the root's own forward: start it afresh
+
+
+def _reshards_after_backward(module: nn.Module) -> bool:
+    """The FSDP2 module's own ``set_reshard_after_backward`` setting (torch has no getter; True, its default, where
+    this torch keeps it elsewhere)."""
+    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", [])
+    return all(getattr(group, "reshard_after_backward", True) for group in groups)
 
 
 def _write_master(weight: Tensor, full: Tensor) -> None:

@@ -220,7 +220,7 @@ def test_callback_on_sharded_model(tmp_path):
         assert torch.equal(value, ranks[1]["state"][key]), f"{key} differs between ranks"
     assert os.path.isfile(tmp_path / REPORT_NAME)
     refused = ranks[0]["refused"]
-    assert "PEFT models sharded with FSDP" in refused["peft"]
+    assert "Apply fully_shard to each decoder layer" in refused["peft"]  # the PeftModel sharded as one unit
     assert "FullyShardedDataParallel (FSDP1)" in refused["fsdp1"]
 
     torch.set_num_threads(1)

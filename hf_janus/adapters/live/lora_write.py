@@ -14,6 +14,7 @@ from hf_janus.adapters.low_rank import RankSpec, RefactorStats, choose_rank, tru
 from hf_janus.adapters.peft_layers import active_adapter, inner_model
 from hf_janus.engine.layers import rule_for
 from hf_janus.errors import JanusError
+from hf_janus.parallel.sharding import gathered
 
 
 def lora_kind(module: nn.Module, adapter: str) -> Optional[str]:
@@ -89,6 +90,15 @@ def write_lora(module: nn.Module, name: str, target: Tensor, reference: Tensor, 
     (truncated SVD), split evenly between ``B`` and ``A``. For DoRA the magnitude is then set to the row
     norms of ``W_base + D_k`` so that the effective weight is exactly ``W_base + D_k``.
     """
+    # under FSDP2 the layer's parameters are whole inside, and the factors written go into their shards on exit
+    # (the rank stays: a change is refused before training)
+    with gathered(module, write_back=True):
+        return _write_lora(module, name, target, reference, delta_rect, rank, energy, jacobian, jvp0_norm, adapter)
+
+
+def _write_lora(module: nn.Module, name: str, target: Tensor, reference: Tensor, delta_rect: Tensor,
+                rank: RankSpec, energy: float, jacobian: Any, jvp0_norm: Optional[float],
+                adapter: Optional[str]) -> WrittenLayer:
     adapter = adapter if adapter is not None else active_adapter(module)
     kind = lora_kind(module, adapter)
     base = module.get_base_layer()

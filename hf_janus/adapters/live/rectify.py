@@ -23,6 +23,7 @@ from hf_janus.adapters.live.lora_write import (
     BaseLayerState,
     LoraState,
     check_adapter_writable,
+    lora_kind,
     set_base_params,
     rectified_targets,
     validate_peft_output,
@@ -48,6 +49,7 @@ from hf_janus.engine.rectifier import Rectifier, WeightSource
 from hf_janus.engine.report import RectificationReport
 from hf_janus.engine.result import RectificationResult
 from hf_janus.errors import JanusError
+from hf_janus.parallel.sharding import is_sharded, sharded_inside
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ def check_live_peft(model: nn.Module, config: JanusConfig, output: PeftOutput) -
             "peft_output='adapter' (a rectified adapter on the unchanged quantized base), or rectify the saved "
             "adapter against the full-precision base with JanusMerger and save_full()"
         )
+    if any(is_sharded(p) for p in model.parameters()):
+        _check_sharded(model, layers, output)
     if output.format == "adapter":
         check_adapter_writable(layers)
         init = getattr(model.peft_config.get(model.active_adapter), "init_lora_weights", True)
@@ -104,6 +108,36 @@ def check_live_peft(model: nn.Module, config: JanusConfig, output: PeftOutput) -
         if output.new_adapter_name is not None:
             check_new_adapter_name(model, active_adapter(model), output.new_adapter_name)
     return layers
+
+
+def _check_sharded(model: nn.Module, layers: dict[str, nn.Module], output: PeftOutput) -> None:
+    """Under FSDP2 the rectified update goes into the trained adapter's own shards, in place: what would give a
+    layer new parameters FSDP does not manage (another rank, a new adapter, merged weights) is refused, and so is
+    what the 2-rank tests do not cover (DoRA and other variants, 8-bit bases)."""
+    fix = ("train with DDP, or save the adapter and rectify it with hf_janus.JanusMerger afterwards")
+    if output.format != "adapter" or output.rank != "same" or output.new_adapter_name is not None:
+        raise JanusError(
+            "under FSDP2 JanusCallback writes the rectified update into the trained adapter's shards, at its own "
+            f"rank: peft_output={output.format!r}, adapter_rank={output.rank!r}"
+            f"{f', new_adapter_name={output.new_adapter_name!r}' if output.new_adapter_name else ''} would give "
+            "the layers parameters FSDP2 does not manage. Keep peft_output='adapter' and adapter_rank='same', or "
+            + fix)
+    inner = inner_model(model)
+    for name, module in layers.items():
+        if not sharded_inside(inner, name):
+            # the passes run on the inner model, holding what outer FSDP2 modules shard whole throughout: a write
+            # into the shards of such a layer would not reach them
+            raise JanusError(
+                f"layer {name!r} is sharded by an FSDP2 module around the whole {type(inner).__name__} (the "
+                "PeftModel's own fully_shard): JANUS needs each adapted layer inside an FSDP2 module of its own "
+                "block. Apply fully_shard to each decoder layer before the root (accelerate's FSDP2 auto-wrap "
+                f"policy does), or {fix}")
+        kind = lora_kind(module, active_adapter(module))
+        eight_bit = on_quantized_base(module) and "8bit" in type(module.get_base_layer()).__name__
+        if kind != "lora" or eight_bit:
+            what = "an 8-bit base" if eight_bit else f"a {kind or type(module).__name__} adapter"
+            raise JanusError(f"layer {name!r} has {what}: under FSDP2 hf-janus rectifies plain LoRA adapters on "
+                             f"unquantized or 4-bit bases; {fix}")
 
 
 class LivePeftRun(NamedTuple):
