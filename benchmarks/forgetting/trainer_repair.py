@@ -5,6 +5,7 @@ choose (the callback chooses on slices of its own replay and of the Trainer's ``
 
     python -m benchmarks.forgetting.trainer_repair --run full --threads 2
     python -m benchmarks.forgetting.trainer_repair --run lora --threads 2
+    python -m benchmarks.forgetting.trainer_repair --run qlora --threads 2  # LoRA on the nf4 base (float32 compute)
     python -m benchmarks.forgetting.trainer_repair --run full --replay self --tag data_free --threads 2
     python -m benchmarks.forgetting.trainer_repair --run lora --save-finetuned DIR --threads 2  # θ̂'s adapter kept
     python -m benchmarks.forgetting.trainer_repair --merge DIR --threads 2  # that adapter through hf-janus merge
@@ -100,11 +101,35 @@ def fine_tune_arguments(s: bench.Settings, run: str, output_dir: str):
         seed=s.seed, data_seed=s.seed, disable_tqdm=True, remove_unused_columns=False)
 
 
+def nf4_config():
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+
+
+def theta0_folder(run: str, work: str) -> str:
+    """θ0 as the run's user has it, as a plain float32 folder: the model itself, or for ``qlora`` its nf4 base
+    dequantized (saved in ``work`` once), so that θ0's answers and scores are those of the model the QLoRA starts
+    from."""
+    base_dir = os.fspath(smollm2.smollm2_dir())
+    if run != "qlora":
+        return base_dir
+    folder = os.path.join(work, "base-nf4-dequantized")
+    if not os.path.isdir(folder):
+        from transformers import AutoModelForCausalLM
+
+        quantized = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=nf4_config(),
+                                                         dtype=torch.float32)
+        bench.dequantized_base(quantized, folder, torch.float32)
+    return folder
+
+
 def trainer_model(run: str, s: bench.Settings):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.fspath(smollm2.smollm2_dir()), dtype=torch.float32)
-    if run == "lora":
+    quant = {"quantization_config": nf4_config()} if run == "qlora" else {}
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(smollm2.smollm2_dir()), dtype=torch.float32, **quant)
+    if run in ("lora", "qlora"):
         from peft import get_peft_model
 
         model = get_peft_model(model, bench.lora_config(s))
@@ -113,7 +138,7 @@ def trainer_model(run: str, s: bench.Settings):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", choices=("full", "lora"), default="full")
+    ap.add_argument("--run", choices=("full", "lora", "qlora"), default="full")
     ap.add_argument("--replay", choices=("answers", "self"), default="answers",
                     help="the callback's replay: 64 of θ0's answers to NQ-open questions, or SelfReplay() (no data)")
     ap.add_argument("--distill-steps", type=int, default=128)
@@ -127,7 +152,8 @@ def main() -> None:
                     help="a smoke run: 2 fine-tuning steps of 2, 2 distillation steps, 8 questions a set (no record)")
     ap.add_argument("--merge-validation", action="store_true",
                     help="with --merge: measure the gain on the callback's eval_dataset (--new-task-validation)")
-    ap.add_argument("--work-dir", default=os.path.join(HERE, "cache", "real_study", "full"))
+    ap.add_argument("--work-dir", default=None,
+                    help="θ0's answers (default: cache/real_study/full; for qlora, cache/real_study/qlora_f32)")
     ap.add_argument("--save-finetuned", default="", metavar="DIR",
                     help="also save θ̂ as the Trainer ends (LoRA: the adapter), with the replay and the new task's "
                          "samples as JSONL, for --merge")
@@ -150,7 +176,9 @@ def main() -> None:
     torch.manual_seed(s.seed)
     tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir())
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    theta0 = AutoModelForCausalLM.from_pretrained(os.fspath(smollm2.smollm2_dir()), dtype=torch.float32).eval()
+    if args.work_dir is None:
+        args.work_dir = os.path.join(HERE, "cache", "real_study", "qlora_f32" if args.run == "qlora" else "full")
+    theta0 = AutoModelForCausalLM.from_pretrained(theta0_folder(args.run, args.work_dir), dtype=torch.float32).eval()
     data = theta0_data(s, tok, theta0, args.work_dir)
     sets = {"nq": data["eval_nq"], "webq": data["eval_wq"], "nq_held_out": data["held_out_nq"],
             "webq_held_out": data["held_out_wq"]}
