@@ -279,7 +279,7 @@ def theta0_weights(layers: dict[str, nn.Module], state: dict[str, Tensor]) -> di
     out = {}
     for name, module in layers.items():
         key = f"{name}.weight"
-        if key in state:  # a base that trains (or a snapshot of hf-janus ≤ 0.1 for a dense base)
+        if key in state:  # a base that trains: its effective weight itself was kept
             out[key] = state[key].float()
             continue
         with gathered(module), _adapter_set_to(module, name, state):
@@ -369,7 +369,9 @@ def plain_view(peft_model: nn.Module, weights: dict[str, Tensor],
     Inside, the model is an ordinary transformers model that computes exactly what the PEFT model
     computes and that :class:`~hf_janus.Rectifier` can work on, with the plain model's module names. A layer on
     a quantized base is swapped for a :func:`dense_stand_in` instead (its base is never written); the stand-ins
-    live on the host when the device has no room for them (:func:`stand_in_home`).
+    live on the host when the device has no room for them (:func:`stand_in_home`). Under FSDP2, where the forward
+    gathers the shards themselves, the effective values go into the base's shards in place (and the trained ones
+    back on exit), and the inner model runs inside the root (:func:`~hf_janus.parallel.sharding.passes_inside`).
     """
     model = inner_model(peft_model)
     tuners = _tuner_layers(model)
