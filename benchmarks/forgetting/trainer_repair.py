@@ -101,13 +101,14 @@ def fine_tune_arguments(s: bench.Settings, run: str, output_dir: str):
         seed=s.seed, data_seed=s.seed, disable_tqdm=True, remove_unused_columns=False)
 
 
-def nf4_config():
+def nf4_config(double_quant: bool = False):
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                              bnb_4bit_use_double_quant=double_quant)
 
 
-def theta0_folder(run: str, work: str) -> str:
+def theta0_folder(run: str, work: str, double_quant: bool = False) -> str:
     """θ0 as the run's user has it, as a plain float32 folder: the model itself, or for ``qlora`` its nf4 base
     dequantized (saved in ``work`` once), so that θ0's answers and scores are those of the model the QLoRA starts
     from."""
@@ -118,16 +119,16 @@ def theta0_folder(run: str, work: str) -> str:
     if not os.path.isdir(folder):
         from transformers import AutoModelForCausalLM
 
-        quantized = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=nf4_config(),
+        quantized = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=nf4_config(double_quant),
                                                          dtype=torch.float32)
         bench.dequantized_base(quantized, folder, torch.float32)
     return folder
 
 
-def trainer_model(run: str, s: bench.Settings):
+def trainer_model(run: str, s: bench.Settings, double_quant: bool = False):
     from transformers import AutoModelForCausalLM
 
-    quant = {"quantization_config": nf4_config()} if run == "qlora" else {}
+    quant = {"quantization_config": nf4_config(double_quant)} if run == "qlora" else {}
     model = AutoModelForCausalLM.from_pretrained(os.fspath(smollm2.smollm2_dir()), dtype=torch.float32, **quant)
     if run in ("lora", "qlora"):
         from peft import get_peft_model
@@ -161,6 +162,9 @@ def main() -> None:
                     help="instead of training: repair the adapter --save-finetuned saved with `hf-janus merge "
                          "--new-task-samples`, as a user of a saved adapter would, and score its output adapter")
     ap.add_argument("--adapter-rank", default="same", help="with --merge: hf-janus merge's --adapter-rank")
+    ap.add_argument("--double-quant", action="store_true",
+                    help="qlora: nf4 with double quantization, the base `hf-janus merge --load-in-4bit` loads (needed "
+                         "with --merge)")
     args = ap.parse_args()
     if args.summarize:
         print(write_markdown())
@@ -177,8 +181,10 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir())
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if args.work_dir is None:
-        args.work_dir = os.path.join(HERE, "cache", "real_study", "qlora_f32" if args.run == "qlora" else "full")
-    theta0 = AutoModelForCausalLM.from_pretrained(theta0_folder(args.run, args.work_dir), dtype=torch.float32).eval()
+        work = {"qlora": "qlora_dq_f32" if args.double_quant else "qlora_f32"}.get(args.run, "full")
+        args.work_dir = os.path.join(HERE, "cache", "real_study", work)
+    theta0 = AutoModelForCausalLM.from_pretrained(theta0_folder(args.run, args.work_dir, args.double_quant),
+                                                  dtype=torch.float32).eval()
     data = theta0_data(s, tok, theta0, args.work_dir)
     sets = {"nq": data["eval_nq"], "webq": data["eval_wq"], "nq_held_out": data["held_out_nq"],
             "webq_held_out": data["held_out_wq"]}
@@ -209,7 +215,7 @@ def main() -> None:
                               "".join(json.dumps(r) + "\n" for r in rows))
     finetuned = ScoreAtTrainEnd(score, args.save_finetuned)
     janus = JanusCallback(replay, config)
-    model = trainer_model(args.run, s)
+    model = trainer_model(args.run, s, args.double_quant)
     collator_tok = AutoTokenizer.from_pretrained(smollm2.smollm2_dir(), padding_side="right")
     if collator_tok.pad_token is None:
         collator_tok.pad_token = collator_tok.eos_token
@@ -280,8 +286,13 @@ def merge_repair(args, score, scored: dict, validation: list) -> None:
 
     base_dir, source = os.fspath(smollm2.smollm2_dir()), args.merge
 
+    if args.run == "qlora" and not args.double_quant:
+        raise SystemExit("--merge of a QLoRA adapter needs --double-quant: hf-janus merge --load-in-4bit loads the "
+                         "base with double quantization")
+    quant = {"quantization_config": nf4_config(True)} if args.run == "qlora" else {}
+
     def adapted(adapter_dir: str):
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, **quant)
         return PeftModel.from_pretrained(base, adapter_dir).eval()
 
     scored["finetuned"] = score(adapted(source))
@@ -293,7 +304,8 @@ def merge_repair(args, score, scored: dict, validation: list) -> None:
                      else ["--replay", os.path.join(source, "replay.jsonl"), "--replay-samples", "0"]),
                    "--new-task-samples", os.path.join(source, "new_task.jsonl"),
                    "--compression-rank", str(args.compression_rank), "--distill-steps", str(args.distill_steps),
-                   "--adapter-rank", args.adapter_rank, "--format", "adapter", "--output", out, "--no-progress"]
+                   "--adapter-rank", args.adapter_rank, "--format", "adapter", "--output", out, "--no-progress",
+                   *(["--load-in-4bit"] if args.run == "qlora" else [])]
         if args.distill_lr:
             command += ["--distill-lr", f"{args.distill_lr:g}"]
         if args.merge_validation:
@@ -312,7 +324,8 @@ def merge_repair(args, score, scored: dict, validation: list) -> None:
     janus = total - report.timings.get("repair", 0.0)
     whole = janus + (repair.seconds if repair else 0.0)
     record = {
-        "run": "lora", "entry": "hf-janus merge", "replay": args.replay, "adapter_rank": args.adapter_rank,
+        "run": args.run if args.run == "qlora" else "lora", "entry": "hf-janus merge", "replay": args.replay,
+        "adapter_rank": args.adapter_rank,
         "settings": {**vars(args), "distill_lr": repair.lr if repair else args.distill_lr},
         "seconds": {"merge_call": call, "janus": janus, "repair": repair.seconds if repair else None,
                     "fine_tuning": None},
@@ -320,7 +333,7 @@ def merge_repair(args, score, scored: dict, validation: list) -> None:
         "new_task_per_step": report.config.get("new_task_batch_size"),
         **outcome(report, scored),
     }
-    atomic_write_text(result_path("lora", args.tag or "merge") + ".json", json.dumps(record, indent=1))
+    atomic_write_text(result_path(record["run"], args.tag or "merge") + ".json", json.dumps(record, indent=1))
     print(write_markdown())
 
 
