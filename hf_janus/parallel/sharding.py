@@ -195,13 +195,17 @@ def passes_inside(outer: nn.Module, inner: nn.Module) -> Iterator[nn.Module]:
             module.set_reshard_after_backward(after_backward, recurse=False)
             module.reshard()
         if unsharded and hasattr(unsharded[0][0], "reset_iter_state"):
-            unsharded[0][0].reset_iter_state()  # the passes ran without the root's own forward: start it afresh
+            try:  # the passes ran without the root's own forward: start its next iteration afresh
+                unsharded[0][0].reset_iter_state()
+            except RuntimeError:  # ``outer`` lies inside the FSDP root: only the root's owner can reset it
+                pass
 
 
 def _reshards_after_backward(module: nn.Module) -> bool:
     """The FSDP2 module's own ``set_reshard_after_backward`` setting (torch has no getter; True, its default, where
     this torch keeps it elsewhere)."""
-    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", [])
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    groups = getattr(state, "_fsdp_param_groups", [])
     return all(getattr(group, "reshard_after_backward", True) for group in groups)
 
 
