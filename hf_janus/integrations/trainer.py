@@ -6,10 +6,10 @@ identical weights), including ``resume_from_checkpoint`` (the θ0 snapshot trave
 For a PEFT model θ0 is the *effective* weight of each adapted layer at train begin (base + the adapter's
 initial delta, which is non-zero for PiSSA-like inits). Full fine-tuning of a model sharded with FSDP2
 (``fully_shard``, DTensor weights) or with DeepSpeed ZeRO-3 (partitioned parameters) works as under DDP: θ0
-is gathered whole to the host; so does a plain LoRA sharded with FSDP2, whose rectified update goes into the
-trained adapter's shards at its own rank. DeepSpeed ZeRO stages 0-2, FSDP1, PEFT models trained with DeepSpeed,
-and under FSDP2 other adapters, quantized bases and outputs that change the adapter's parameters are refused with a
-clear error.
+is gathered whole to the host; so does a plain LoRA (on a 4-bit base too) sharded with FSDP2, whose rectified
+update goes into the trained adapter's shards at its own rank. DeepSpeed ZeRO stages 0-2, FSDP1, PEFT models
+trained with DeepSpeed, and under FSDP2 other adapters, 8-bit bases and outputs that change the adapter's
+parameters are refused with a clear error.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from hf_janus.adapters.peft_layers import (
     theta0_weights,
 )
 from hf_janus.engine.config import JanusConfig
+from hf_janus.engine.public import quantization_of
 from hf_janus.engine.rectifier import Rectifier, WeightSource
 from hf_janus.engine.report import RectificationReport
 from hf_janus.engine.result import RectificationResult
@@ -114,7 +115,7 @@ def _check_sharded(model: nn.Module, layers: dict[str, nn.Module], output: PeftO
     """Under FSDP2 the rectified update goes into the trained adapter's own shards, in place: what would give a
     layer new parameters FSDP does not manage (another rank, a new adapter, merged weights) is refused, and so is
     what the 2-rank tests do not cover (DoRA and other variants, 8-bit bases)."""
-    fix = ("train with DDP, or save the adapter and rectify it with hf_janus.JanusMerger afterwards")
+    fix = "train with DDP, or save the adapter and rectify it with hf_janus.JanusMerger afterwards"
     if output.format != "adapter" or output.rank != "same" or output.new_adapter_name is not None:
         raise JanusError(
             "under FSDP2 JanusCallback writes the rectified update into the trained adapter's shards, at its own "
@@ -133,9 +134,10 @@ def _check_sharded(model: nn.Module, layers: dict[str, nn.Module], output: PeftO
                 "block. Apply fully_shard to each decoder layer before the root (accelerate's FSDP2 auto-wrap "
                 f"policy does), or {fix}")
         kind = lora_kind(module, active_adapter(module))
-        eight_bit = on_quantized_base(module) and "8bit" in type(module.get_base_layer()).__name__
-        if kind != "lora" or eight_bit:
-            what = "an 8-bit base" if eight_bit else f"a {kind or type(module).__name__} adapter"
+        base = module.get_base_layer()
+        other_base = on_quantized_base(module) and type(base).__name__ != "Linear4bit"
+        if kind != "lora" or other_base:
+            what = f"a {quantization_of(base)} base" if other_base else f"a {kind or type(module).__name__} adapter"
             raise JanusError(f"layer {name!r} has {what}: under FSDP2 hf-janus rectifies plain LoRA adapters on "
                              f"unquantized or 4-bit bases; {fix}")
 
