@@ -43,6 +43,13 @@ def assert_restored(outcome: dict, name: str) -> None:
         assert torch.equal(outcome["after"][key], value), f"{name}: {key} is not θ̂"
 
 
+def fsdp_full_state(model: torch.nn.Module) -> dict:
+    """The whole state dict of a model FSDP2 shards (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
 def spawn_two(worker, tmp_path, *args) -> list:
     """Run ``worker(rank, 2, init_file, out_dir, *args)`` on two processes; each saves ``rank<r>.pt`` in out_dir."""
     mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path), *args), nprocs=2, join=True)

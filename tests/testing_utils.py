@@ -49,8 +49,14 @@ def fine_tune(model: torch.nn.Module, steps: int = 15, lr: float = 5e-3, seed: i
     """A few AdamW steps on a different 'task' (random sequences): returns θ0's state dict."""
     reference = copy.deepcopy(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, vocab, (8, 10), generator=gen)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    train_steps(model, torch.randint(0, vocab, (8, 10), generator=gen), steps, lr)
+    return reference
+
+
+def train_steps(model: torch.nn.Module, data: torch.Tensor, steps: int, lr: float) -> float:
+    """``steps`` AdamW steps of ``model`` (what requires grad) on ``data`` as its own labels, in train mode, left in
+    eval mode; the last loss."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     for _ in range(steps):
         loss = model(input_ids=data, labels=data).loss
@@ -58,7 +64,7 @@ def fine_tune(model: torch.nn.Module, steps: int = 15, lr: float = 5e-3, seed: i
         opt.step()
         opt.zero_grad()
     model.eval()
-    return reference
+    return float(loss.detach())
 
 
 def fine_tune_samples(seed: int = 2, vocab: int = VOCAB) -> list[dict]:

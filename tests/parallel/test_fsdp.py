@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from testing_utils import build_tiny, random_replay
+from testing_utils import VOCAB, build_tiny, random_replay, train_steps
 from sharded_checks import (
     check_matches_single_process,
+    fsdp_full_state,
     fail_between_passes,
     fail_during_backward,
     assert_restored,
@@ -45,12 +46,6 @@ def _shard(model: torch.nn.Module) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def _full_state(model: torch.nn.Module) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-
 def _target_is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -75,7 +70,7 @@ def _rectify_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
             rectifier = Rectifier(model, reference, random_replay(n_samples), JanusConfig(**CONFIG), progress=False)
             report = rectifier.run().report
             results[n_samples] = {
-                "state": _full_state(model), "report": report.to_dict(), "still_sharded": _target_is_sharded(model),
+                "state": fsdp_full_state(model), "report": report.to_dict(), "still_sharded": _target_is_sharded(model),
                 "passes": (len(rectifier.local_batches), len(rectifier.idle_batches)),
             }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -106,7 +101,7 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
             model, reference = _setup()
             _shard(model)
             batches = prepare_replay(random_replay(5), 2)
-            before = _full_state(model)
+            before = fsdp_full_state(model)
             loss_before = replay_losses(model, batches).loss
             with injected(inject) as hooks:
                 try:
@@ -116,7 +111,7 @@ def _failure_worker(rank: int, world: int, init_file: str, out_dir: str) -> None
                 except RectificationError as err:
                     error = str(err)
             results[name] = {
-                "error": error, "before": before, "after": _full_state(model),
+                "error": error, "before": before, "after": fsdp_full_state(model),
                 "still_sharded": _target_is_sharded(model),
                 "requires_grad": all(p.requires_grad for p in model.parameters()),
                 # FSDP's iteration state was reset: the model runs again, on the restored weights.
@@ -167,17 +162,11 @@ def _callback_worker(rank: int, world: int, init_file: str, out_dir: str) -> Non
         janus.on_train_begin(args, state, TrainerControl(), model=model)
         theta0 = janus.theta0()
 
-        data = torch.randint(0, 48, (8, 10), generator=torch.Generator().manual_seed(2))[rank::world]
-        opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
-        model.train()
-        for _ in range(8):
-            model(input_ids=data, labels=data).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        model.eval()
-        finetuned = _full_state(model)
+        data = torch.randint(0, VOCAB, (8, 10), generator=torch.Generator().manual_seed(2))[rank::world]
+        train_steps(model, data, steps=8, lr=5e-3)
+        finetuned = fsdp_full_state(model)
         janus.on_train_end(args, state, TrainerControl(), model=model)
-        torch.save({"theta0": theta0, "finetuned": finetuned, "state": _full_state(model),
+        torch.save({"theta0": theta0, "finetuned": finetuned, "state": fsdp_full_state(model),
                     "report": janus.report.to_dict(), "snapshot_bytes": janus.snapshot_bytes,
                     "refused": _refusals(args, state)}, os.path.join(out_dir, f"rank{rank}.pt"))
 

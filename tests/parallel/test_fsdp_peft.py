@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from merge_fixtures import save_base
-from sharded_checks import rank_process, spawn_two
-from testing_utils import build_tiny, random_replay
+from sharded_checks import fsdp_full_state, rank_process, spawn_two
+from testing_utils import VOCAB, build_tiny, random_replay, train_steps
 
 from hf_janus import JanusConfig
 
@@ -57,24 +57,10 @@ def _shard(model, layers: bool = True):
     return fully_shard(model, mesh=mesh)
 
 
-def _full_state(model) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-
 def _train(model, rank: int, world: int, steps: int = 6) -> float:
     """A few AdamW steps on this rank's share of random sequences (the adapter trains); the last loss."""
-    data = torch.randint(0, 48, (8, 10), generator=torch.Generator().manual_seed(2))[rank::world]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=data, labels=data).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    return float(loss)
+    data = torch.randint(0, VOCAB, (8, 10), generator=torch.Generator().manual_seed(2))[rank::world]
+    return train_steps(model, data, steps, lr=5e-2)
 
 
 def _arguments(rank: int, out_dir: str):
@@ -127,7 +113,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, base_dir: str) 
             janus.on_train_begin(args, state, TrainerControl(), model=model)
             theta0 = janus.theta0()
             _train(model, rank, world)
-            finetuned = _full_state(model)
+            finetuned = fsdp_full_state(model)
             error = None
             original = capture.begin_compression
             if case == "fail":  # the first capture's backward raises: FSDP2 is left mid-backward
@@ -140,7 +126,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, base_dir: str) 
                 error = str(err)
             finally:
                 capture.begin_compression = original
-            out[case] = {"theta0": theta0, "finetuned": finetuned, "state": _full_state(model), "error": error,
+            out[case] = {"theta0": theta0, "finetuned": finetuned, "state": fsdp_full_state(model), "error": error,
                          "report": janus.report.to_dict() if janus.report is not None else None,
                          "loss_after": _train(model, rank, world, steps=1)}  # the sharded model still trains
         out["refused"] = _refusals(rank, out_dir)
