@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,7 @@ from hf_janus.engine.compression import (
     sequence_basis,
 )
 from hf_janus.engine.constraints import Constraint, ReplayLogits, per_token_cross_entropy
+from hf_janus.engine.stacked_compression import STACK_BYTES, StackedShare, Stacks
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.timing import PhaseTimer
 from hf_janus.errors import JanusError
@@ -157,21 +158,25 @@ class _BatchContext:
 
 
     def __init__(self, rank: Optional[int], device: torch.device, host_mask: Optional[Tensor] = None,
-                 device_mask: Optional[Tensor] = None):
+                 device_mask: Optional[Tensor] = None, stack_bytes: int = STACK_BYTES):
         self.rank, self.device = rank, device
         self.host_mask, self.device_mask = host_mask, device_mask
-        self._plans: dict[int, SequencePlan] = {}
+        self._plans: dict[tuple[int, int], SequencePlan] = {}  # (length, copies) -> plan
         self._entries: dict[tuple, list] = {}  # key -> [readers left, SequenceBasis or None]
         self._pending: list[Pending] = []
         self._pending_bytes = 0
+        #: the randomized compressions of this batch's layers, stacked by shape
+        self.stacks = Stacks(self.plan, self.track, stack_bytes)
 
-    def plan(self, batch: int, length: int) -> SequencePlan:
+    def plan(self, batch: int, length: int, copies: int = 1) -> SequencePlan:
         """The plan for a layer seeing ``length`` positions: the attention mask's when it covers them, else every
-        row."""
-        plan = self._plans.get(length)
-        if plan is None:
+        row; with ``copies``, that of as many layers stacked along the samples."""
+        plan = self._plans.get((length, copies))
+        if plan is None and copies > 1:
+            plan = self._plans[(length, copies)] = self.plan(batch, length).repeat(copies)
+        elif plan is None:
             covers = self.host_mask is not None and tuple(self.host_mask.shape) == (batch, length)
-            plan = self._plans[length] = SequencePlan.from_mask(
+            plan = self._plans[(length, 1)] = SequencePlan.from_mask(
                 self.host_mask if covers else None, batch, length, self.rank, self.device,
                 self.device_mask if covers else None)
         return plan
@@ -210,7 +215,8 @@ class _BatchContext:
             self.finish()
 
     def finish(self) -> None:
-        """Run the Ritz steps still waiting (one batched call per sketch size)."""
+        """Run the stacked compressions and the Ritz steps still waiting (one batched call per sketch size)."""
+        self.stacks.flush()
         finish_all(self._pending)
         self._pending, self._pending_bytes = [], 0
 
@@ -227,7 +233,7 @@ class _Recorded(NamedTuple):
 class _Compressed(NamedTuple):
     """A call's compressed factors (possibly awaiting their Ritz step) and the plan they were made with."""
 
-    factors: Pending
+    factors: Union[Pending, StackedShare]
     plan: SequencePlan
 
 
@@ -259,11 +265,14 @@ class _LayerRecorder:
         # runs for every target layer and batch. The exact method's per-sample SVDs check their status on the host.
         pending = self.calls[slot]
         batch = self.batch.host_mask.shape[0]
-        x3 = pending.x.reshape(batch, -1, pending.x.shape[-1]).float()
-        a3 = grad.detach().reshape(batch, -1, grad.shape[-1]).float()
+        x3 = pending.x.reshape(batch, -1, pending.x.shape[-1])
+        a3 = grad.detach().reshape(batch, -1, grad.shape[-1])
         plan = self.batch.plan(batch, x3.shape[1])
         with self.timer.span("compression"):
-            x3, a3 = apply_token_mask(x3, a3, plan.live)
+            if self.method == "randomized" and self.rank is not None and x3.shape[1] > self.rank:
+                pending.results.append(_Compressed(self.batch.stacks.add(x3, a3), plan))
+                return
+            x3, a3 = apply_token_mask(x3.float(), a3.float(), plan.live)
             basis = None
             if self.method == "exact" and self.rank is not None and x3.shape[1] > self.rank:
                 basis = self.batch.basis(pending.key, x3, plan)
@@ -303,7 +312,11 @@ def _check_finite(factors: dict[str, tuple[Tensor, Tensor]]) -> None:
     """Refuse NaN/Inf factors, reading back one flag per batch for all layers."""
     if not factors:
         return
-    finite = torch.stack([torch.isfinite(x).all() & torch.isfinite(a).all() for x, a in factors.values()]).cpu()
+    # the largest magnitude of every factor in one multi-tensor kernel (NaN and Inf propagate into it), rather than
+    # a handful of kernels per layer
+    tensors = [t if t.numel() else t.new_zeros(1) for pair in factors.values() for t in pair]
+    largest = torch._foreach_norm(tensors, ord=float("inf"))
+    finite = torch.isfinite(torch.stack([n.to(torch.float32) for n in largest])).view(-1, 2).all(dim=1).cpu()
     if bool(finite.all()):
         return
     name = list(factors)[int((~finite).nonzero()[0])]
@@ -348,6 +361,7 @@ def capture_factors(
     timer: PhaseTimer,
     compression: str = "auto",
     constraint: Optional[Constraint] = None,
+    stack_bytes: int = STACK_BYTES,
 ) -> ReplayLosses:
     """Capture the compressed Jacobian factors of every target layer at the model's current weights.
 
@@ -355,6 +369,8 @@ def capture_factors(
     ``compression`` is :class:`~hf_janus.JanusConfig`'s; ``constraint`` the object its ``constraint`` names (the
     paper's loss when ``None``): the factors are those of its per-sample functions. With ``k`` functions per sample
     a batch takes k backward passes, and each sample contributes k consecutive Jacobian rows (sample-major).
+    ``stack_bytes`` bounds the randomized compressions stacked across layers (:mod:`.stacked_compression`; 0 runs
+    each layer's alone).
     """
     device = model_device(model)
     method = resolve_method(compression, device)
@@ -366,7 +382,7 @@ def capture_factors(
             for host_batch in batches:
                 batch = _to_device(host_batch, device)
                 mask = batch["attention_mask"]
-                context = _BatchContext(rank, device, host_batch["attention_mask"], mask)
+                context = _BatchContext(rank, device, host_batch["attention_mask"], mask, stack_bytes)
                 for rec in recorders.values():
                     rec.reset(context)
                 with _forward_backward_time(timer):

@@ -189,6 +189,17 @@ class SequencePlan:
     def batch(self) -> int:
         return int(self.lengths.numel())
 
+    def repeat(self, copies: int) -> "SequencePlan":
+        """The plan of ``copies`` batches like this one stacked along the samples, made without reading anything
+        back from the device."""
+        if copies == 1:
+            return self
+        live = self.live.repeat(copies, 1) if self.live is not None else None
+        offsets = torch.arange(copies, device=self.long_index.device).repeat_interleave(self.num_long) * self.batch
+        index = self.long_index.repeat(copies) + offsets
+        return SequencePlan(live, self.lengths.repeat(copies), index, self.num_long * copies, self.used_rows,
+                            self.rank, self.slots)
+
 
 def _used_rows(live: Tensor) -> int:
     """Host ``(B, T)`` bool -> the number of rows up to the last one that any sample uses."""

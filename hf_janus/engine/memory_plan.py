@@ -48,6 +48,7 @@ import torch
 
 from hf_janus.engine.capture import PENDING_SKETCH_BYTES
 from hf_janus.engine.ghost import GRAM_BLOCK_ELEMS, MATERIALIZED_COST_FACTOR
+from hf_janus.engine.stacked_compression import STACK_BYTES
 from hf_janus.engine.start_environment import START_ENVIRONMENT
 from hf_janus.engine.workspace import WORKSPACE_MAX_BYTES
 
@@ -175,6 +176,10 @@ class Workload:
             p = (self.slots + 16) if self.rank is not None else self.seq_len
             sketches = sum(self.batch_size * p * (layer.d_in + layer.d_out) * 4 for layer in self.layers)
             transient += min(sketches, PENDING_SKETCH_BYTES)
+            # layers stacked for one compression: their output gradients waiting, the stack in float32 and its
+            # masked copy (stacked_compression)
+            stacked = tokens * sum(layer.d_in + layer.d_out for layer in self.layers) * 4
+            transient += 3 * min(stacked, STACK_BYTES)
         return held + saved + logits + transient
 
     def ghost_bytes(self) -> int:

@@ -5,11 +5,12 @@ indexing, and linear-algebra calls whose status CUDA checks on the host, such as
 device to finish its queue; a LLaMA-7B capture compresses 7,168 times, so one such read per compression call keeps
 the GPU idle. There is no GPU in CI, so the reads are counted on the CPU, where they are calls: a
 :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees the operators (also inside the backward pass, where the
-hooks run), ``Tensor.cpu``/``tolist``/``numpy`` are wrapped, and the engine's own waits go through
-``PhaseTimer.synchronize``. Host-side work on the replay's attention mask is counted too (on the CPU it cannot be
-told apart), which is why the assertion is about growth with the number of layers rather than an absolute zero.
-``Tensor.to`` is not counted: on the CPU a copy to the host cannot be told from one to the device (which does not
-wait); the engine reads device values back with ``.cpu()``.
+hooks run), ``Tensor.cpu``/``tolist``/``numpy`` are wrapped (``benchmarks.perf.capture_counts.HostReads``, which
+the capture-counts benchmark reports), and the engine's own waits go through ``PhaseTimer.synchronize``. Host-side
+work on the replay's attention mask is counted too (on the CPU it cannot be told apart), which is why the assertion is
+about growth with the number of layers rather than an absolute zero. ``Tensor.to`` is not counted: on the CPU a copy to
+the host cannot be told from one to the device (which does not wait); the engine reads device values back with
+``.cpu()``.
 """
 
 from __future__ import annotations
@@ -20,59 +21,14 @@ import pytest
 import torch
 import transformers as tf
 from testing_utils import random_replay
-from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.perf.capture_counts import HostReads
 from hf_janus.engine.capture import capture_factors
 from hf_janus.engine.compression import compress_sequence
 from hf_janus.engine.layers import resolve_target_modules, rule_for
 from hf_janus.engine.store import FactorStore
 from hf_janus.engine.timing import PhaseTimer
 from hf_janus.replay.prepare import prepare_replay
-
-# aten operators whose CUDA kernels wait for the device: a scalar read (``.item()``, ``bool(t)``, ``int(t)``), data-
-# dependent shapes, and linear algebra that checks its status on the host (``linalg_cholesky_ex`` and the other
-# ``_ex`` variants leave the status on the device: the engine uses them to not wait)
-READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_linalg_svd", "_linalg_eigh", "linalg_eigvalsh",
-         "linalg_lstsq")
-COPIES = ("cpu", "tolist", "numpy")  # Tensor methods that copy to the host (a no-op operator on the CPU, so patched)
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the operations that read a device value back on the host (see the module docstring).
-
-    A dispatch mode, because torch-function modes are switched off inside the backward pass, where the capture's hooks
-    run.
-    """
-
-    def __init__(self, monkeypatch) -> None:
-        super().__init__()
-        self.calls: Counter = Counter()
-        for name in COPIES:
-            method = getattr(Tensor, name)
-            monkeypatch.setattr(Tensor, name, self._counting(name, method))
-
-    def _counting(self, name, method):
-        def counted(tensor, *args, **kwargs):
-            self.calls[name] += 1
-            return method(tensor, *args, **kwargs)
-        return counted
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name in READS or (name in ("index", "index_put", "index_put_") and _bool_index(args[1])):
-            self.calls[name] += 1
-        return func(*args, **kwargs)
-
-    @property
-    def total(self) -> int:
-        return sum(self.calls.values())
-
-
-def _bool_index(index) -> bool:
-    items = index if isinstance(index, (tuple, list)) else (index,)
-    return any(isinstance(i, Tensor) and i.dtype == torch.bool for i in items)
 
 
 def llama(layers: int) -> torch.nn.Module:
@@ -82,7 +38,7 @@ def llama(layers: int) -> torch.nn.Module:
     return tf.LlamaForCausalLM(config).eval()
 
 
-def count_capture(monkeypatch, layers: int, method: str, batches: int = 3) -> Counter:
+def count_capture(layers: int, method: str, batches: int = 3) -> Counter:
     model = llama(layers)
     targets = {}
     for name, module in resolve_target_modules(model).items():
@@ -95,15 +51,15 @@ def count_capture(monkeypatch, layers: int, method: str, batches: int = 3) -> Co
         def synchronize(self) -> None:
             waits.update(["PhaseTimer.synchronize"])
 
-    with HostReads(monkeypatch) as reads:
+    with HostReads() as reads:
         capture_factors(model, targets, replay, FactorStore(), "c0", 5, CountingTimer(torch.device("cpu")), method)
     return reads.calls + waits
 
 
-def test_randomized_capture_reads_back_per_batch_not_per_layer(monkeypatch):
+def test_randomized_capture_reads_back_per_batch_not_per_layer():
     """The accelerator path: the same reads with 1 and 3 transformer blocks (7 and 21 target layers), a few per
     batch."""
-    one, three = count_capture(monkeypatch, 1, "randomized"), count_capture(monkeypatch, 3, "randomized")
+    one, three = count_capture(1, "randomized"), count_capture(3, "randomized")
     assert one == three
     # per batch: two waits around the pass, the replay-loss checks and copies, one NaN flag read for all layers, the
     # plan's host work, and the Ritz step's eigenproblems of every layer, one batched pair per sketch size
@@ -113,13 +69,13 @@ def test_randomized_capture_reads_back_per_batch_not_per_layer(monkeypatch):
     assert 2 <= three["_linalg_eigh"] <= 2 * 2 * 3, three
 
 
-def test_the_counter_sees_per_layer_reads(monkeypatch):
+def test_the_counter_sees_per_layer_reads():
     """The counter is not blind: the exact method's per-layer SVDs (a host check each on CUDA) grow with the layers,
     and a standalone compress_sequence call derives its plan from the data, reading it back."""
-    one, three = count_capture(monkeypatch, 1, "exact"), count_capture(monkeypatch, 3, "exact")
+    one, three = count_capture(1, "exact"), count_capture(3, "exact")
     assert three["_linalg_svd"] > one["_linalg_svd"] > 0
     x, a = torch.randn(2, 8, 3), torch.randn(2, 8, 4)
-    with HostReads(monkeypatch) as reads:
+    with HostReads() as reads:
         compress_sequence(x, a, 2, method="randomized")
     assert reads.total >= 1
     assert reads.calls["_linalg_eigh"] == 2, reads.calls  # the Ritz step's pair: eigh is seen under its aten name
