@@ -9,6 +9,8 @@
 #   profile   capture_profile.py: one capture at 130M (m=32) and at 7B (m=16), T=512, timed by phase and profiled by
 #             operation, with the host copies of one batch's factors timed three ways (issue 65; 3-4 minutes)
 #   7b        scale.py --gpu-7b at the LLaMA-2-7B shape, m=256, T=512, r=32, 4 evaluations (a call of its own)
+#   repair    the 7B shape, m=64, T=512, 2 evaluations, then the repair after JANUS (32 distillation steps on 64
+#             new-task samples): JANUS's and the repair's seconds and the memory plan with the repair (issue 65 item 3)
 #   qlora     qlora.py --size 7b --quants nf4 --output none --device-memory-gib 20, m=64, replay batch 4: the
 #             rectification of a LoRA on an nf4 base, without the adapter write-back, in 20 GiB of the H100 (as on a
 #             24 GB card: the allocator refuses beyond it); the target: peak GPU <= 20 GiB (4-6 minutes)
@@ -43,8 +45,8 @@ LOG=$OUT/session.log
 
 usage() {
   cat <<EOF
-usage: bash benchmarks/perf/gpu_scale_session.sh PHASE...   (phases: env smoke profile 7b qlora converge; pack-bnb
-runs here)
+usage: bash benchmarks/perf/gpu_scale_session.sh PHASE...   (phases: env smoke profile 7b repair qlora converge;
+pack-bnb runs here)
 
 One device call (at most 10 minutes) per line, in this order:
   here, once: bash benchmarks/perf/gpu_scale_session.sh pack-bnb         # bitsandbytes for the qlora phase: .whl
@@ -52,6 +54,7 @@ One device call (at most 10 minutes) per line, in this order:
   call 2:     bash benchmarks/perf/gpu_scale_session.sh 7b               # up to 9.5 minutes (partial if cut)
   call 3:     JANUS_GPU_SESSION_EVALS=2 bash benchmarks/perf/gpu_scale_session.sh 7b   # optional: a complete row
   issue 65:   bash benchmarks/perf/gpu_scale_session.sh env profile      # where a capture's time goes; 3-4 minutes
+  issue 65:   bash benchmarks/perf/gpu_scale_session.sh repair           # JANUS + the repair at 7B (m=64)
   optional:   bash benchmarks/perf/gpu_scale_session.sh converge         # partial figures only at 7B
 Results: \$OUT/<phase>.json, \$OUT/<phase>.partial.json, \$OUT/env.txt, \$OUT/session.log (at most 8 files a call).
 On a CPU: JANUS_GPU_SESSION_DEVICE=cpu JANUS_GPU_SESSION_TINY=1 OUT=/tmp/x bash $0 smoke qlora
@@ -62,10 +65,10 @@ note() { echo "[$(date -u +%H:%M:%S)] gpu_scale_session: $*" | tee -a "$LOG" >&2
 
 phase_command() {  # the python command of phase $1, in the array CMD
   local smoke=(--size 130M --m 32 --T 512) big=(--size 7B --m 256 --T 512)
-  local profile=(--sizes 130M:32,7B:16 --T 512)
+  local profile=(--sizes 130M:32,7B:16 --T 512) repair=(--size 7B --m 64 --T 512)
   local qlora=(--size 7b --m "$QLORA_M" --device-memory-gib 20)  # a 24 GB card: what QLoRA users have
   if [[ $TINY == 1 ]]; then smoke=(--size 5M --m 8 --T 16); big=(--size 9M --m 8 --T 16); qlora=(--size quick)
-    profile=(--sizes 5M:8 --T 16); fi
+    profile=(--sizes 5M:8 --T 16); repair=(--size 9M --m 8 --T 16); fi
   qlora+=(--batch-size "$QLORA_BATCH")
   local files=(--cache "$CACHE/$1" --out "$OUT/$1.json" --partial "$OUT/$1.partial.json")
   local scale=("$PYTHON" -m benchmarks.perf.scale --gpu-7b --device "$DEVICE" "${files[@]}")
@@ -76,6 +79,7 @@ phase_command() {  # the python command of phase $1, in the array CMD
     7b) CMD=("${scale[@]}" "${big[@]}" --evals "$EVALS" --f-passes 1) ;;
     profile) CMD=("$PYTHON" -m benchmarks.perf.capture_profile "${profile[@]}" --device "$DEVICE" --cache "$CACHE/$1"
                   --out "$OUT/$1.json" --text "$OUT/$1.txt") ;;
+    repair) CMD=("${scale[@]}" "${repair[@]}" --evals 2 --f-passes 1 --distill-steps 32) ;;
     converge) CMD=("${scale[@]}" "${big[@]}" --evals 0 --f-passes 1) ;;
     # --output none: the rectification without the adapter write-back (rectify_adapted_layers; the write-back's 224
     # float64 SVDs at 7B take minutes by estimate)

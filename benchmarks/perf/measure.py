@@ -245,6 +245,7 @@ SECTIONS = [  # (module, qualified attribute, label): the Rectifier's steps; the
     ("step_loop", "StepLoop.project_all", "project"),
     ("step_loop", "StepLoop.compare_all", "compare"),
     ("rectifier", "layer_statistics", "stats"),
+    ("rectifier", "Rectifier.repair", "repair"),
     ("rectifier", "Rectifier._capture", "capture"),
     ("rectifier", "Rectifier._project_all", "project"),
     ("rectifier", "Rectifier._compare_all", "compare"),

@@ -110,12 +110,15 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     partial.stage("model built")
     f_seconds = plain_pass_seconds(model, replay, spec["batch_size"], spec.get("f_passes", 2))
     partial.stage("F measured", f_s=f_seconds)
+    options: dict[str, Any] = {"factor_dtype": getattr(torch, spec["factor_dtype"])} if spec.get("factor_dtype") else {}
     schedule = pr.schedule(spec["evals"]) if spec["evals"] else {}  # 0: default settings, to convergence
     if spec.get("captures", "auto") != "auto":  # only then: an engine before issue 34 has no such field
         schedule["captures"] = spec["captures"]
+    if spec.get("distill_steps"):  # the repair after JANUS, on new-task samples of random tokens
+        schedule["distill_steps"] = spec["distill_steps"]
+        options["new_task"] = pr.random_replay(spec.get("new_task_samples", 64), spec["T"], spec["seed"] + 3)
     config = hf_janus.JanusConfig(compression_rank=spec["r"], replay_batch_size=spec["batch_size"], seed=spec["seed"],
                                   cache=spec.get("cache", "memory"), **schedule)
-    options = {"factor_dtype": getattr(torch, spec["factor_dtype"])} if spec.get("factor_dtype") else {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     Rectifier = pr.engine_module("rectifier").Rectifier
@@ -280,6 +283,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                      "--size; default: %(default)s)")
     ap.add_argument("--f-passes", type=int, default=2, help="timed passes of F after the warm-up batch, the fastest "
                                                             "kept (default: %(default)s)")
+    ap.add_argument("--distill-steps", type=int, default=0,
+                    help="--gpu-7b: the repair after JANUS (JanusConfig.distill_steps) on 64 new-task samples of "
+                         "random tokens; its seconds are the 'repair' section (default: none)")
     ap.add_argument("--cache", default="memory", help="JanusConfig.cache (a directory lets factors spill to disk)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--partial", type=Path, default=None,
@@ -308,6 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit("--gpu-7b needs a CUDA device (none is visible); --device cpu smoke-tests the path")
         specs = [dict(base, size=args.size, m=args.m or 256, T=args.T or 512, device=args.device, dtype="bfloat16",
                       factor_dtype="bfloat16", reference_device="cpu", free_reference=True, verbose=True,
+                      distill_steps=args.distill_steps,
                       partial=str(args.partial.resolve()) if args.partial else None)]
     elif args.quick:
         specs = [dict(base, size=s, m=16, T=16, threads=args.threads) for s in ("5M", "9M")]
