@@ -3,10 +3,10 @@ gradients have the same shape are stacked along the sample dimension and sketche
 
 On an accelerator a layer's randomized compression is about a hundred small kernels (casts, masking, the power
 iterations' products and Cholesky QRs, the Ritz step), each paying a launch and the host's dispatch; per layer and
-batch that is far more than the layer's share of the forward and backward (a LLaMA block's seven projections launch
-fewer than forty kernels between them). Stacking pays those launches once per shape group: the products are the same
-per sample, so the factors are the per-layer compression's. The layers' output gradients wait for their group (their
-inputs are held by the recorders anyway) up to :data:`STACK_BYTES`.
+batch that is about seven times the layer's share of the model's own forward and backward
+(``benchmarks/perf/capture_counts.py`` counts both). Stacking pays those launches once per shape group: the products
+are the same per sample, so the factors are the per-layer compression's. The layers' output gradients wait for their
+group (their inputs are held by the recorders anyway) up to :data:`STACK_BYTES`.
 """
 
 from __future__ import annotations
