@@ -41,8 +41,8 @@ def cholesky_qr(y: Tensor) -> Tensor:
     n, p = y.shape[-2:]
     trace = w.diagonal(dim1=-2, dim2=-1).sum(-1)
     shift = 11 * (n * p + p * (p + 1)) * torch.finfo(torch.float64).eps * trace + torch.finfo(torch.float64).tiny
-    eye = torch.eye(p, dtype=w.dtype, device=w.device)
-    chol, _ = torch.linalg.cholesky_ex(w + shift[:, None, None] * eye)
+    w.diagonal(dim1=-2, dim2=-1).add_(shift.unsqueeze(-1))  # w is this call's own: shifted in place, one kernel
+    chol, _ = torch.linalg.cholesky_ex(w)
     return torch.linalg.solve_triangular(chol, y64.mT, upper=False).mT.to(y.dtype)
 
 

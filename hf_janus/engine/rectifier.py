@@ -141,7 +141,8 @@ class Rectifier:
         self.store = FactorStore(self.config.cache, self.device, factor_dtype=None if chosen == "float32" else chosen,
                                  memory_budget_bytes=(memory_budget_bytes if memory_budget_bytes is not None
                                                       else self.memory_plan.factor_host_budget),
-                                 offload=self.memory_plan.placements["factors"] == "host")
+                                 offload=self.memory_plan.placements["factors"] == "host",
+                                 host_blocks=False if self.world.active else None)
         self.jacobians = JacobianSource(self.store, self.device, self.config, self.workspace, self.timer,
                                         self.observer)
         # Under data parallelism each rank captures its share of the replay; factors are then gathered.

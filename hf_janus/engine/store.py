@@ -3,6 +3,7 @@ as safetensors files on disk beyond it."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -56,16 +57,49 @@ def host_footprint(nbytes: int, pinned: bool) -> int:
     return 1 << (nbytes - 1).bit_length()
 
 
+# Host memory for an accelerator's factors is taken in blocks of this size and handed out to one capture's pieces: one
+# page-locked allocation per block instead of two per layer and batch, no power-of-two rounding per piece, and one size
+# class that torch's caching host allocator reuses from capture to capture, whatever the factors' dtype.
+HOST_BLOCK_BYTES = 64 << 20
+_ALIGN = 512  # bytes: every piece starts aligned as a fresh allocation would
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class HostBlocks:
+    """Host memory of one capture, handed out as slices of large blocks (page-locked when ``pin``); a block is freed
+    when the last piece in it is."""
+
+    def __init__(self, pin: bool, block_bytes: int = HOST_BLOCK_BYTES):
+        self.pin, self.block_bytes = pin, block_bytes
+        self._block: Optional[Tensor] = None
+        self._offset = 0
+        self.blocks = 0  # allocated so far
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> Optional[Tensor]:
+        """An uninitialized tensor in the current block (a new one when it is full); None when it is larger than a
+        block. Raises what torch raises when page-locked memory cannot be had."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self.block_bytes:
+            return None
+        if self._block is None or self._offset + nbytes > self.block_bytes:
+            self._block = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.pin)
+            self._offset = 0
+            self.blocks += 1
+        piece = self._block[self._offset:self._offset + nbytes].view(dtype).view(shape)
+        self._offset += _aligned(nbytes)
+        return piece
+
+
 class _Held(NamedTuple):
-    """A piece kept in host memory by a directory-backed store."""
+    """A piece kept in host memory by a directory-backed store, and the host bytes it takes (see
+    :func:`host_footprint`; a slice of a :class:`HostBlocks` block takes its own bytes)."""
 
     x: Tensor
     a: Tensor
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes held, as allocated (see :func:`host_footprint`)."""
-        return sum(host_footprint(t.nbytes, t.is_pinned()) for t in (self.x, self.a))
+    nbytes: int
 
     @property
     def pinned(self) -> bool:
@@ -84,11 +118,16 @@ class FactorStore:
 
     ``factor_dtype`` stores the factors in another dtype (e.g. ``torch.bfloat16``, halving memory and I/O as
     the paper's float16 cache); the ghost math casts them back to its own dtype.
+
+    ``host_blocks``: whether pieces held in host memory go into one capture's :class:`HostBlocks` (default: for
+    factors computed on an accelerator, which are page-locked; True: also for the CPU's own, which are then copied;
+    False: each piece allocated alone, as under data parallelism, where every layer's pieces are replaced by the
+    gathered ones and a block would keep the replaced ones).
     """
 
     def __init__(self, cache: str = "memory", device: Optional[torch.device] = None,
                  factor_dtype: Optional[Union[torch.dtype, str]] = None, memory_budget_bytes: Optional[int] = None,
-                 offload: bool = False):
+                 offload: bool = False, host_blocks: Optional[bool] = None):
         # offload (cache="memory" only): keep every piece in host memory, never on disk (the memory plan's "host"
         # placement, for factors the accelerator cannot hold)
         self.in_memory = str(cache) == "memory" and not offload
@@ -105,6 +144,11 @@ class FactorStore:
         self.peak_captures = 0
         self.pinned = False  # whether any piece was ever put in page-locked memory (see release_cached_host_memory)
         self._pieces: dict[tuple[str, str], list] = defaultdict(list)
+        self.host_blocks = host_blocks
+        self._blocks: dict[str, HostBlocks] = {}  # per capture (tag)
+        #: host allocations made for held pieces (blocks, and pieces allocated alone): each a page-locking call for an
+        #: accelerator's factors
+        self.host_allocations = 0
         self._root: Optional[str] = None
         self.memory_budget_bytes = 0
         if offload and str(cache) == "memory":
@@ -133,20 +177,44 @@ class FactorStore:
             return t
         return t.to(self.factor_dtype)
 
-    def _to_host(self, t: Tensor) -> Tensor:
-        if t.device.type == "cpu":
-            return t
+    def _blocked(self, t: Tensor) -> bool:
+        """Whether ``t`` would go into its capture's host blocks."""
+        fits = t.nbytes <= HOST_BLOCK_BYTES
+        return fits and (self.host_blocks is True or (self.host_blocks is None and t.device.type != "cpu"))
+
+    def _footprint(self, t: Tensor) -> int:
+        """The host bytes ``t`` will take once held."""
+        return _aligned(t.nbytes) if self._blocked(t) else host_footprint(t.nbytes, t.is_cuda)
+
+    def _to_host(self, t: Tensor, tag: str) -> tuple[Tensor, int]:
+        """``t`` in host memory and the host bytes it takes."""
+        if t.device.type == "cpu" and not self._blocked(t):
+            return t, t.nbytes
         # Pinned, so that bringing it back to the accelerator is a fast DMA copy; pageable if pinning fails
         # (some containers cap page-locked memory).
-        try:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        except RuntimeError:
-            host = torch.empty(t.shape, dtype=t.dtype)
+        host = None
+        if self._blocked(t):
+            blocks = self._blocks.setdefault(tag, HostBlocks(pin=t.is_cuda))
+            before = blocks.blocks
+            try:
+                host = blocks.take(t.shape, t.dtype)
+            except RuntimeError:
+                self.host_blocks = False  # pinning failed: from now on pieces alone, pageable
+            self.host_allocations += blocks.blocks - before
+        if host is None:
+            self.host_allocations += 1
+            try:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda and self.host_blocks is not False)
+            except RuntimeError:
+                host = torch.empty(t.shape, dtype=t.dtype)
+            footprint = host_footprint(host.nbytes, host.is_pinned())
+        else:
+            footprint = _aligned(host.nbytes)
         self.pinned = self.pinned or host.is_pinned()
         # Into pinned memory the copy is asynchronous: the capture does not wait for it (nothing reads it on the host;
         # it goes back to the device on the same stream, after the copy)
         host.copy_(t, non_blocking=host.is_pinned())
-        return host
+        return host, footprint
 
     @property
     def captures(self) -> set[str]:
@@ -162,9 +230,10 @@ class FactorStore:
             self._pieces[key].append((x, a))
             return
         nbytes = x.nbytes + a.nbytes
-        expected = host_footprint(x.nbytes, x.is_cuda) + host_footprint(a.nbytes, a.is_cuda)
+        expected = self._footprint(x) + self._footprint(a)
         if self.held_bytes + expected <= self.memory_budget_bytes:
-            held = _Held(self._to_host(x), self._to_host(a))
+            (hx, fx), (ha, fa) = self._to_host(x, tag), self._to_host(a, tag)
+            held = _Held(hx, ha, fx + fa)
             self._pieces[key].append(held)
             self.held_bytes += held.nbytes
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
@@ -204,7 +273,8 @@ class FactorStore:
         if len(pieces) > 1 and all(isinstance(p, _Held) and not p.pinned for p in pieces):
             # Same bytes, one piece. Not for pinned pieces: the allocator would keep their blocks cached
             # next to a pageable copy of the same size; those are concatenated on the device instead.
-            merged = _Held(*concat_pieces([(p.x, p.a) for p in pieces]))
+            x, a = concat_pieces([(p.x, p.a) for p in pieces])
+            merged = _Held(x, a, x.nbytes + a.nbytes)
             self.held_bytes += merged.nbytes - sum(p.nbytes for p in pieces)  # ranks padded to the largest
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             self._pieces[key] = pieces = [merged]
@@ -225,6 +295,7 @@ class FactorStore:
     def drop(self, tag: str) -> None:
         for key in [k for k in self._pieces if k[0] == tag]:
             self._release(self._pieces.pop(key))
+        self._blocks.pop(tag, None)  # its blocks are freed with their last pieces
         if self._root is not None:
             shutil.rmtree(os.path.join(self._root, tag), ignore_errors=True)
 
@@ -250,6 +321,7 @@ class FactorStore:
 
     def close(self) -> None:
         self._pieces.clear()
+        self._blocks.clear()
         self.held_bytes = 0
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)

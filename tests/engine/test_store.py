@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_janus.engine.store import FactorStore, host_footprint
+from hf_janus.engine.store import FactorStore, HostBlocks, host_footprint
 
 
 def piece(batch: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,3 +101,35 @@ def test_a_float32_capture_after_bfloat16_ones_is_not_pinned_beside_their_cached
     torch.cuda.synchronize()
     assert pinned_reserved() <= store.held_bytes + (1 << 20)
     store.close()
+
+
+def test_host_blocks_hand_out_aligned_slices_and_start_a_block_when_one_is_full():
+    blocks = HostBlocks(pin=False, block_bytes=4096)
+    first = blocks.take(torch.Size([10, 3]), torch.float32)  # 120 bytes
+    second = blocks.take(torch.Size([7]), torch.bfloat16)
+    assert first.shape == (10, 3) and first.dtype == torch.float32
+    assert second.shape == (7,) and second.dtype == torch.bfloat16
+    assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()  # one block
+    assert (second.data_ptr() - first.data_ptr()) % 512 == 0 and second.data_ptr() != first.data_ptr()
+    third = blocks.take(torch.Size([900]), torch.float32)  # 3600 bytes: does not fit what is left
+    assert blocks.blocks == 2 and third.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    assert blocks.take(torch.Size([2000]), torch.float32) is None  # larger than a block: allocated alone
+    first.fill_(1.0)
+    second.fill_(2.0)
+    assert torch.all(first == 1.0) and torch.all(second == 2.0)  # slices do not overlap
+
+
+def test_a_store_in_host_blocks_gives_back_what_it_was_given_and_counts_its_bytes(tmp_path):
+    """The block path (an accelerator's default), exercised on the CPU: the same factors back, each piece counted at
+    its own bytes (no power-of-two rounding), the blocks let go with their capture."""
+    store = FactorStore(str(tmp_path), torch.device("cpu"), memory_budget_bytes=1 << 30, host_blocks=True)
+    pieces = [piece(4, 3, seed) for seed in range(3)]
+    for x, a in pieces:
+        store.append("c0", "layer", x, a)
+        store.append("c0", "other", 2 * x, 2 * a)
+    x, a = store.get("c0", "layer")
+    torch.testing.assert_close(x, torch.cat([p[0] for p in pieces]))
+    torch.testing.assert_close(a, torch.cat([p[1] for p in pieces]))
+    assert store.held_bytes >= 2 * sum(p[0].nbytes + p[1].nbytes for p in pieces)
+    store.drop("c0")
+    assert store.held_bytes == 0 and not store.has("c0")
