@@ -149,6 +149,7 @@ class FactorStore:
         #: host allocations made for held pieces (blocks, and pieces allocated alone): each a page-locking call for an
         #: accelerator's factors
         self.host_allocations = 0
+        self._pinning = True  # until the system refuses page-locked memory (some containers cap it)
         self._root: Optional[str] = None
         self.memory_budget_bytes = 0
         if offload and str(cache) == "memory":
@@ -194,18 +195,24 @@ class FactorStore:
         # (some containers cap page-locked memory).
         host = None
         if self._blocked(t):
-            blocks = self._blocks.setdefault(tag, HostBlocks(pin=t.is_cuda))
+            blocks = self._blocks.get(tag)
+            if blocks is None:
+                blocks = self._blocks[tag] = HostBlocks(pin=t.is_cuda and self._pinning)
             before = blocks.blocks
             try:
                 host = blocks.take(t.shape, t.dtype)
-            except RuntimeError:
-                self.host_blocks = False  # pinning failed: from now on pieces alone, pageable
+            except RuntimeError:  # page-locked memory refused: pageable blocks from now on
+                self._pinning = False
+                blocks, before = HostBlocks(pin=False), 0
+                self._blocks[tag] = blocks
+                host = blocks.take(t.shape, t.dtype)
             self.host_allocations += blocks.blocks - before
         if host is None:
             self.host_allocations += 1
             try:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda and self.host_blocks is not False)
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda and self._pinning)
             except RuntimeError:
+                self._pinning = False
                 host = torch.empty(t.shape, dtype=t.dtype)
             footprint = host_footprint(host.nbytes, host.is_pinned())
         else:
