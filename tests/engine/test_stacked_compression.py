@@ -138,3 +138,12 @@ def test_non_finite_factors_name_their_layer():
     replay = prepare_replay(random_replay(4, min_len=6, max_len=8), 4)
     with pytest.raises(FloatingPointError, match="'second'"):
         capture_factors(model, targets, replay, FactorStore(), "c0", None, PhaseTimer(), "randomized")
+
+
+def test_non_finite_inputs_of_a_compressed_layer_say_so():
+    """Compressed, the same overflow fails in the Ritz step's eigendecomposition: the error says what it means."""
+    model = _DeadBranch()
+    replay = prepare_replay(random_replay(4, min_len=6, max_len=8), 4)
+    with pytest.raises(FloatingPointError, match="NaN/Inf in the inputs or output gradients"):
+        capture_factors(model, {"second": (model.second, 8, 8)}, replay, FactorStore(), "c0", RANK, PhaseTimer(),
+                        "randomized")
