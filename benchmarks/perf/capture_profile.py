@@ -70,25 +70,14 @@ COUNTED = {
 def annotate(module_name: str, attr: str, label: str) -> Optional[Callable[[], None]]:
     """Wrap an engine function so that its calls show as a ``record_function`` range; returns the undo (None when
     this engine has no such function)."""
-    try:
-        module = pr.engine_module(module_name)
-    except ModuleNotFoundError:  # an engine from before that module
-        return None
-    owner, name = module, attr
-    if "." in attr:
-        cls_name, name = attr.split(".")
-        owner = getattr(module, cls_name, None)
-    original = getattr(owner, name, None) if owner is not None else None
-    if original is None:
-        return None
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return original(*args, **kwargs)
+        return inner
 
-    @functools.wraps(original)
-    def inner(*args: Any, **kwargs: Any) -> Any:
-        with record_function(label):
-            return original(*args, **kwargs)
-
-    setattr(owner, name, inner)
-    return lambda: setattr(owner, name, original)
+    return pr.wrap_engine(module_name, attr, make)
 
 
 def _self_device_us(event: Any) -> float:

@@ -276,6 +276,25 @@ def engine_module(name: str) -> Any:
         return importlib.import_module(f"hf_janus.{name}")
 
 
+def wrap_engine(module_name: str, attr: str, make: Callable[[Callable], Callable]) -> Optional[Callable[[], None]]:
+    """Replace the engine's ``attr`` (``"function"`` or ``"Class.method"`` of ``hf_janus.engine.<module_name>``) by
+    ``make(original)``; returns the undo, or None where this engine has no such function (another engine version) or
+    it is a static or class method (left alone)."""
+    try:
+        module = engine_module(module_name)
+    except ModuleNotFoundError:  # a module of another engine version
+        return None
+    owner, name = module, attr
+    if "." in attr:
+        cls_name, name = attr.split(".")
+        owner = getattr(module, cls_name, None)
+    original = getattr(owner, name, None) if owner is not None else None
+    if original is None or isinstance(owner.__dict__.get(name), (staticmethod, classmethod)):
+        return None
+    setattr(owner, name, make(original))
+    return lambda: setattr(owner, name, original)
+
+
 def progress(what: str, seconds: float) -> None:
     """A timestamped line on stderr: long runs (the 7B one) show where they are, and a killed one how far it got."""
     print(f"[{time.strftime('%H:%M:%S')}] {what}: {seconds:.1f} s", file=sys.stderr, flush=True)
@@ -309,22 +328,9 @@ class Instrument:
             torch.cuda.synchronize(self.device)
 
     def _wrap(self, module_name: str, attr: str, make: Callable[[Callable, str], Callable], label: str) -> None:
-        try:
-            module = engine_module(module_name)
-        except ModuleNotFoundError:  # a module of another engine version
-            return
-        owner, name = module, attr
-        if "." in attr:
-            cls_name, name = attr.split(".")
-            owner = getattr(module, cls_name, None)
-        original = getattr(owner, name, None) if owner is not None else None
-        if original is None:
-            return
-        wrapped = make(original, label)
-        if isinstance(owner.__dict__.get(name), (staticmethod, classmethod)):
-            return
-        setattr(owner, name, wrapped)
-        self._undo.append(lambda: setattr(owner, name, original))
+        undo = wrap_engine(module_name, attr, lambda fn: make(fn, label))
+        if undo is not None:
+            self._undo.append(undo)
 
     def _section_wrapper(self, fn: Callable, label: str) -> Callable:
         @functools.wraps(fn)
