@@ -7,18 +7,19 @@ choose (the callback chooses on slices of its own replay and of the Trainer's ``
     python -m benchmarks.forgetting.trainer_repair --run lora --threads 2
     python -m benchmarks.forgetting.trainer_repair --run qlora --threads 2  # LoRA on the nf4 base (float32 compute)
     python -m benchmarks.forgetting.trainer_repair --run full --replay self --tag data_free --threads 2
+    python -m benchmarks.forgetting.trainer_repair --run lora --replay-size 256 --tag m256 --threads 2
     python -m benchmarks.forgetting.trainer_repair --run lora --save-finetuned DIR --threads 2  # θ̂'s adapter kept
     python -m benchmarks.forgetting.trainer_repair --merge DIR --threads 2  # that adapter through hf-janus merge
     python -m benchmarks.forgetting.trainer_repair --summarize
 
 The data and the scoring are ``real_study.py``'s (θ0's answers, cached in ``cache/real_study/full``, generated when
-missing): 64 of θ0's answers to NQ-open questions are the replay (``--replay self``: ``SelfReplay()``, no data), the
-fine-tuning is ``real_model.py``'s (GSM8K worked answers, 40 steps of 8, its learning rates and LoRA) on the Trainer
-(linear schedule, 3 warm-up steps, float32 on the CPU), and the Trainer's ``eval_dataset`` is 16 GSM8K problems the
-fine-tune never sees. θ̂ is scored by a callback that runs just before ``JanusCallback`` at train end. Figures, as in
-``real_study``: *EM back* is the share of θ0's answers lost by θ̂ (greedy, token for token) that the repaired model
-gives back; *AP2* the share of θ̂'s drop of the GSM8K test NLL it keeps. Results:
-``results/trainer_repair_<run>[_<tag>].{json,md}``.
+missing): 64 of θ0's answers to NQ-open questions are the replay (``--replay-size M``: M of them; ``--replay self``:
+``SelfReplay()``, no data), the fine-tuning is ``real_model.py``'s (GSM8K worked answers, 40 steps of 8, its
+learning rates and LoRA) on the Trainer (linear schedule, 3 warm-up steps, float32 on the CPU), and the Trainer's
+``eval_dataset`` is 16 GSM8K problems the fine-tune never sees. θ̂ is scored by a callback that runs just before
+``JanusCallback`` at train end. Figures, as in ``real_study``: *EM back* is the share of θ0's answers lost by θ̂
+(greedy, token for token) that the repaired model gives back; *AP2* the share of θ̂'s drop of the GSM8K test NLL it
+keeps. Results: ``results/trainer_repair_<run>[_<tag>].{json,md}``.
 """
 
 from __future__ import annotations
@@ -141,7 +142,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", choices=("full", "lora", "qlora"), default="full")
     ap.add_argument("--replay", choices=("answers", "self"), default="answers",
-                    help="the callback's replay: 64 of θ0's answers to NQ-open questions, or SelfReplay() (no data)")
+                    help="the callback's replay: θ0's answers to NQ-open questions, or SelfReplay() (no data)")
+    ap.add_argument("--replay-size", type=int, default=None, metavar="M",
+                    help="samples replayed: θ0's answers (default 64; more are generated and cached when the pool "
+                         "is short), or with --replay self SelfReplay(num_samples=M) (default: SelfReplay()'s, every "
+                         "generic prompt once)")
     ap.add_argument("--distill-steps", type=int, default=128)
     ap.add_argument("--distill-lr", type=float, default=None,
                     help="default: the callback's, a tenth of the Trainer's learning rate (1e-5 full, 1e-4 LoRA)")
@@ -186,6 +191,8 @@ def main() -> None:
     theta0 = AutoModelForCausalLM.from_pretrained(theta0_folder(args.run, args.work_dir, args.double_quant),
                                                   dtype=torch.float32).eval()
     data = theta0_data(s, tok, theta0, args.work_dir)
+    pool = study.replay_pool(s, data, args.replay_size or 64, tok, theta0,
+                             lambda: atomic_write_text(os.path.join(args.work_dir, "data.json"), json.dumps(data)))
     sets = {"nq": data["eval_nq"], "webq": data["eval_wq"], "nq_held_out": data["held_out_nq"],
             "webq_held_out": data["held_out_wq"]}
     gsm = data["gsm"]
@@ -206,10 +213,13 @@ def main() -> None:
 
     config = JanusConfig(compression_rank=args.compression_rank, distill_steps=args.distill_steps,
                          distill_lr=args.distill_lr)
-    replay: Any = SelfReplay() if args.replay == "self" else study.replay_samples(data["pool"][:64])
+    if args.replay == "self":
+        replay: Any = SelfReplay(**({"num_samples": args.replay_size} if args.replay_size else {}))
+    else:
+        replay = study.replay_samples(pool)
     if args.save_finetuned:
         os.makedirs(args.save_finetuned, exist_ok=True)
-        files = {"replay": study.replay_samples(data["pool"][:64]), "new_task": study.new_task_samples(tok)}
+        files = {"replay": study.replay_samples(pool), "new_task": study.new_task_samples(tok)}
         for name, rows in files.items():
             atomic_write_text(os.path.join(args.save_finetuned, f"{name}.jsonl"),
                               "".join(json.dumps(r) + "\n" for r in rows))
@@ -337,6 +347,14 @@ def merge_repair(args, score, scored: dict, validation: list) -> None:
     print(write_markdown())
 
 
+def replay_label(rec: dict) -> str:
+    """The replay column: whose answers, and how many when not the default."""
+    size = rec["settings"].get("replay_size")
+    if rec["replay"] == "answers":
+        return "θ0 answers" + (f" (m={size})" if size not in (None, 64) else "")
+    return "SelfReplay()" if size is None else f"SelfReplay(num_samples={size})"
+
+
 def result_path(run: str, tag: str = "") -> str:
     return os.path.join(RESULTS, f"trainer_repair_{run}{'_' + tag if tag else ''}")
 
@@ -358,7 +376,7 @@ def write_markdown() -> str:
         rows.append(
             f"| {rec.get('entry', 'JanusCallback')}"
             f"{' --adapter-rank ' + rec['adapter_rank'] if rec.get('adapter_rank') else ''} | {rec['run']} | "
-            f"{'θ0 answers' if rec['replay'] == 'answers' else 'SelfReplay()'} | "
+            f"{replay_label(rec)} | "
             f"{rec['config']['distill_steps']} | {rec['settings']['distill_lr']:g} | "
             f"{rec.get('new_task_per_step', rec['config']['new_task_batch_size'])} | {repair.get('chosen')} | "
             f"{fig['ap2']:.1f} | {fig['nq_held_out']['em_back']:.1f} | {fig['webq_held_out']['em_back']:.1f} | "
