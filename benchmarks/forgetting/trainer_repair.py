@@ -191,7 +191,9 @@ def main() -> None:
     theta0 = AutoModelForCausalLM.from_pretrained(theta0_folder(args.run, args.work_dir, args.double_quant),
                                                   dtype=torch.float32).eval()
     data = theta0_data(s, tok, theta0, args.work_dir)
-    pool = study.replay_pool(s, data, args.replay_size or 64, tok, theta0,
+    # θ0's answers to replay (with --replay self, the 64 that --save-finetuned writes for a --merge)
+    answers = (args.replay_size or 64) if args.replay == "answers" else 64
+    pool = study.replay_pool(s, data, answers, tok, theta0,
                              lambda: atomic_write_text(os.path.join(args.work_dir, "data.json"), json.dumps(data)))
     sets = {"nq": data["eval_nq"], "webq": data["eval_wq"], "nq_held_out": data["held_out_nq"],
             "webq_held_out": data["held_out_wq"]}
