@@ -410,7 +410,14 @@ def finish_all(items: list[Pending]) -> None:
             p = item.sketch.w.shape[-1]
             groups[(p, min(item.sketch.rank, p))].append(item)
     for (_, kept), group in groups.items():
-        basis, sigma = ritz_pairs(torch.cat([g.sketch.w for g in group]), torch.cat([g.sketch.h for g in group]), kept)
+        try:
+            basis, sigma = ritz_pairs(torch.cat([g.sketch.w for g in group]), torch.cat([g.sketch.h for g in group]),
+                                      kept)
+        except torch.linalg.LinAlgError as err:  # eigh of the sketches' small symmetric matrices fails on NaN/Inf
+            raise FloatingPointError(
+                "NaN/Inf in the inputs or output gradients of a target layer (the randomized compression's "
+                "eigendecomposition failed on them): check the model weights (a diverged fine-tune?) and the replay "
+                "data") from err
         start = 0
         for item in group:
             stop = start + item.sketch.w.shape[0]

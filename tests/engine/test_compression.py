@@ -378,6 +378,15 @@ def test_randomized_is_deterministic_and_leaves_the_global_rng_alone():
     assert all(torch.equal(p, q) for p, q in zip(first, second))
 
 
+def test_randomized_compression_of_non_finite_factors_says_so():
+    """Every randomized compression (a layer called twice merges its calls through it too), not only a capture's
+    batch, fails on NaN/Inf with an error that says what it means instead of eigh's bare LinAlgError."""
+    x, a = random_factors(2, 60, 20, 24, seed=26)
+    x[0, 3, 5] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN/Inf in the inputs or output gradients"):
+        compress_sequence(x, a, 4, method="randomized")
+
+
 def test_compression_method_names():
     from hf_janus.engine.compression import resolve_method
 
