@@ -191,8 +191,8 @@ def main() -> None:
     theta0 = AutoModelForCausalLM.from_pretrained(theta0_folder(args.run, args.work_dir, args.double_quant),
                                                   dtype=torch.float32).eval()
     data = theta0_data(s, tok, theta0, args.work_dir)
-    # θ0's answers to replay (with --replay self, the 64 that --save-finetuned writes for a --merge)
-    answers = (args.replay_size or 64) if args.replay == "answers" else 64
+    # θ0's answers to replay (with --replay self, the study's number, which --save-finetuned writes for a --merge)
+    answers = args.replay_size if args.replay == "answers" and args.replay_size else s.n_replay
     pool = study.replay_pool(s, data, answers, tok, theta0,
                              lambda: atomic_write_text(os.path.join(args.work_dir, "data.json"), json.dumps(data)))
     sets = {"nq": data["eval_nq"], "webq": data["eval_wq"], "nq_held_out": data["held_out_nq"],
@@ -353,7 +353,7 @@ def replay_label(rec: dict) -> str:
     """The replay column: whose answers, and how many when not the default."""
     size = rec["settings"].get("replay_size")
     if rec["replay"] == "answers":
-        return "θ0 answers" + (f" (m={size})" if size not in (None, 64) else "")
+        return "θ0 answers" + (f" (m={size})" if size not in (None, bench.Settings.n_replay) else "")
     return "SelfReplay()" if size is None else f"SelfReplay(num_samples={size})"
 
 
