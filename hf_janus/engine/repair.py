@@ -15,7 +15,7 @@ The point is then chosen without an evaluation harness, on held-out slices: ever
 eighth new-task sample (at most :data:`NEW_TASK_VALIDATION_MAX` of these; or the new task's validation samples, when
 given) are kept out of the training. Along the line ``θ0 + b(θ_T − θ0)``, the points whose new-task loss keeps at
 least ``keep_gain`` of the fine-tune's gain (``L(θ0) − L(θ̂)`` on the new-task slice) are feasible. The gain kept
-falls as the point moves toward θ0, so the line is bisected (on a grid of 0.05) for the farthest feasible move, which
+falls as the point moves toward θ0, so the line is bisected (on a grid of 0.01) for the farthest feasible move, which
 is taken (the JANUS point when no move keeps the gain). The report says which point, why, and the validation figures
 of θ0, θ̂, the JANUS point, the trained point and the chosen one.
 """
@@ -50,8 +50,9 @@ VALIDATION_EVERY = 8
 #: new-task samples held out at most: each point the choice scores runs all of them, and the new task's samples are
 #: the long ones (the gain is a difference between points on the same samples, so a few dozen measure it)
 NEW_TASK_VALIDATION_MAX = 16
-#: the moves toward θ0 tried, ``b`` in ``θ0 + b(θ_T − θ0)``
-MOVES = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))
+#: the moves toward θ0 tried, ``b`` in ``θ0 + b(θ_T − θ0)``: a fine grid, since the bisection scores only about
+#: log2(len) of them, and a coarse one stops short of the farthest move that keeps the gain
+MOVES = tuple(round(1.0 - 0.01 * i, 2) for i in range(100))
 
 
 def split_validation(batches: list[dict[str, Tensor]], most: Optional[int] = None,

@@ -107,7 +107,7 @@ def test_the_other_parameters_fine_tuning_changed_move_with_the_layers(models):
 
 
 def test_the_bisection_takes_the_point_a_walk_of_the_whole_grid_takes(models):
-    """The line is bisected rather than walked (a handful of points scored instead of twenty); where the gain falls
+    """The line is bisected rather than walked (about seven points scored instead of a hundred); where the gain falls
     toward θ0, as here, it takes the farthest move that keeps the gain, as a walk of every move finds it apart from
     the engine: θ_T rebuilt from the weights the model holds (the target layers and the other parameters fine-tuning
     changed, which move with them), each move scored on the held-out slices."""
