@@ -150,6 +150,11 @@ def main() -> None:
     ap.add_argument("--distill-steps", type=int, default=128)
     ap.add_argument("--distill-lr", type=float, default=None,
                     help="default: the callback's, a tenth of the Trainer's learning rate (1e-5 full, 1e-4 LoRA)")
+    ap.add_argument("--distill-schedule", default=None, help="JanusConfig.distill_schedule (none: its default)")
+    ap.add_argument("--replay-batch-size", type=int, default=None,
+                    help="JanusConfig.replay_batch_size, JANUS's batches (none: its default)")
+    ap.add_argument("--distill-replay-batch-size", type=int, default=None,
+                    help="JanusConfig.distill_replay_batch_size (none: its default)")
     ap.add_argument("--compression-rank", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tag", default="")
@@ -214,7 +219,11 @@ def main() -> None:
         return
 
     config = JanusConfig(compression_rank=args.compression_rank, distill_steps=args.distill_steps,
-                         distill_lr=args.distill_lr)
+                         distill_lr=args.distill_lr,
+                         **({"distill_schedule": args.distill_schedule} if args.distill_schedule else {}),
+                         **({"replay_batch_size": args.replay_batch_size} if args.replay_batch_size else {}),
+                         **({"distill_replay_batch_size": args.distill_replay_batch_size}
+                            if args.distill_replay_batch_size else {}))
     if args.replay == "self":
         replay: Any = SelfReplay(**({"num_samples": args.replay_size} if args.replay_size else {}))
     else:
@@ -379,7 +388,10 @@ def write_markdown() -> str:
             f"| {rec.get('entry', 'JanusCallback')}"
             f"{' --adapter-rank ' + rec['adapter_rank'] if rec.get('adapter_rank') else ''} | {rec['run']} | "
             f"{replay_label(rec)} | "
-            f"{rec['config']['distill_steps']} | {rec['settings']['distill_lr']:g} | "
+            f"{rec['config']['distill_steps']} | {rec['settings']['distill_lr']:g} "
+            f"{rec['config'].get('distill_schedule', 'constant')} | "
+            # before distill_replay_batch_size existed a step took one of JANUS's replay batches
+            f"{rec['config'].get('distill_replay_batch_size', rec['config']['replay_batch_size'])} | "
             f"{rec.get('new_task_per_step', rec['config']['new_task_batch_size'])} | {repair.get('chosen')} | "
             f"{fig['ap2']:.1f} | {fig['nq_held_out']['em_back']:.1f} | {fig['webq_held_out']['em_back']:.1f} | "
             f"{fig['nq']['em_back']:.1f} | {fig['webq']['em_back']:.1f} | {fine_tuning} | "
@@ -394,9 +406,10 @@ def write_markdown() -> str:
         "chose on). AP2: the share of θ̂'s GSM8K test-NLL drop kept. Seconds on the machine in each JSON; "
         "×JANUS: the whole rectification (JANUS + distillation + choice) over JANUS alone.",
         "",
-        "| entry | run | replay | distill steps | lr | new-task samples a step | chosen | AP2 | NQ held-out EM back "
-        "| WebQ held-out EM back | NQ EM back | WebQ EM back | fine-tune s | JANUS s | repair s | ×JANUS |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| entry | run | replay | distill steps | lr, schedule | replay samples a step | new-task samples a step | "
+        "chosen | AP2 | NQ held-out EM back | WebQ held-out EM back | NQ EM back | WebQ EM back | fine-tune s | "
+        "JANUS s | repair s | ×JANUS |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows, "", *notes])
     path = os.path.join(RESULTS, "trainer_repair.md")
     atomic_write_text(path, text)

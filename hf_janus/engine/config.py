@@ -46,6 +46,9 @@ DEFAULT_DISTILL_LR = 1e-5
 DEFAULT_ADAPTER_DISTILL_LR = 1e-4
 #: the distillation's learning rate is the fine-tune's divided by this, where the callback knows it
 REPAIR_LR_DIVISOR = 10
+#: ``JanusConfig.distill_schedule``: how the distillation's learning rate runs over its steps
+#: (:data:`hf_janus.engine.repair.SCHEDULES`)
+DISTILL_SCHEDULES = ("constant", "linear", "cosine")
 #: ``JanusConfig.ghost_matmul``: the dtype of the ghost math's large products (:mod:`hf_janus.engine.ghost`).
 GHOST_MATMULS = ("float32", "float64")
 
@@ -210,6 +213,14 @@ class JanusConfig:
                 "learning rate where JanusCallback knows it, the Trainer's; elsewhere "
                 f"{DEFAULT_DISTILL_LR:g}, a tenth of a usual full fine-tune's, or {DEFAULT_ADAPTER_DISTILL_LR:g} where "
                 "the merger trains a LoRA's own factors)"})
+    distill_schedule: str = field(default="constant", metadata={
+        "help": "with distill_steps: the distillation's learning rate over its steps: constant, or decayed from "
+                "distill_lr to 0 along a line (linear) or a half cosine (cosine), as a Trainer's schedules",
+        "choices": DISTILL_SCHEDULES})
+    distill_replay_batch_size: int = field(default=16, metadata={
+        "help": "with distill_steps: the replay samples in each distillation step, beside new_task_batch_size "
+                "new-task samples (the replay's rows in JANUS's order, batched anew: JANUS's own batches stay "
+                "replay_batch_size)"})
     new_task_weight: float = field(default=1.0, metadata={
         "help": "with distill_steps: the weight of the new task's cross-entropy beside the replay's KL in each "
                 "distillation step (what keeps the gain while the past behaviour returns)"})
@@ -296,8 +307,12 @@ class JanusConfig:
                "a float in (0, 1]")
         _check(self.distill_lr is None or (is_real(self.distill_lr) and self.distill_lr > 0), "distill_lr",
                self.distill_lr, "None or a float > 0")
+        _check(self.distill_schedule in DISTILL_SCHEDULES, "distill_schedule", self.distill_schedule,
+               " or ".join(repr(c) for c in DISTILL_SCHEDULES))
         _check(is_real(self.new_task_weight) and self.new_task_weight >= 0, "new_task_weight",
                self.new_task_weight, "a float >= 0")
+        _check(is_int(self.distill_replay_batch_size) and self.distill_replay_batch_size >= 1,
+               "distill_replay_batch_size", self.distill_replay_batch_size, "an int >= 1")
         _check(is_int(self.new_task_batch_size) and self.new_task_batch_size >= 1, "new_task_batch_size",
                self.new_task_batch_size, "an int >= 1")
 

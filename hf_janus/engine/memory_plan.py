@@ -33,7 +33,8 @@ Pieces (all bytes, summed over the target layers):
   point, its gradient, Adam's two moments, θ0, the JANUS point, θ̂ and the point being scored), the weights'
   gradients in their dtype, and θ0's float32 logits at the replay's counted tokens, kept up to
   ``REPAIR_REFERENCE_CACHE_BYTES`` so that θ0 runs once; its phase adds one step's forward/backward, gradients
-  flowing into the weights, over the longer of a replay batch and a new-task batch.
+  flowing into the weights, over a distillation replay batch and a new-task batch together (one backward takes
+  both), or over a JANUS replay batch when that is longer.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class Workload:
     reference_held: bool = True
     # host bytes the C allocator keeps beyond the live ones, as a share of the work's host bytes (heap_retention())
     heap_retention: float = 0.0
-    # tokens of one new-task batch of the repair after JANUS (new_task_batch_size x its longest sample); 0: no repair
+    # tokens of one step of the repair after JANUS: its new-task batch (new_task_batch_size x its longest sample) and
+    # its replay batch (distill_replay_batch_size x its longest); 0: no repair
     repair_tokens: int = 0
     # elements of the parameters outside the target layers the repair trains with them (a full fine-tune's
     # embeddings and norms), held in as many float32 copies as the layers
@@ -454,7 +456,8 @@ def _refusal(work: Workload, pieces: dict[str, int], plan: dict[str, dict[str, i
         return (f"the repair after JANUS needs about {need / GIB:.1f} GiB of "
                 f"{'host' if where == 'host' else 'device'} memory at its peak (its float32 copies of the target "
                 f"layers: {pieces['repair'] / GIB:.1f} GiB) but {capacity[where] / GIB:.1f} GiB can be used; lower "
-                "new_task_batch_size or the target layers, or set distill_steps=0 (the JANUS point)")
+                "new_task_batch_size, distill_replay_batch_size or the target layers, or set distill_steps=0 "
+                "(the JANUS point)")
     knobs = ["replay_batch_size (activations: {:.1f} GiB)".format(pieces["activations"] / GIB),
              "compression_rank (factors: {:.1f} GiB for {} captures)".format(pieces["factors"] / GIB,
                                                                              work.captures_alive),

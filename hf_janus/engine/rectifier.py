@@ -57,7 +57,7 @@ from hf_janus.engine.timing import PhaseTimer
 from hf_janus.errors import JanusError, RectificationError
 from hf_janus.parallel.distributed import World
 from hf_janus.parallel.sharding import check_sharding, is_sharded, is_zero3_param, passes_are_collective, reshard
-from hf_janus.replay.prepare import check_vocabulary, counted_tokens, prepare_replay, samples_without_loss
+from hf_janus.replay.prepare import check_vocabulary, counted_tokens, prepare_replay, rebatch, samples_without_loss
 from hf_janus.replay.resolve import resolve_new_task, resolve_replay
 from hf_janus.replay.sources import ReplayOptions
 
@@ -161,8 +161,11 @@ class Rectifier:
         self.new_task_validation = (None if self.new_task_batches is None or validation is None
                                     else self._labelled(validation, "new-task validation",
                                                         "give some, or none to hold out every eighth new-task sample"))
-        if self.new_task_batches is not None:
-            check_samples(self.batches, self.new_task_batches, self.new_task_validation)
+        #: the replay as each distillation step takes it (JANUS's batches are sized for its captures)
+        self.repair_batches = (None if self.new_task_batches is None
+                               else rebatch(self.batches, self.config.distill_replay_batch_size))
+        if self.repair_batches is not None:
+            check_samples(self.repair_batches, self.new_task_batches, self.new_task_validation)
 
     def _new_task_batches(self, new_task: Any, modules: dict[str, nn.Module]) -> Optional[list[dict[str, Tensor]]]:
         """The new task's batches for the repair after JANUS (every rank holds them all and takes its rows of each),
@@ -221,7 +224,10 @@ class Rectifier:
             randomized=resolve_method(cfg.compression, self.device) == "randomized",
             reference_borrowed=reference_borrowed, backup_kept=backup_kept, reference_held=reference_held,
             heap_retention=heap_retention(),
-            repair_tokens=max((b["input_ids"].numel() for b in self.new_task_batches or ()), default=0),
+            # a step's two passes, the replay batch's and the new-task batch's, are alive together for its backward
+            repair_tokens=(max((b["input_ids"].numel() for b in self.new_task_batches), default=0)
+                           + max(b["input_ids"].numel() for b in self.repair_batches)
+                           if self.new_task_batches is not None else 0),
             repair_outside_numel=sum(t.numel() for t in self.outside.values()),
             repair_replay_tokens=counted_tokens(self.batches) if self.new_task_batches is not None else 0,
             repair_numel=self.repair_numel,
@@ -339,7 +345,8 @@ class Rectifier:
         what it changed itself."""
         if self.new_task_batches is None:
             raise JanusError("the repair after JANUS needs distill_steps > 0 and new-task samples")
-        return Repair(space, self.batches, self.new_task_batches, self.config, self.world, progress=self.progress,
+        return Repair(space, self.repair_batches, self.new_task_batches, self.config, self.world,
+                      progress=self.progress,
                       new_task_validation=self.new_task_validation, autocast=self.repair_autocast).run()
 
     def release(self) -> None:

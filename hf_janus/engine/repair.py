@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -53,6 +54,13 @@ NEW_TASK_VALIDATION_MAX = 16
 #: the moves toward θ0 tried, ``b`` in ``θ0 + b(θ_T − θ0)``: a fine grid, since the bisection scores only about
 #: log2(len) of them, and a coarse one stops short of the farthest move that keeps the gain
 MOVES = tuple(round(1.0 - 0.01 * i, 2) for i in range(100))
+#: ``JanusConfig.distill_schedule``: the learning rate's factor at step ``k`` of ``n``, as a function of ``k / n``
+#: (the last step runs at ``1 / n`` of the rate, not at 0, on the decaying ones)
+SCHEDULES: dict[str, Callable[[float], float]] = {
+    "constant": lambda done: 1.0,
+    "linear": lambda done: 1.0 - done,
+    "cosine": lambda done: 0.5 * (1.0 + math.cos(math.pi * done)),
+}
 
 
 def split_validation(batches: list[dict[str, Tensor]], most: Optional[int] = None,
@@ -223,6 +231,8 @@ class Repair:
         # the fused kernel: a full fine-tune's Adam step, tensor by tensor, is a large share of a step's time
         optimizer = torch.optim.Adam(master, lr=cfg.repair_lr,
                                      fused=self.device.type in ("cpu", "cuda") or None)
+        factor = SCHEDULES[cfg.distill_schedule]
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: factor(k / cfg.distill_steps))
         weights = self.space.trained_tensors()
         as_point = self.space.gradient_layouts()
         flags = [w.requires_grad for w in weights]
@@ -245,6 +255,7 @@ class Repair:
                     if not bool(torch.isfinite(loss)):
                         return start, f"the distillation diverged at step {step + 1} (lr {cfg.repair_lr:g})"
                     optimizer.step()
+                    schedule.step()
                     optimizer.zero_grad(set_to_none=True)
                     bar.update(1)
             finally:
@@ -319,7 +330,8 @@ class Repair:
     def run(self) -> RepairReport:
         cfg = self.config
         started = time.perf_counter()
-        report = RepairReport(steps=cfg.distill_steps, lr=cfg.repair_lr, new_task_weight=cfg.new_task_weight,
+        report = RepairReport(steps=cfg.distill_steps, lr=cfg.repair_lr, schedule=cfg.distill_schedule,
+                              new_task_weight=cfg.new_task_weight, replay_batch_size=cfg.distill_replay_batch_size,
                               new_task_batch_size=cfg.new_task_batch_size, keep_gain=cfg.keep_gain,
                               gain_measured_on=self.gain_measured_on,
                               validation_samples={"replay": sum(len(b["input_ids"]) for b in self.replay_held),

@@ -88,7 +88,11 @@ class RepairReport:
 
     steps: int = 0
     lr: float = 0.0
+    #: how the learning rate ran over the steps (``JanusConfig.distill_schedule``)
+    schedule: str = "constant"
     new_task_weight: float = 0.0
+    #: replay samples a step (``JanusConfig.distill_replay_batch_size``)
+    replay_batch_size: int = 0
     new_task_batch_size: int = 0
     keep_gain: float = 0.0
     #: ``"b=<move>"`` (``θ0 + b(θ_T − θ0)``), ``"janus"`` (the JANUS point kept), or None when nothing was trained
@@ -139,7 +143,8 @@ class RepairReport:
         outside = f", and {len(self.outside_parameters)} other changed parameters" if self.outside_parameters else ""
         engine = "".join([f", {self.autocast_dtype} autocast" if self.autocast_dtype else "",
                           f", {self.checkpointed_layers} layers checkpointed" if self.checkpointed_layers else ""])
-        lines = [f"repair after JANUS: {self.steps} distillation steps (lr {self.lr:g}, new task ×"
+        lines = [f"repair after JANUS: {self.steps} distillation steps (lr {self.lr:g} {self.schedule}, "
+                 f"{self.replay_batch_size} replay and {self.new_task_batch_size} new-task samples a step, new task ×"
                  f"{self.new_task_weight:g}{engine}; {self.trained or 'the target layers'}{outside}), chosen "
                  f"{self.chosen}: {self.reason}"
                  + (f"; gain kept {kept:.0%}" if kept is not None else "") + f" ({self.seconds:.1f} s)",

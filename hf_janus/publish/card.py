@@ -68,8 +68,9 @@ def _repair_line(repair: Any) -> str:
     janus, chosen = repair.validation.get("janus"), repair.validation.get("chosen")
     nll = ("" if janus is None or chosen is None else
            f"; held-out replay NLL {janus.replay_nll:.4f} at the JANUS point, {chosen.replay_nll:.4f} chosen")
-    return (f"{repair.steps} distillation steps (Adam, lr {repair.lr:g}, new task ×{repair.new_task_weight:g}, "
-            f"{repair.new_task_batch_size} of its samples a step; {repair.trained or 'the target layers'}"
+    return (f"{repair.steps} distillation steps (Adam, lr {repair.lr:g} {repair.schedule}, new task "
+            f"×{repair.new_task_weight:g}, {repair.new_task_batch_size} of its samples and {repair.replay_batch_size} "
+            f"replay samples a step; {repair.trained or 'the target layers'}"
             + (f" and {len(repair.outside_parameters)} other parameters fine-tuning changed"
                if repair.outside_parameters else "") + "); "
             f"chosen {repair.chosen}: {repair.reason}"

@@ -136,6 +136,41 @@ def prepare_replay(replay: Any, batch_size: int, *, group_by_length: bool = True
     return batches
 
 
+def rebatch(batches: list[Mapping[str, Tensor]], batch_size: int) -> list[dict[str, Tensor]]:
+    """The rows of ``batches``, in their order, cut into batches of ``batch_size`` rows (the last may be shorter),
+    right-padded to their longest row. Each row keeps its tokens, their positions, its mask and the tokens that carry
+    loss (:func:`loss_targets`): a batch without labels gives its rows labels that count what counted, so that batches
+    with and without them can share one. Trailing columns no row attends to are dropped."""
+    rows = []
+    for batch in batches:
+        labels = batch.get("labels")
+        if labels is None:
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        rows += zip(batch["input_ids"], batch["attention_mask"], labels)
+    out = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start: start + batch_size]
+        width = max(_needed_width(mask, labels) for _, mask, labels in chunk)
+        merged = {"input_ids": torch.zeros(len(chunk), width, dtype=torch.long),
+                  "attention_mask": torch.zeros(len(chunk), width, dtype=torch.long),
+                  "labels": torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)}
+        for i, row in enumerate(chunk):
+            for key, values in zip(merged, row):
+                n = min(width, len(values))
+                merged[key][i, :n] = values[:n]
+        out.append(merged)
+    return out
+
+
+def _needed_width(mask: Tensor, labels: Tensor) -> int:
+    """The columns of a row up to its last attended token, or to the last target it predicts (a label right after
+    it counts, :func:`loss_targets`)."""
+    attended = mask.bool()
+    needed = attended.clone()
+    needed[1:] |= attended[:-1] & (labels[1:] != IGNORE_INDEX)
+    return int(needed.nonzero().max()) + 1 if needed.any() else 1
+
+
 def _check_values(batch: Mapping[str, Tensor], index: int) -> None:
     """Token ids are non-negative integers and the attention mask is 0/1, where it counts."""
     for key, value in batch.items():

@@ -296,7 +296,8 @@ def test_every_config_field_is_an_option():
              "--damping": ("0.02", 0.02),
              "--captures": ("two", "two"), "--factor-dtype": ("bfloat16", "bfloat16"), "--distill-steps": ("11", 11),
              "--keep-gain": ("0.9", 0.9), "--distill-lr": ("2e-5", 2e-5), "--new-task-weight": ("0.5", 0.5),
-             "--new-task-batch-size": ("3", 3)}
+             "--new-task-batch-size": ("3", 3), "--distill-schedule": ("cosine", "cosine"),
+             "--distill-replay-batch-size": ("5", 5)}
     argv = list(base)
     for flag, (text, _) in given.items():
         argv += [flag, *text] if isinstance(text, list) else [flag, text]

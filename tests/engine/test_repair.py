@@ -16,9 +16,10 @@ from hf_janus import JanusConfig, JanusError, RectificationReport, rectify
 from hf_janus.engine.rectifier import Rectifier
 from hf_janus.engine.layers import resolve_target_modules
 from hf_janus.engine.memory_plan import REPAIR_REFERENCE_CACHE_BYTES
-from hf_janus.engine.repair import MOVES, VALIDATION_EVERY, Repair, counted_logits, keeps_positions, split_validation
+from hf_janus.engine.repair import (MOVES, SCHEDULES, VALIDATION_EVERY, Repair, counted_logits, keeps_positions,
+                                   split_validation)
 from hf_janus.engine.repair_space import WeightSpace
-from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay
+from hf_janus.replay.prepare import IGNORE_INDEX, loss_targets, prepare_replay, rebatch
 
 FAST = {k: v for k, v in REPAIR_CONFIG.items() if k in ("compression_rank", "replay_batch_size", "tau")}
 REPAIR = {k: v for k, v in REPAIR_CONFIG.items() if k not in FAST}
@@ -278,7 +279,8 @@ def test_a_tensor_the_loss_sends_no_gradient_to_is_refused_not_left_untrained(mo
 
 @pytest.mark.parametrize("field, value", [("distill_steps", -1), ("keep_gain", 0.0), ("keep_gain", 1.5),
                                           ("distill_lr", 0.0), ("new_task_weight", -1.0),
-                                          ("new_task_batch_size", 0)])
+                                          ("new_task_batch_size", 0), ("distill_schedule", "step"),
+                                          ("distill_replay_batch_size", 0)])
 def test_invalid_repair_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"JanusConfig.{field}"):
         JanusConfig(**{field: value})
@@ -296,6 +298,89 @@ def test_the_repairs_learning_rate_follows_the_fine_tunes_unless_set():
     given = JanusConfig(distill_steps=4, distill_lr=3e-6)
     assert given.after_fine_tune(2e-4).repair_lr == 3e-6
     assert JanusConfig.from_dict(unset.after_fine_tune(2e-4).to_dict()).distill_lr == pytest.approx(2e-5)
+
+
+def _rows(batches):
+    """Each row's attended tokens, their positions and the targets it counts, in the batches' order."""
+    out = []
+    for batch in batches:
+        targets = loss_targets(batch)
+        for ids, mask, counted in zip(batch["input_ids"], batch["attention_mask"], targets):
+            where = mask.nonzero()[:, 0]
+            out.append((ids[where].tolist(), where.tolist(),
+                        [(int(t), int(v)) for t, v in enumerate(counted) if v != IGNORE_INDEX]))
+    return out
+
+
+def test_rebatching_keeps_every_rows_tokens_positions_and_targets():
+    """The replay batched anew for the distillation's steps: the rows in their order, each with its attended tokens
+    at their positions (a left-padded batch's too) and the targets it counted (a label-less batch's every token, a
+    label right after the last attended token), cut at the new size and padded no wider than a row needs."""
+    samples = [{**s, "labels": [IGNORE_INDEX, IGNORE_INDEX, *s["input_ids"][2:]]} for s in random_replay(11)]
+    batches = prepare_replay(samples, 4)
+    left = {k: v.clone() for k, v in batches[0].items()}  # the first batch left-padded, without labels
+    for key in ("input_ids", "attention_mask"):
+        for row in range(len(left[key])):
+            n = int(left["attention_mask"][row].sum())
+            left[key][row] = torch.roll(batches[0][key][row], left[key].shape[1] - n)
+    del left["labels"]
+    given = [left, *batches[1:]]
+    longest = int(given[1]["attention_mask"].sum(-1).argmax())
+    # its last token made a pad that keeps its label, right after the last attended token: it is still counted
+    given[1]["attention_mask"][longest, -1] = 0
+    assert given[1]["labels"][longest, -1] != IGNORE_INDEX
+    for size in (1, 3, 5, 16):
+        merged = rebatch(given, size)
+        assert [len(b["input_ids"]) for b in merged] == [min(size, 11 - i) for i in range(0, 11, size)]
+        assert _rows(merged) == _rows(given), size
+    widest = max(int(b["input_ids"].shape[1]) for b in given)
+    assert rebatch(batches, 2)[0]["input_ids"].shape[1] < widest  # the shortest rows, grouped by length
+
+
+def test_the_distillation_takes_its_own_replay_batch_size(models):
+    """The distillation's replay batches are JANUS's rows batched anew at distill_replay_batch_size, whatever JANUS's
+    replay_batch_size; the held-out slice is the same samples either way, and the report says the size."""
+    finetuned, theta0 = models
+    held = []
+    for size in (3, 8):
+        config = JanusConfig(**FAST, **{**REPAIR, "distill_replay_batch_size": size})
+        rectifier = Rectifier(copy.deepcopy(finetuned), theta0, random_replay(24), config, progress=False,
+                              new_task=new_task_samples())
+        sizes = [len(b["input_ids"]) for b in rectifier.repair_batches]
+        assert sizes == [min(size, 24 - i) for i in range(0, 24, size)]
+        assert _rows(rectifier.repair_batches) == _rows(rectifier.batches)
+        held.append(_rows(split_validation(rectifier.repair_batches)[1]))
+    assert held[0] == held[1]
+    assert run(models, **{**REPAIR, "distill_replay_batch_size": 3})[1].repair.replay_batch_size == 3
+
+
+def test_the_schedules_start_at_the_rate_and_the_decaying_ones_end_near_zero():
+    """Every schedule runs its first step at ``distill_lr``; the decaying ones fall to 0 at the end of the run (their
+    last step, at ``(n - 1) / n`` of it, still moves) and are halfway at its middle."""
+    from hf_janus.engine.config import DISTILL_SCHEDULES
+
+    assert set(SCHEDULES) == set(DISTILL_SCHEDULES)
+    for name, factor in SCHEDULES.items():
+        assert factor(0.0) == 1.0, name
+    assert SCHEDULES["constant"](0.99) == 1.0
+    for name in ("linear", "cosine"):
+        assert SCHEDULES[name](0.5) == pytest.approx(0.5) and SCHEDULES[name](1.0) == pytest.approx(0.0)
+        assert 0.0 < SCHEDULES[name](7 / 8) < SCHEDULES[name](3 / 4) < 1.0
+
+
+def test_a_decaying_schedule_takes_its_first_step_at_the_rate_and_then_slows(models):
+    """One step is the same point, bit for bit, whatever the schedule (its first step runs at the full rate); over
+    more steps a decaying schedule trains to another point; the report, its summary and the record say which
+    schedule ran."""
+    trained = {}
+    for steps in (1, 12):
+        for schedule in ("constant", "linear", "cosine"):
+            model, report = run(models, **{**REPAIR, "distill_steps": steps, "distill_schedule": schedule})
+            assert report.repair.schedule == schedule and f"{schedule}," in report.summary()
+            assert RectificationReport.from_dict(report.to_dict()).repair.schedule == schedule
+            trained[steps, schedule] = report.repair.validation["trained"]
+    assert trained[1, "linear"] == trained[1, "constant"] == trained[1, "cosine"]
+    assert trained[12, "linear"] != trained[12, "constant"] and trained[12, "cosine"] != trained[12, "constant"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -299,7 +299,8 @@ def test_janus_repair_is_one_rectification_with_the_repair_and_a_janus_point_has
                 p.copy_((reference[k] + finetuned[k]) / 2)
         return RectificationReport(config={}, num_jacobian_evals=3)
 
-    ctx = BuildContext(config=JanusConfig(replay_batch_size=3, distill_steps=7), rectify_fn=halving_rectifier)
+    ctx = BuildContext(config=JanusConfig(replay_batch_size=3, distill_replay_batch_size=3, distill_steps=7),
+                       rectify_fn=halving_rectifier)
     candidate = JanusRepair(tau=0.9, steps=6, keep_gain=0.8, lr=1e-3, new_task_weight=0.5, new_task_batch_size=3)
     candidate.check(builder)
     weights, cost = built(candidate, builder, ctx)
@@ -309,8 +310,8 @@ def test_janus_repair_is_one_rectification_with_the_repair_and_a_janus_point_has
     assert repair == {"new_task": new_task}
     for k, w in weights.items():
         assert torch.allclose(w, (theta0[k].float() + builder.finetuned[k].float()) / 2, atol=1e-6), k
-    # JANUS's evaluations, and 6 steps of one 3-sample replay batch over 9 samples: 2 replay passes forward and
-    # backward, the forward twice (θ0's distributions)
+    # JANUS's evaluations, and 6 steps of one 3-sample replay batch (distill_replay_batch_size) over 9 samples: 2
+    # replay passes forward and backward, the forward twice (θ0's distributions)
     assert (cost.jacobian_evaluations, cost.forward_passes, cost.backward_passes) == (3, 4.0, 2.0)
     assert all(torch.equal(builder.params[k].detach(), v) for k, v in builder.finetuned.items())
     assert candidate.prepare(builder, ctx).reused and len(calls) == 1

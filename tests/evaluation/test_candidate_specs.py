@@ -34,11 +34,12 @@ def test_spec_grammar_builds_the_kinds():
     budgets = parse_candidates("replay-sft", SpecContext(tau=0.9))
     assert [(c.budget, c.janus_tau, c.run_key()) for c in budgets] == [(1.0, 0.9, None), (2.0, 0.9, None),
                                                                       (4.0, 0.9, None)]
-    repairs = parse_candidates("janus-repair janus-repair:steps=8:keep_gain=0.9:tau=0.9", SpecContext(tau=0.95))
-    assert repairs == [JanusRepair(tau=0.95), JanusRepair(tau=0.9, steps=8, keep_gain=0.9)]
+    repairs = parse_candidates("janus-repair janus-repair:steps=8:keep_gain=0.9:tau=0.9:schedule=linear",
+                               SpecContext(tau=0.95))
+    assert repairs == [JanusRepair(tau=0.95), JanusRepair(tau=0.9, steps=8, keep_gain=0.9, schedule="linear")]
     assert repairs[0].steps == 256 and repairs[0].run_key() != Janus(0.95).run_key()  # a rectification of its own
     assert repairs[1].changes() == {"tau": 0.9, "distill_steps": 8, "keep_gain": 0.9, "distill_lr": 1e-5,
-                                    "new_task_weight": 1.0, "new_task_batch_size": 2}
+                                    "distill_schedule": "linear", "new_task_weight": 1.0, "new_task_batch_size": 2}
     fitted = parse_candidates("replay-sft:passes=2:new_task_weight=1,0.5:new_task_batch_size=4")
     assert [(c.new_task_weight, c.new_task_batch_size) for c in fitted] == [(1.0, 4), (0.5, 4)]
     assert fitted[0].label.endswith("lr=1e-05, new task ×1)")
@@ -71,6 +72,7 @@ def test_spec_grammar_builds_the_kinds():
     ("replay-sft:passes=0", "passes must be a whole number ≥ 1"),
     ("replay-sft:passes=2:loss=mse", "loss must be one of \\('ce', 'kl'\\)"),
     ("janus-repair:lr=0", "janus-repair: lr must be finite and > 0"),
+    ("janus-repair:schedule=step", "janus-repair: schedule must be constant or linear or cosine"),
     ("janus-repair:new_task_weight=0", "new_task_weight must be finite and > 0"),
     ("replay-sft:passes=1:new_task_batch_size=0", "new_task_batch_size must be a whole number ≥ 1"),
     ("replay-sft:passes=1:optimizer=lbfgs", "optimizer must be one of \\('adam', 'sgd'\\)"),
@@ -168,8 +170,9 @@ def test_with_new_task_samples_the_default_peers_add_the_repair_after_janus(sett
         "replay": 1, "new_task": 1}
     # the plain JANUS point is JANUS alone, although the config of its run is the same but for the repair
     assert "repair" not in by_default.reports["tau=0.9"] or by_default.reports["tau=0.9"]["repair"] is None
-    # the 12 replay samples are two batches of JanusConfig's 8: 256 steps are 256 x 8 / 12 replay passes
-    assert repaired.cost.backward_passes == pytest.approx(256 * 8 / 12)
+    # the 12 replay samples fit in one step's batch (JanusConfig's distill_replay_batch_size, 16): 256 steps are 256
+    # replay passes
+    assert repaired.cost.backward_passes == pytest.approx(256 * 12 / 12)
     with pytest.raises(JanusError, match="janus-repair fits the new task's samples .* none were given"):
         run(mine, candidates="janus-repair")
     with pytest.raises(JanusError, match="holds out one replay sample in 8 .* give at least 8 replay samples"):

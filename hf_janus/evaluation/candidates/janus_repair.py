@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from hf_janus.evaluation.candidates.base import (BuildContext, Cost, Option, PlotStyle, finite_positive,
-                                                 parse_float, parse_int, require)
+                                                 parse_float, parse_int, parse_str, require)
 from hf_janus.evaluation.candidates.registry import register
-from hf_janus.engine.config import DEFAULT_DISTILL_LR, JanusConfig
+from hf_janus.engine.config import DEFAULT_DISTILL_LR, DISTILL_SCHEDULES, JanusConfig
 from hf_janus.engine.repair import check_samples
 from hf_janus.evaluation.candidates.janus import JanusBased, check_tau, tau_option
 from hf_janus.evaluation.candidates.replay_statistics import new_task_batches, replay_batches
@@ -36,6 +36,7 @@ class JanusRepair(JanusBased):
     steps: int = DEFAULT_REPAIR_STEPS
     keep_gain: float = _DEFAULTS.keep_gain
     lr: float = DEFAULT_DISTILL_LR
+    schedule: str = _DEFAULTS.distill_schedule
     new_task_weight: float = _DEFAULTS.new_task_weight
     new_task_batch_size: int = _DEFAULTS.new_task_batch_size
 
@@ -48,6 +49,8 @@ class JanusRepair(JanusBased):
         Option("keep_gain", parse_float, (_DEFAULTS.keep_gain,), "the share of the new task's held-out gain the "
                                                                  "chosen point keeps, in (0, 1]"),
         Option("lr", parse_float, (DEFAULT_DISTILL_LR,), "the distillation's Adam learning rate (> 0)"),
+        Option("schedule", parse_str, (_DEFAULTS.distill_schedule,),
+               "the learning rate over the steps: " + ", ".join(DISTILL_SCHEDULES) + " (JanusConfig.distill_schedule)"),
         Option("new_task_weight", parse_float, (_DEFAULTS.new_task_weight,),
                "the weight of the new task's cross-entropy in each step (> 0)"),
         Option("new_task_batch_size", parse_int, (_DEFAULTS.new_task_batch_size,),
@@ -61,6 +64,8 @@ class JanusRepair(JanusBased):
         require(math.isfinite(self.keep_gain) and 0.0 < self.keep_gain <= 1.0, self.name, "keep_gain",
                 self.keep_gain, "in (0, 1]")
         require(finite_positive(self.lr), self.name, "lr", self.lr, "finite and > 0")
+        require(self.schedule in DISTILL_SCHEDULES, self.name, "schedule", self.schedule,
+                " or ".join(DISTILL_SCHEDULES))
         require(finite_positive(self.new_task_weight), self.name, "new_task_weight", self.new_task_weight,
                 "finite and > 0")
         require(int(self.new_task_batch_size) == self.new_task_batch_size and self.new_task_batch_size >= 1,
@@ -68,11 +73,12 @@ class JanusRepair(JanusBased):
 
     def changes(self) -> dict[str, Any]:
         return {"tau": self.tau, "distill_steps": int(self.steps), "keep_gain": self.keep_gain,
-                "distill_lr": self.lr, "new_task_weight": self.new_task_weight,
+                "distill_lr": self.lr, "distill_schedule": self.schedule, "new_task_weight": self.new_task_weight,
                 "new_task_batch_size": int(self.new_task_batch_size)}
 
     def run_key(self) -> Optional[str]:
         return (f"tau={self.tau:g} repair steps={self.steps} keep_gain={self.keep_gain:g} lr={self.lr:g} "
+                f"schedule={self.schedule} "
                 f"new_task_weight={self.new_task_weight:g} new_task_batch_size={self.new_task_batch_size}")
 
     def check(self, builder: "WeightBuilder") -> None:
@@ -92,20 +98,20 @@ class JanusRepair(JanusBased):
         # the distillation's replay passes beside JANUS's evaluations: θ0's forward and the trained point's
         # forward/backward over one replay batch a step
         samples = len(builder.replay)
-        passes = self.steps * min(context.config.replay_batch_size, samples) / max(samples, 1)
+        passes = self.steps * min(context.config.distill_replay_batch_size, samples) / max(samples, 1)
         return dataclasses.replace(cost, forward_passes=2 * passes, backward_passes=passes)
 
     @property
     def label(self) -> str:
         return (f"JANUS τ={self.tau:g} → repair {self.steps} steps (keep {self.keep_gain:.0%} of the gain, "
-                f"lr={self.lr:g}, new task ×{self.new_task_weight:g})")
+                f"lr={self.lr:g} {self.schedule}, new task ×{self.new_task_weight:g})")
 
     def describe(self) -> str:
         return (f"It is JANUS at τ={self.tau:g} with the repair after it (JanusConfig.distill_steps={self.steps}): "
-                f"{self.steps} Adam steps (lr {self.lr:g}) on the replay's KL divergence to θ0, each also fitting "
-                f"{self.new_task_batch_size} of the new task's samples (weight {self.new_task_weight:g}), then the "
-                f"point on the line back toward θ0 that keeps {self.keep_gain:.0%} of the new task's gain with the "
-                "lowest replay NLL, both on held-out slices." + self.janus_note())
+                f"{self.steps} Adam steps (lr {self.lr:g}, {self.schedule}) on the replay's KL divergence to θ0, "
+                f"each also fitting {self.new_task_batch_size} of the new task's samples (weight "
+                f"{self.new_task_weight:g}), then the farthest point on the line back toward θ0 that keeps "
+                f"{self.keep_gain:.0%} of the new task's gain on a held-out slice." + self.janus_note())
 
 
 __all__ = ["DEFAULT_REPAIR_STEPS", "JanusRepair"]
