@@ -55,7 +55,7 @@ NEW_TASK_VALIDATION_MAX = 16
 #: log2(len) of them, and a coarse one stops short of the farthest move that keeps the gain
 MOVES = tuple(round(1.0 - 0.01 * i, 2) for i in range(100))
 #: ``JanusConfig.distill_schedule``: the learning rate's factor at step ``k`` of ``n``, as a function of ``k / n``
-#: (the last step runs at ``1 / n`` of the rate, not at 0, on the decaying ones)
+#: (the decaying ones reach 0 only after the last step, which still moves)
 SCHEDULES: dict[str, Callable[[float], float]] = {
     "constant": lambda done: 1.0,
     "linear": lambda done: 1.0 - done,
