@@ -217,7 +217,7 @@ class JanusConfig:
         "help": "with distill_steps: the distillation's learning rate over its steps: constant, or decayed from "
                 "distill_lr to 0 along a line (linear) or a half cosine (cosine), as a Trainer's schedules",
         "choices": DISTILL_SCHEDULES})
-    distill_replay_batch_size: int = field(default=16, metadata={
+    distill_replay_batch_size: int = field(default=8, metadata={
         "help": "with distill_steps: the replay samples in each distillation step, beside new_task_batch_size "
                 "new-task samples (the replay's rows in JANUS's order, batched anew: JANUS's own batches stay "
                 "replay_batch_size)"})

@@ -170,9 +170,9 @@ def test_with_new_task_samples_the_default_peers_add_the_repair_after_janus(sett
         "replay": 1, "new_task": 1}
     # the plain JANUS point is JANUS alone, although the config of its run is the same but for the repair
     assert "repair" not in by_default.reports["tau=0.9"] or by_default.reports["tau=0.9"]["repair"] is None
-    # the 12 replay samples fit in one step's batch (JanusConfig's distill_replay_batch_size, 16): 256 steps are 256
-    # replay passes
-    assert repaired.cost.backward_passes == pytest.approx(256 * 12 / 12)
+    # the 12 replay samples are two steps' batches of JanusConfig's distill_replay_batch_size, 8: 256 steps are
+    # 256 x 8 / 12 replay passes
+    assert repaired.cost.backward_passes == pytest.approx(256 * 8 / 12)
     with pytest.raises(JanusError, match="janus-repair fits the new task's samples .* none were given"):
         run(mine, candidates="janus-repair")
     with pytest.raises(JanusError, match="holds out one replay sample in 8 .* give at least 8 replay samples"):
