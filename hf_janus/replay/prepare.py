@@ -141,16 +141,21 @@ def rebatch(batches: list[Mapping[str, Tensor]], batch_size: int) -> list[dict[s
     right-padded to their longest row. Each row keeps its tokens, their positions, its mask and the tokens that carry
     loss (:func:`loss_targets`): a batch without labels gives its rows labels that count what counted, so that batches
     with and without them can share one. Trailing columns no row attends to are dropped."""
-    rows = []
+    rows, widths = [], []
     for batch in batches:
         labels = batch.get("labels")
         if labels is None:
             labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        # a row needs its columns up to its last attended token, or up to the last target it predicts
+        needed = batch["attention_mask"].bool().clone()
+        needed[:, 1:] |= loss_targets(batch) != IGNORE_INDEX
+        columns = torch.arange(needed.shape[1]).expand_as(needed)
+        widths += (torch.where(needed, columns, 0).max(-1).values + 1).tolist()
         rows += zip(batch["input_ids"], batch["attention_mask"], labels)
     out = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start: start + batch_size]
-        width = max(_needed_width(mask, labels) for _, mask, labels in chunk)
+        width = max(widths[start: start + batch_size])
         merged = {"input_ids": torch.zeros(len(chunk), width, dtype=torch.long),
                   "attention_mask": torch.zeros(len(chunk), width, dtype=torch.long),
                   "labels": torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)}
@@ -160,15 +165,6 @@ def rebatch(batches: list[Mapping[str, Tensor]], batch_size: int) -> list[dict[s
                 merged[key][i, :n] = values[:n]
         out.append(merged)
     return out
-
-
-def _needed_width(mask: Tensor, labels: Tensor) -> int:
-    """The columns of a row up to its last attended token, or to the last target it predicts (a label right after
-    it counts, :func:`loss_targets`)."""
-    attended = mask.bool()
-    needed = attended.clone()
-    needed[1:] |= attended[:-1] & (labels[1:] != IGNORE_INDEX)
-    return int(needed.nonzero().max()) + 1 if needed.any() else 1
 
 
 def _check_values(batch: Mapping[str, Tensor], index: int) -> None:
